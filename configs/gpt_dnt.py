@@ -1,0 +1,34 @@
+r"""L-DNT (seed 004) byte-level language model on the embedded Python-documentation corpus, mSGDW.
+
+Command (2-core CPU, no network):
+
+  python -m dsjax.main --config=configs/gpt_dnt.py --workdir=/tmp/gpt_dnt
+
+Expected runtime: RUNTIME_TBD on a 2-core CPU.
+Expected result: RESULT_TBD.
+"""
+
+from dsjax.config_defaults import base_config
+
+
+def get_config():
+  c = base_config('gpt', optimizer_name='msgdw')
+  c.total_steps = 1500
+  c.batch_size = 32
+  c.eval_every = 500
+  c.checkpoint_every = 500
+  c.log_every = 100
+  c.data.seq_len = 128
+
+  c.model.depth = 4
+  c.model.width = 128
+  c.model.num_heads = 4
+  c.model.block = 'dnt'
+  c.model.dnt_setting = 'S5'
+  c.model.norm = 'rmsnorm'
+
+  c.optimizer.lr = 1.0                # DNT mSGDW GPT: lr 1.0, wd 1e-4, momentum 0.9 (seed 004 Table 3)
+  c.optimizer.weight_decay = 1e-4
+  c.optimizer.warmup_steps = 0
+  c.optimizer.clip_norm = 1.0
+  return c

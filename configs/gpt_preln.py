@@ -1,0 +1,32 @@
+r"""Standard Pre-LN GPT byte-level language model on the embedded Python-documentation corpus, AdamW.
+
+Command:
+
+  python -m dsjax.main --config=configs/gpt_preln.py --workdir=/tmp/gpt_preln
+
+Expected runtime: RUNTIME_TBD on a 2-core CPU.
+Expected result: RESULT_TBD.
+"""
+
+from dsjax.config_defaults import base_config
+
+
+def get_config():
+  c = base_config('gpt', optimizer_name='adamw')
+  c.total_steps = 1500
+  c.batch_size = 32
+  c.eval_every = 500
+  c.checkpoint_every = 500
+  c.log_every = 100
+  c.data.seq_len = 128
+
+  c.model.depth = 4
+  c.model.width = 128
+  c.model.num_heads = 4
+  c.model.block = 'preln'
+
+  c.optimizer.lr = 6e-4               # DNT AdamW GPT: lr 6e-4, wd 0.1, betas (0.9, 0.95) (seed 004 Table 3)
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.warmup_steps = 100
+  c.optimizer.clip_norm = 1.0
+  return c

@@ -1,0 +1,38 @@
+r"""V-DNT (Deeply Normalized Transformer, seed 004) on the embedded 8×8 handwritten digits, trained with mSGDW.
+
+Command (2-core CPU, no network; the dataset is built from scikit-learn's copy on first use):
+
+  python -m dsjax.main --config=configs/vit_dnt.py --workdir=/tmp/vit_dnt
+
+Expected runtime: RUNTIME_TBD on a 2-core CPU.
+Expected result: RESULT_TBD.
+
+DNT setting S5 (SPEC §3): InputNorm, PreNorm on attention only, QKNorm, MidNorm on both branches,
+RMSNorm. DNT's claim is that this placement trains with plain momentum SGD (mSGDW) as well as with
+AdamW; `--config.optimizer.name=adamw` switches (then also set an AdamW learning rate, e.g. 1e-3).
+"""
+
+from dsjax.config_defaults import base_config
+
+
+def get_config():
+  c = base_config('vit', optimizer_name='msgdw')
+  c.total_steps = 1500
+  c.batch_size = 128
+  c.eval_every = 500
+  c.checkpoint_every = 500
+  c.log_every = 100
+
+  c.model.depth = 6
+  c.model.width = 128
+  c.model.num_heads = 4
+  c.model.patch_size = 2              # 8×8 digits → 16 patches of 2×2
+  c.model.block = 'dnt'
+  c.model.dnt_setting = 'S5'
+  c.model.norm = 'rmsnorm'
+  c.model.init_distribution = 'truncated_normal'  # truncated Xavier (seed 004 Tables 4–5)
+
+  c.optimizer.lr = 0.5                # DNT mSGDW ViT-L: lr 0.5, wd 2e-4, momentum 0.9 (seed 004 Table 5)
+  c.optimizer.weight_decay = 2e-4
+  c.optimizer.warmup_steps = 0
+  return c

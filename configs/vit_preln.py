@@ -1,0 +1,35 @@
+r"""Standard Pre-LN ViT (DNT ablation S1) on the embedded 8×8 handwritten digits, trained with AdamW.
+
+Command:
+
+  python -m dsjax.main --config=configs/vit_preln.py --workdir=/tmp/vit_preln
+
+Expected runtime: RUNTIME_TBD on a 2-core CPU.
+Expected result: RESULT_TBD.
+
+`--config.optimizer.name=msgdw --config.optimizer.lr=0.5 --config.optimizer.weight_decay=2e-4` gives the
+mSGDW comparison of seed 004, where the standard Pre-LN transformer is expected to fall behind DNT.
+"""
+
+from dsjax.config_defaults import base_config
+
+
+def get_config():
+  c = base_config('vit', optimizer_name='adamw')
+  c.total_steps = 1500
+  c.batch_size = 128
+  c.eval_every = 500
+  c.checkpoint_every = 500
+  c.log_every = 100
+
+  c.model.depth = 6
+  c.model.width = 128
+  c.model.num_heads = 4
+  c.model.patch_size = 2
+  c.model.block = 'preln'
+  c.model.init_distribution = 'truncated_normal'
+
+  c.optimizer.lr = 1e-3               # DNT AdamW ViT: lr 1e-3, wd 0.1, betas (0.9, 0.99) (seed 004 Table 4)
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.warmup_steps = 100
+  return c

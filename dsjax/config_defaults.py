@@ -1,0 +1,68 @@
+"""The full default config that `configs/*.py` start from. Every key a run reads is defined here.
+
+Config files override what they need and document the command, runtime and result; a run locks the
+config (`lock_config=True`) so that a mistyped override (`--config.model.detph=4`) fails at once.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
+  from dsjax.train.optimizers import default_optimizer_config  # Avoids a jax import for `--help`.
+
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = 1000
+  c.batch_size = 128              # global, over all processes and devices
+  c.eval_every = 200              # steps; the final step is always evaluated
+  c.eval_batch_size = 256
+  c.checkpoint_every = 500        # steps; the final step is always saved
+  c.keep_checkpoints = 2
+  c.log_every = 50
+
+  c.model = m = ml_collections.ConfigDict()
+  m.name = model_name             # 'vit' | 'gpt'
+  m.depth = 6                     # N layers; a layer = attention add + FFN add
+  m.width = 128                   # d
+  m.num_heads = 4
+  m.mlp_ratio = 4                 # FFN hidden = mlp_ratio · d
+  m.block = 'preln'               # 'preln' | 'postln' | 'dnt'
+  m.dnt_setting = 'S5'            # DNT norm placement S1–S5 (seed 004 §3, SPEC §3); used when block='dnt'
+  m.final_norm = config_dict.placeholder(bool)  # None: the block's default (preln/dnt on, postln off)
+  m.norm = 'layernorm'            # 'layernorm' | 'rmsnorm'
+  m.norm_eps = 1e-6
+  m.activation = 'gelu'           # 'gelu' (exact, x·Φ(x)) | 'relu'
+  m.dropout = 0.0                 # embedding and every branch output
+  m.attn_dropout = 0.0            # attention probabilities
+  m.use_bias = True
+  m.scheme = 'vanilla'            # initialisation + residual scaling method (dsjax.schemes)
+  m.init = 'xavier'               # vanilla scheme: 'xavier' | 'gpt2' (N(0, 0.02²))
+  m.init_distribution = 'normal'  # 'normal' | 'truncated_normal' | 'uniform'
+  m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name
+  # ViT only.
+  m.patch_size = 2
+  m.pos_embedding = 'learned'     # 'learned' | 'sincos2d'
+  m.pooling = 'gap'               # 'gap' | 'cls'
+  # GPT only.
+  m.tie_embeddings = False
+
+  c.optimizer = default_optimizer_config(optimizer_name, family=model_name)
+
+  c.data = d = ml_collections.ConfigDict()
+  d.name = 'sklearn_digits' if model_name == 'vit' else 'python_docs_bytes'
+  d.data_dir = config_dict.placeholder(str)   # None: the TFDS default (~/tensorflow_datasets)
+  d.download = False              # only prepared data is read unless this is set
+  d.seq_len = 128                 # GPT context length (bytes)
+  d.image_size = config_dict.placeholder(int)  # resize real images to this side length
+  d.text_key = 'text'             # feature holding the text in a TFDS text dataset
+  d.augment = False
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (-1, 1, 1)       # (data, fsdp, tensor); -1 = all remaining devices
+
+  c.instrument = ml_collections.ConfigDict()
+  c.instrument.every = 0          # steps between per-layer moment records; 0 = off (no callbacks compiled)
+  return c

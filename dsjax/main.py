@@ -1,0 +1,40 @@
+"""Entry point: `python -m dsjax.main --config=configs/vit_dnt.py --workdir=DIR [--config.key=value ...]`.
+
+Runs `dsjax.train.loop.train_and_evaluate`. Rerunning the same command resumes from the latest
+checkpoint in DIR. On a multi-host TPU pod / GPU cluster, run the same command on every host with
+`--jax_distributed` (initialises `jax.distributed` from the environment).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and the config.')
+_DISTRIBUTED = flags.DEFINE_bool('jax_distributed', False,
+                                 'Call jax.distributed.initialize() (multi-host runs).')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  del argv
+  import jax  # Imported here so `--help` and flag errors stay fast.
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from dsjax.train import loop
+  logging.set_verbosity(logging.INFO)
+  try:
+    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except ValueError as e:  # Config and data errors: one line, no traceback.
+    if getattr(e, 'dsjax_user_error', True) and not logging.vlog_is_on(1):
+      print(f'dsjax: error: {e}', file=sys.stderr)
+      sys.exit(2)
+    raise
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,153 @@
+"""Leaf layers of the transformer: dense projections, norms, dropout, attention and the FFN.
+
+Everything is written out rather than taken from `flax.nnx.Linear` & co. for two reasons that matter to
+signal-propagation research:
+  * the initial standard deviation of every weight is an explicit (possibly traced, per-layer) number set
+    by the initialisation scheme (`dsjax.schemes`), so DSLM can give layer n its own V/O variance while the
+    layers are still created in one vmapped call;
+  * dropout takes an explicit PRNG key (or None = deterministic), so the whole forward pass is a pure
+    function of (parameters, inputs, key): resumable bit-for-bit and easy to scan over layers.
+
+Shape suffixes: B batch, L sequence, D model width, H heads, K head dim, F FFN hidden width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# E[z²] of a standard normal truncated to [-2, 2]; dividing by its sqrt makes truncated draws have
+# exactly the requested variance, which the theory (`dsjax.theory`) assumes.
+_TRUNC2_STD = 0.87962566103423978
+
+
+class Constant(nnx.Variable):
+  """A non-trainable array stored with the model (e.g. fixed residual scales λ, β).
+
+  It is split off with `nnx.split(model, nnx.Param, ...)` into the non-trainable state, so it gets no
+  gradient and no optimizer slot, but it is saved in checkpoints and read by `dsjax.export`.
+  """
+
+
+def init_weight(key: jax.Array, shape: tuple[int, ...], std: Any, distribution: str,
+                dtype=jnp.float32) -> jax.Array:
+  """Draws a weight with standard deviation `std` (a Python or traced scalar)."""
+  if distribution == 'normal':
+    z = jax.random.normal(key, shape, dtype)
+  elif distribution == 'truncated_normal':
+    z = jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) / _TRUNC2_STD
+  elif distribution == 'uniform':  # U(-a, a) with a = sqrt(3)·std has standard deviation std.
+    z = jax.random.uniform(key, shape, dtype, -jnp.sqrt(3.0), jnp.sqrt(3.0))
+  else:
+    raise ValueError(f'init distribution must be normal|truncated_normal|uniform, got {distribution!r}')
+  return z * jnp.asarray(std, dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  """Inverted dropout; `key=None` (evaluation) or `rate=0` is the identity."""
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Dense(nnx.Module):
+  """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`."""
+
+  def __init__(self, d_in: int, d_out: int, *, std: Any, distribution: str, use_bias: bool,
+               rngs: nnx.Rngs):
+    self.kernel = nnx.Param(init_weight(rngs.params(), (d_in, d_out), std, distribution))
+    self.bias = nnx.Param(jnp.zeros((d_out,))) if use_bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = x @ self.kernel[...]
+    if self.bias is not None:
+      y = y + self.bias[...]
+    return y
+
+
+class Norm(nnx.Module):
+  """LayerNorm or RMSNorm over the last axis, learnable gain `scale` (init 1) and, for LayerNorm, bias.
+
+  RMSNorm is the DNT paper's form `scale ⊙ x / sqrt(mean(x²) + eps)` (= γ ⊙ sqrt(d)·x/sqrt(‖x‖² + d·eps)).
+  """
+
+  def __init__(self, dim: int, *, kind: str, eps: float):
+    if kind not in ('layernorm', 'rmsnorm'):
+      raise ValueError(f'model.norm must be layernorm|rmsnorm, got {kind!r}')
+    self.kind, self.eps = kind, eps
+    self.scale = nnx.Param(jnp.ones((dim,)))
+    self.bias = nnx.Param(jnp.zeros((dim,))) if kind == 'layernorm' else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)  # Statistics in float32 even when activations are bf16.
+    if self.kind == 'layernorm':
+      x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+    y = y.astype(x.dtype) * self.scale[...]
+    if self.bias is not None:
+      y = y + self.bias[...]
+    return y
+
+
+def make_norm(enabled: bool, dim: int, kind: str, eps: float) -> Norm | None:
+  return Norm(dim, kind=kind, eps=eps) if enabled else None
+
+
+def apply_norm(norm: Norm | None, x: jax.Array) -> jax.Array:
+  return x if norm is None else norm(x)
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with separate q/k/v/o projections and optional QKNorm (DNT).
+
+  Separate projections (rather than one fused qkv kernel) keep each weight's initial variance a
+  single knob, as the DSLM recipe needs (SPEC §2: q, k at 1/d; v, o from the correlation recurrence).
+  """
+
+  def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,
+               use_bias: bool, qk_norm: bool, norm_kind: str, norm_eps: float, causal: bool,
+               attn_dropout: float, rngs: nnx.Rngs):
+    self.num_heads, self.head_dim = num_heads, d // num_heads
+    self.causal, self.attn_dropout = causal, attn_dropout
+    dense = lambda std: Dense(d, d, std=std, distribution=distribution, use_bias=use_bias, rngs=rngs)
+    self.q, self.k, self.v, self.o = dense(stds['q']), dense(stds['k']), dense(stds['v']), dense(stds['o'])
+    # QKNorm normalises each head's query/key over the head dimension (gain shared across heads).
+    self.q_norm = make_norm(qk_norm, self.head_dim, norm_kind, norm_eps)
+    self.k_norm = make_norm(qk_norm, self.head_dim, norm_kind, norm_eps)
+
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+    b, l, d = x_BLD.shape
+    split_heads = lambda t: t.reshape(b, l, self.num_heads, self.head_dim)
+    q_BLHK = apply_norm(self.q_norm, split_heads(self.q(x_BLD)))
+    k_BLHK = apply_norm(self.k_norm, split_heads(self.k(x_BLD)))
+    v_BLHK = split_heads(self.v(x_BLD))
+    logits_BHLL = jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK) / jnp.sqrt(self.head_dim).astype(x_BLD.dtype)
+    if self.causal:
+      mask_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
+      logits_BHLL = jnp.where(mask_LL, logits_BHLL, jnp.finfo(logits_BHLL.dtype).min)
+    probs_BHLL = jax.nn.softmax(logits_BHLL.astype(jnp.float32), axis=-1).astype(x_BLD.dtype)
+    probs_BHLL = dropout(probs_BHLL, self.attn_dropout, dropout_key)
+    out_BLHK = jnp.einsum('bhqt,bthk->bqhk', probs_BHLL, v_BLHK)
+    return self.o(out_BLHK.reshape(b, l, d))
+
+
+_ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+class FFN(nnx.Module):
+  """Linear d→F, activation, Linear F→d."""
+
+  def __init__(self, d: int, hidden: int, *, activation: str, stds: dict[str, Any], distribution: str,
+               use_bias: bool, rngs: nnx.Rngs):
+    if activation not in _ACTIVATIONS:
+      raise ValueError(f'model.activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}')
+    self.activation = activation
+    self.ffn1 = Dense(d, hidden, std=stds['ffn1'], distribution=distribution, use_bias=use_bias, rngs=rngs)
+    self.ffn2 = Dense(hidden, d, std=stds['ffn2'], distribution=distribution, use_bias=use_bias, rngs=rngs)
+
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    return self.ffn2(_ACTIVATIONS[self.activation](self.ffn1(x_BLD)))

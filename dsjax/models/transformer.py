@@ -1,0 +1,211 @@
+"""The transformer block, parameterised by norm placement and residual scales, and the scanned stack.
+
+One block covers every architecture the project studies:
+
+    Pre-LN  (block='preln'):  x ← λ·x + β·Drop(f(Norm(x)))                       final Norm after the stack
+    Post-LN (block='postln'): x ← Norm(λ·x + β·Drop(f(x)))                       no final Norm
+    DNT     (block='dnt'):    x ← λ·x + β·Drop(MidNorm(f(PreNorm(x))))           InputNorm before the stack,
+                              QKNorm in attention; settings S1–S5 (SPEC §3, seed 004 Table 2) pick which.
+
+f is attention for the first residual add of a layer and the FFN for the second. λ ("skip scale") and
+β ("branch scale") are per-layer, per-add arrays set by the initialisation scheme (`dsjax.schemes`):
+1 and 1 for vanilla models, sqrt(1−k/N) and sqrt(k/N) for DeepScaleLM. They are stored in the model —
+as `Constant`s, or as `nnx.Param`s when a scheme makes them learnable — so a checkpoint carries them.
+
+The layers are created with `nnx.vmap` (parameters stacked on a leading `depth` axis) and run with
+`jax.lax.scan`, so trace and compile time do not grow with depth; `remat` names a
+`jax.checkpoint_policies` policy to trade compute for memory in deep stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.models import layers
+
+BLOCKS = ('preln', 'postln', 'dnt')
+DNT_SETTINGS = ('S1', 'S2', 'S3', 'S4', 'S5')
+REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
+                  'nothing_saveable', 'everything_saveable')
+
+# A probe sees every instrumented tensor on its way: probe(site, x, layer) -> x. The default does
+# nothing; `dsjax.instrument` passes one that records statistics (forward and, through a custom VJP,
+# backward). Sites: 'attn_branch', 'attn_residual', 'ffn_branch', 'ffn_residual' (= layer output).
+Probe = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+def no_probe(site: str, x: jax.Array, layer: jax.Array) -> jax.Array:
+  del site, layer
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class NormLayout:
+  """Where the norms sit. Field names follow the DNT paper (seed 004 §3)."""
+  input_norm: bool = False     # after the embedding, before the first block
+  pre_attn: bool = True        # on the attention branch input
+  pre_ffn: bool = True         # on the FFN branch input
+  qk_norm: bool = False        # on each head's queries and keys
+  mid_attn: bool = False       # on the attention branch output (before dropout and β)
+  mid_ffn: bool = False        # on the FFN branch output
+  post: bool = False           # after each residual add (Post-LN)
+  final_norm: bool = True      # after the stack, before the head
+
+  @classmethod
+  def for_block(cls, block: str, dnt_setting: str = 'S5', final_norm: bool | None = None) -> 'NormLayout':
+    """The layout of `model.block` (and `model.dnt_setting` for DNT; table in SPEC §3)."""
+    if block == 'preln':
+      layout = cls()
+    elif block == 'postln':
+      layout = cls(pre_attn=False, pre_ffn=False, post=True, final_norm=False)
+    elif block == 'dnt':
+      #                      input  pre_attn pre_ffn  qk     mid_attn mid_ffn
+      flags = {'S1': (False, True, True, False, False, False),
+               'S2': (False, True, True, True, False, False),
+               'S3': (True, True, True, True, False, False),
+               'S4': (True, True, True, True, True, True),
+               'S5': (True, True, False, True, True, True)}
+      if dnt_setting not in flags:
+        raise ValueError(f'model.dnt_setting must be one of {list(flags)}, got {dnt_setting!r}')
+      layout = cls(*flags[dnt_setting])
+    else:
+      raise ValueError(f'model.block must be one of {list(BLOCKS)}, got {block!r}')
+    if final_norm is not None:
+      layout = dataclasses.replace(layout, final_norm=final_norm)
+    return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Static description of the stack (everything that shapes the graph; no array values)."""
+  depth: int
+  width: int
+  num_heads: int
+  mlp_hidden: int
+  activation: str = 'gelu'
+  dropout: float = 0.0          # embedding and branch outputs
+  attn_dropout: float = 0.0     # attention probabilities
+  norm: str = 'layernorm'
+  norm_eps: float = 1e-6
+  layout: NormLayout = NormLayout()
+  causal: bool = False
+  use_bias: bool = True
+  distribution: str = 'normal'  # of every weight's initial draw
+  learnable_skip_scale: bool = False
+  learnable_branch_scale: bool = False
+  remat: str = 'none'
+
+
+# Per-layer arrays (each of shape (depth,)) that the scheme chooses for layer n: initial standard
+# deviations of the six weight matrices and the four residual scales.
+LAYER_INIT_KEYS = ('q', 'k', 'v', 'o', 'ffn1', 'ffn2',
+                   'skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
+
+
+def _residual_scale(value: Any, learnable: bool) -> nnx.Variable:
+  value = jnp.asarray(value, jnp.float32)
+  return nnx.Param(value) if learnable else layers.Constant(value)
+
+
+class Block(nnx.Module):
+  """One layer: the attention residual add followed by the FFN residual add."""
+
+  def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    lay = cfg.layout
+    norm = lambda enabled: layers.make_norm(enabled, cfg.width, cfg.norm, cfg.norm_eps)
+    self.pre_attn_norm, self.mid_attn_norm = norm(lay.pre_attn), norm(lay.mid_attn)
+    self.post_attn_norm = norm(lay.post)
+    self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn), norm(lay.mid_ffn)
+    self.post_ffn_norm = norm(lay.post)
+    self.attn = layers.Attention(
+        cfg.width, cfg.num_heads, stds=layer_init, distribution=cfg.distribution,
+        use_bias=cfg.use_bias, qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps,
+        causal=cfg.causal, attn_dropout=cfg.attn_dropout, rngs=rngs)
+    self.ffn = layers.FFN(cfg.width, cfg.mlp_hidden, activation=cfg.activation, stds=layer_init,
+                          distribution=cfg.distribution, use_bias=cfg.use_bias, rngs=rngs)
+    self.skip_attn = _residual_scale(layer_init['skip_attn'], cfg.learnable_skip_scale)
+    self.branch_attn = _residual_scale(layer_init['branch_attn'], cfg.learnable_branch_scale)
+    self.skip_ffn = _residual_scale(layer_init['skip_ffn'], cfg.learnable_skip_scale)
+    self.branch_ffn = _residual_scale(layer_init['branch_ffn'], cfg.learnable_branch_scale)
+
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, *, layer: jax.Array,
+               probe: Probe = no_probe) -> jax.Array:
+    p = self.cfg.dropout
+    keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
+
+    h_BLD = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLD), keys[0])
+    h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
+    h_BLD = probe('attn_branch', h_BLD, layer)
+    x_BLD = self.skip_attn[...] * x_BLD + self.branch_attn[...] * h_BLD
+    x_BLD = probe('attn_residual', layers.apply_norm(self.post_attn_norm, x_BLD), layer)
+
+    h_BLD = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLD))
+    h_BLD = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLD), p, keys[2])
+    h_BLD = probe('ffn_branch', h_BLD, layer)
+    x_BLD = self.skip_ffn[...] * x_BLD + self.branch_ffn[...] * h_BLD
+    return probe('ffn_residual', layers.apply_norm(self.post_ffn_norm, x_BLD), layer)
+
+
+def _remat(fn: Callable, policy: str) -> Callable:
+  if policy == 'none':
+    return fn
+  if policy == 'full':
+    return jax.checkpoint(fn)
+  return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
+
+
+class LayerStack(nnx.Module):
+  """`depth` Blocks with parameters stacked on axis 0, applied with `jax.lax.scan`."""
+
+  def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, rngs: nnx.Rngs):
+    """`layer_init[name]` has shape (depth,): layer n is built from entry n of each array."""
+    self.depth, self.remat = cfg.depth, cfg.remat
+
+    @nnx.split_rngs(splits=cfg.depth)
+    @nnx.vmap(in_axes=(0, 0), out_axes=0)
+    def create_layers(rngs: nnx.Rngs, init_n: dict[str, Any]) -> Block:
+      return Block(cfg, init_n, rngs=rngs)
+
+    self.layers = create_layers(rngs, {k: jnp.asarray(layer_init[k], jnp.float32) for k in LAYER_INIT_KEYS})
+
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
+               probe: Probe = no_probe) -> jax.Array:
+    graphdef, stacked_state = nnx.split(self.layers)
+    layer_keys = None if dropout_key is None else jax.random.split(dropout_key, self.depth)
+
+    def apply_layer(x_BLD, layer_xs):
+      layer_state, key, index = layer_xs
+      return nnx.merge(graphdef, layer_state)(x_BLD, key, layer=index, probe=probe), None
+
+    x_BLD, _ = jax.lax.scan(_remat(apply_layer, self.remat), x_BLD,
+                            (stacked_state, layer_keys, jnp.arange(self.depth)))
+    return x_BLD
+
+
+class Trunk(nnx.Module):
+  """Embedded tokens in, final hidden states out: dropout, InputNorm, the stack, final norm, output scale.
+
+  `output_scale` multiplies the final hidden state before the head (DSLM: 1/sqrt(d), SPEC §2).
+  """
+
+  def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, output_scale: float,
+               rngs: nnx.Rngs):
+    self.dropout = cfg.dropout
+    self.input_norm = layers.make_norm(cfg.layout.input_norm, cfg.width, cfg.norm, cfg.norm_eps)
+    self.stack = LayerStack(cfg, layer_init, rngs=rngs)
+    self.final_norm = layers.make_norm(cfg.layout.final_norm, cfg.width, cfg.norm, cfg.norm_eps)
+    self.output_scale = layers.Constant(jnp.asarray(output_scale, jnp.float32))
+
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
+               probe: Probe = no_probe) -> jax.Array:
+    embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    x_BLD = layers.dropout(x_BLD, self.dropout, embed_key)
+    x_BLD = probe('embedding', layers.apply_norm(self.input_norm, x_BLD), jnp.asarray(-1))
+    x_BLD = self.stack(x_BLD, stack_key, probe)
+    return layers.apply_norm(self.final_norm, x_BLD) * self.output_scale[...]

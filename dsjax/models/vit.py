@@ -1,0 +1,68 @@
+"""Vision transformer: patch embedding, position embedding, transformer trunk, pooling, classifier."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsjax.models import layers
+from dsjax.models.transformer import Probe, TransformerConfig, Trunk, no_probe
+from dsjax.schemes.base import InitPlan
+
+POS_EMBEDDINGS = ('sincos2d', 'learned')
+POOLINGS = ('gap', 'cls')
+
+
+def sincos_2d(height: int, width: int, dim: int, temperature: float = 10_000.) -> np.ndarray:
+  """Fixed 2-D sine-cosine position embedding (MoCo v3 / big_vision), shape (height·width, dim)."""
+  if dim % 4:
+    raise ValueError(f'model.width must be divisible by 4 for sincos2d position embeddings, got {dim}')
+  y, x = np.mgrid[:height, :width]
+  omega = 1.0 / temperature ** (np.arange(dim // 4) / (dim // 4 - 1 if dim > 4 else 1))
+  y = y.reshape(-1)[:, None] * omega[None]
+  x = x.reshape(-1)[:, None] * omega[None]
+  return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1).astype(np.float32)
+
+
+def patchify(images_BHWC: jax.Array, patch: int) -> jax.Array:
+  """(B, H, W, C) → (B, H/p · W/p, p·p·C); equal to a stride-p convolution's input patches."""
+  b, h, w, c = images_BHWC.shape
+  x = images_BHWC.reshape(b, h // patch, patch, w // patch, patch, c)
+  return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch) * (w // patch), patch * patch * c)
+
+
+class ViT(nnx.Module):
+
+  def __init__(self, cfg: TransformerConfig, plan: InitPlan, *, image_shape: tuple[int, int, int],
+               patch_size: int, num_classes: int, pos_embedding: str, pooling: str, rngs: nnx.Rngs):
+    h, w, c = image_shape
+    self.patch_size, self.pooling = patch_size, pooling
+    grid_h, grid_w = h // patch_size, w // patch_size
+    d = cfg.width
+    self.patch_embed = layers.Dense(patch_size * patch_size * c, d, std=plan.input_std,
+                                    distribution=plan.distribution, use_bias=True, rngs=rngs)
+    if pos_embedding == 'learned':
+      self.pos_embedding = nnx.Param(layers.init_weight(rngs.params(), (grid_h * grid_w, d), plan.pos_std,
+                                                        plan.distribution))
+    else:  # Fixed, so not a Param: no gradient, no weight decay.
+      self.pos_embedding = layers.Constant(jnp.asarray(sincos_2d(grid_h, grid_w, d)))
+    self.cls_token = nnx.Param(jnp.zeros((1, 1, d))) if pooling == 'cls' else None
+    self.trunk = Trunk(cfg, plan.layer, output_scale=plan.output_scale, rngs=rngs)
+    self.head = layers.Dense(d, num_classes, std=plan.head_std, distribution=plan.distribution,
+                             use_bias=True, rngs=rngs)
+
+  def embed(self, images_BHWC: jax.Array) -> jax.Array:
+    x_BLD = self.patch_embed(patchify(images_BHWC, self.patch_size)) + self.pos_embedding[...]
+    if self.cls_token is not None:
+      cls_B1D = jnp.broadcast_to(self.cls_token[...], (x_BLD.shape[0], 1, x_BLD.shape[2]))
+      x_BLD = jnp.concatenate([cls_B1D, x_BLD], axis=1)
+    return x_BLD
+
+  def __call__(self, images_BHWC: jax.Array, *, dropout_key: jax.Array | None = None,
+               probe: Probe = no_probe) -> jax.Array:
+    """Class logits (B, num_classes)."""
+    x_BLD = self.trunk(self.embed(images_BHWC), dropout_key, probe)
+    pooled_BD = x_BLD[:, 0] if self.pooling == 'cls' else x_BLD.mean(axis=1)
+    return self.head(pooled_BD)

@@ -1,0 +1,46 @@
+"""Orbax checkpoints of the train state plus the input pipeline's position.
+
+A checkpoint at step t holds everything a run needs to continue bit-for-bit: the train state (params,
+non-trainable model values, optimizer state, step) and the JSON state of the training input pipeline.
+Dropout keys are derived from (seed, step), so no RNG state needs saving beyond the step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+
+  def __init__(self, workdir: str, *, save_every: int, keep: int):
+    self.manager = ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), 'checkpoints'),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
+                                             create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+    """Restores onto the shardings carried by `abstract_state` (a tree of ShapeDtypeStructs)."""
+    step = self.latest_step() if step is None else step
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    return restored['state'], restored['data']
+
+  def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
+    """Saves asynchronously when `step` is on the interval (or `force`); returns whether it saved."""
+    return self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

@@ -1,0 +1,107 @@
+"""Loss functions and the jitted train / eval steps.
+
+The steps are pure functions of a *train state* — a plain dict of arrays
+
+    {'params': trainable nnx.Param values, 'rest': non-trainable model values (fixed λ/β, sincos
+     position table, output scale), 'opt_state': optax state, 'step': int32 scalar}
+
+— and are jitted once with explicit shardings (see `loop.py`). The model is rebuilt from its static
+`graphdef` inside the trace with `nnx.merge`, so there is no NNX graph traversal per step (a bare
+`nnx.jit` would walk the whole module graph at every call, which grows with depth).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsjax.models.transformer import Probe, no_probe
+
+TrainState = dict[str, Any]
+Metrics = dict[str, jax.Array]
+
+
+def _softmax_xent_BN(logits_BNC: jax.Array, labels_BN: jax.Array) -> jax.Array:
+  logits_BNC = logits_BNC.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BNC, labels_BN)
+
+
+def classification_loss(model, batch, dropout_key, probe: Probe = no_probe):
+  """Mean cross-entropy over the (masked) batch; sums for exact evaluation averages."""
+  logits_BC = model(batch['image'], dropout_key=dropout_key, probe=probe)
+  mask_B = batch.get('mask', jnp.ones(logits_BC.shape[:1], jnp.float32))
+  xent_B = _softmax_xent_BN(logits_BC, batch['label'])
+  correct_B = (jnp.argmax(logits_BC, -1) == batch['label']).astype(jnp.float32)
+  count = mask_B.sum()
+  sums = {'loss_sum': (xent_B * mask_B).sum(), 'correct_sum': (correct_B * mask_B).sum(), 'count': count}
+  return sums['loss_sum'] / jnp.maximum(count, 1.0), sums
+
+
+def lm_loss(model, batch, dropout_key, probe: Probe = no_probe):
+  """Next-token cross-entropy in nats per token (= per byte for the byte-level corpora)."""
+  tokens_BL = batch['tokens']
+  logits_BLV = model(tokens_BL[:, :-1], dropout_key=dropout_key, probe=probe)
+  xent_BL = _softmax_xent_BN(logits_BLV, tokens_BL[:, 1:])
+  mask_B = batch.get('mask', jnp.ones(tokens_BL.shape[:1], jnp.float32))
+  mask_BL = jnp.broadcast_to(mask_B[:, None], xent_BL.shape)
+  count = mask_BL.sum()
+  sums = {'loss_sum': (xent_BL * mask_BL).sum(), 'count': count}
+  return sums['loss_sum'] / jnp.maximum(count, 1.0), sums
+
+
+LOSSES: dict[str, Callable] = {'vit': classification_loss, 'gpt': lm_loss}
+
+
+def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
+  """Dropout randomness is a function of (seed, step) only, so a resumed run replays it exactly."""
+  return jax.random.fold_in(jax.random.key(seed + 1), step)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
+                    seed: int, schedule: optax.Schedule, use_dropout: bool,
+                    probe: Probe = no_probe) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
+    key = dropout_key_for_step(seed, state['step']) if use_dropout else None
+
+    def loss_of_params(params):
+      model = nnx.merge(graphdef, params, state['rest'])
+      loss, _ = loss_fn(model, batch, key, probe)
+      return loss
+
+    loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
+    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
+                 'opt_state': opt_state, 'step': state['step'] + 1}
+    metrics = {'train/loss': loss, 'train/grad_norm': optax.global_norm(grads),
+               'train/param_norm': optax.global_norm(state['params']),
+               'train/lr': schedule(state['step'])}
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable[[TrainState, dict], Metrics]:
+
+  def eval_step(state: TrainState, batch: dict) -> Metrics:
+    model = nnx.merge(graphdef, state['params'], state['rest'])
+    _, sums = loss_fn(model, batch, None)
+    return sums
+
+  return eval_step
+
+
+def summarize_eval(model_name: str, sums: dict[str, float]) -> dict[str, float]:
+  """Turns summed eval statistics into the reported metrics."""
+  loss = sums['loss_sum'] / max(sums['count'], 1.0)
+  out = {'eval/loss': loss}
+  if model_name == 'vit':
+    out['eval/accuracy'] = sums['correct_sum'] / max(sums['count'], 1.0)
+  else:
+    out['eval/bits_per_byte'] = loss / float(jnp.log(2.0))
+    out['eval/perplexity'] = float(jnp.exp(loss))
+  return out
