@@ -11,7 +11,8 @@ from ml_collections import config_dict
 
 
 def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
-  from dsjax.train.optimizers import default_optimizer_config  # Avoids a jax import for `--help`.
+  from dsjax.data import config as data_config
+  from dsjax.train.optimizers import default_optimizer_config
 
   c = ml_collections.ConfigDict()
   c.seed = 0
@@ -51,14 +52,8 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
 
   c.optimizer = default_optimizer_config(optimizer_name, family=model_name)
 
-  c.data = d = ml_collections.ConfigDict()
-  d.name = 'sklearn_digits' if model_name == 'vit' else 'python_docs_bytes'
-  d.data_dir = config_dict.placeholder(str)   # None: the TFDS default (~/tensorflow_datasets)
-  d.download = False              # only prepared data is read unless this is set
-  d.seq_len = 128                 # GPT context length (bytes)
-  d.image_size = config_dict.placeholder(int)  # resize real images to this side length
-  d.text_key = 'text'             # feature holding the text in a TFDS text dataset
-  d.augment = False
+  # Embedded offline defaults: 8×8 handwritten digits (ViT), Python's documentation as bytes (GPT).
+  c.data = data_config.get_config('sklearn_digits' if model_name == 'vit' else 'python_docs_bytes')
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)       # (data, fsdp, tensor); -1 = all remaining devices

@@ -27,6 +27,8 @@ def main(argv):
     jax.distributed.initialize()
   from dsjax.train import loop
   logging.set_verbosity(logging.INFO)
+  # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
+  logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   try:
     loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except ValueError as e:  # Config and data errors: one line, no traceback.

@@ -35,7 +35,7 @@ def _probability(key: str, value):
 
 
 def validate_config(config, num_devices: int, process_count: int = 1):
-  from dsjax.data import validate_data_config  # Deferred: importing the data module loads TFDS.
+  from dsjax.data.config import parse_config as validate_data_config
   from dsjax.train.optimizers import validate_optimizer_config
 
   for key in ('total_steps', 'batch_size', 'eval_batch_size', 'eval_every', 'checkpoint_every',

@@ -17,6 +17,7 @@ from absl import logging
 from flax import nnx
 
 from dsjax import data as data_lib
+from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax import validate
 from dsjax.train import checkpoint as checkpoint_lib
@@ -40,7 +41,8 @@ def create_train_state(config, data_info, tx) -> tuple[nnx.GraphDef, Any]:
 
 
 def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
-  pipeline = data_lib.make_pipeline(config.data, split='test', global_batch_size=config.eval_batch_size,
+  """One pass over the dataset's evaluation split (padded rows masked out, so averages are exact)."""
+  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size,
                                     seed=config.seed, train=False, **process)
   totals: dict[str, float] = {}
   for batch in pipeline:
@@ -50,12 +52,17 @@ def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
   return step_lib.summarize_eval(config.model.name, totals)
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
+
+  `devices` defaults to all devices; tests pass a subset to compare meshes in one process.
+  """
   # ----------------------------------------------------------------------------------------------
   # Setup: every check runs before anything is compiled or written.
   # ----------------------------------------------------------------------------------------------
-  validate.validate_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
-  mesh = sharding_lib.make_mesh(config.mesh.shape)
+  devices = jax.devices() if devices is None else list(devices)
+  validate.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
+  mesh = sharding_lib.make_mesh(config.mesh.shape, devices)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   data_info = data_lib.dataset_info(config.data)  # Fails with a clear message if the data is missing.
   validate.validate_against_data(config, data_info)
@@ -64,12 +71,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   if is_chief:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
-  logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), jax.device_count(), jax.devices()[0].platform)
+  logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
 
   # ----------------------------------------------------------------------------------------------
   # Data: this process's share of each global batch, with a saveable position.
   # ----------------------------------------------------------------------------------------------
-  train_data = data_lib.make_pipeline(config.data, split='train', global_batch_size=config.batch_size,
+  train_data = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                       seed=config.seed, train=True, **process)
 
   # ----------------------------------------------------------------------------------------------
@@ -97,11 +104,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  train_step = jax.jit(
-      step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout),
-      in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-      out_shardings=(state_shardings, sharding_lib.replicated(mesh)),
-      donate_argnums=0)
+  jit_train_step = lambda step_fn: jax.jit(
+      step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+      out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
+  train_step = jit_train_step(
+      step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout))
+  # Per-layer moments (dsjax.instrument): a second step with jax.debug callbacks, run only every
+  # `instrument.every` steps (and at step 1 = initialisation); `every = 0` compiles no callbacks.
+  instrument_every, moments = config.instrument.every, None
+  if instrument_every:
+    moments = instrument_lib.Collector(workdir, enabled=is_chief)
+    instrumented_train_step = jit_train_step(step_lib.make_train_step(
+        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument_lib.Instrument(moments)))
   eval_step = jax.jit(step_lib.make_eval_step(graphdef, loss_fn),
                       in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
                       out_shardings=sharding_lib.replicated(mesh))
@@ -136,7 +150,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   with jax.set_mesh(mesh):
     for step in range(first_step + 1, config.total_steps + 1):
       batch = sharding_lib.global_batch(next(train_data), mesh)
-      state, train_metrics = train_step(state, batch)
+      if instrument_lib.is_instrumented_step(step, instrument_every):
+        state, train_metrics = instrumented_train_step(state, batch)
+        moments.flush()  # Waits for this step's callbacks; writes moments.jsonl and TensorBoard.
+      else:
+        state, train_metrics = train_step(state, batch)
       if pending is not None:
         log(pending)
       pending = {'step': step, 'train': train_metrics, 'eval': {}}
@@ -150,5 +168,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
     last_eval = evaluate(eval_step, state, config, mesh, process)
   checkpointer.close()
   writer.close()
+  if moments is not None:
+    moments.close()
   logging.info('Done in %.1fs: %s', time.time() - t_start, last_eval)
   return last_eval

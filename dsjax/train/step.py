@@ -63,10 +63,14 @@ def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    probe: Probe = no_probe) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+                    instrument=None) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+  """`instrument` (a `dsjax.instrument.Instrument`) makes the step send per-layer moments to the host
+  through `jax.debug.callback`s, tagged with the loop step (`state['step'] + 1`, as in metrics.jsonl);
+  with None the compiled step contains no callbacks."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
+    probe = no_probe if instrument is None else instrument.probe(state['step'] + 1)
 
     def loss_of_params(params):
       model = nnx.merge(graphdef, params, state['rest'])
@@ -74,6 +78,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       return loss
 
     loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
+    if instrument is not None:
+      instrument.record_weight_grads(state['step'] + 1, grads)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
                  'opt_state': opt_state, 'step': state['step'] + 1}

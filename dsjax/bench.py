@@ -1,0 +1,75 @@
+r"""Train-step time with per-layer moment instrumentation on every step vs off.
+
+  python -m dsjax.bench [--config=configs/gpt_preln.py] [--steps=20] [--config.model.depth=...]
+
+Both steps are the loop's jitted train step (`dsjax.train.step.make_train_step`) on one device; the
+instrumented one carries `dsjax.instrument.Instrument` and each of its steps includes the collector's
+flush (waiting for the callbacks and writing moments.jsonl + TensorBoard), as in the training loop.
+The two are timed alternately on the same real batch, after compilation; the medians are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
+                                          lock_config=True)
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each kind (after 2 warm-up steps).')
+
+
+def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
+  """Median seconds per train step, instrumentation off and on every step."""
+  import jax  # Deferred so that `--help` is fast.
+  from dsjax import data as data_lib
+  from dsjax import instrument as instrument_lib
+  from dsjax.train import loop, optimizers
+  from dsjax.train import step as step_lib
+
+  data_info = data_lib.dataset_info(config.data)
+  batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
+                                      seed=config.seed, process_index=0, process_count=1))
+  batch = jax.device_put(batch)
+  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps)
+  graphdef, create_state = loop.create_train_state(config, data_info, tx)
+  state = jax.jit(create_state)()
+  loss_fn = step_lib.LOSSES[config.model.name]
+  use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
+  collector = instrument_lib.Collector(workdir, keep_records=False)
+  make = lambda instrument: jax.jit(step_lib.make_train_step(  # noqa: E731
+      graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument), donate_argnums=0)
+  steps = {'off': make(None), 'every_step': make(instrument_lib.Instrument(collector))}
+
+  times: dict[str, list[float]] = {name: [] for name in steps}
+  for i in range(num_steps + 2):
+    for name, step_fn in steps.items():
+      start = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      jax.block_until_ready(metrics)
+      if name == 'every_step':
+        collector.flush()
+      if i >= 2:  # The first two calls compile and warm up.
+        times[name].append(time.perf_counter() - start)
+  collector.close()
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  with tempfile.TemporaryDirectory() as workdir:
+    t = time_train_steps(config, _STEPS.value, workdir)
+  m = config.model
+  print(f'{m.name} {m.block} depth {m.depth} width {m.width}, batch {config.batch_size} x '
+        f'{config.data.seq_len}, median of {_STEPS.value} steps:')
+  print(f'  instrumentation off:        {t["off"] * 1e3:8.1f} ms/step')
+  print(f'  instrumentation every step: {t["every_step"] * 1e3:8.1f} ms/step')
+  print(f'  overhead: {100 * (t["every_step"] / t["off"] - 1):.1f}%')
+
+
+if __name__ == '__main__':
+  app.run(main)

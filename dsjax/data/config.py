@@ -1,0 +1,101 @@
+"""The `data` section of an experiment config, and its validation."""
+
+from collections.abc import Mapping
+import dataclasses
+import os
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config(name: str = 'sklearn_digits') -> ml_collections.ConfigDict:
+  """Default `data` config. Every field is optional in user configs."""
+  config = ml_collections.ConfigDict()
+  # Any TFDS name (optionally 'name:version' or 'name/config:version'), or one
+  # of the embedded offline datasets: 'sklearn_digits', 'python_docs_bytes'.
+  config.name = name
+  # Where TFDS datasets live; None -> TFDS default (~/tensorflow_datasets or
+  # $TFDS_DATA_DIR).
+  config.data_dir = config_dict.placeholder(str)
+  # Try to download and prepare missing (non-embedded) datasets. Off by
+  # default: preparing real datasets needs network and TensorFlow.
+  config.download = False
+  # Text: tokens per training window (batches hold seq_len + 1 tokens).
+  config.seq_len = 128
+  # Images: if set, resize (shorter side) and centre-crop to this size.
+  config.image_size = config_dict.placeholder(int)
+  # Text: feature holding the document text in real TFDS text datasets.
+  config.text_key = 'text'
+  # Images: random left-right flips when training.
+  config.augment = False
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """A validated, immutable copy of the `data` config."""
+  name: str
+  data_dir: str | None
+  download: bool
+  seq_len: int
+  image_size: int | None
+  text_key: str
+  augment: bool
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_config(data_config: Mapping[str, Any] | Any) -> DataConfig:
+  """Validates a `data` ConfigDict (or dict); raises one-line ValueErrors.
+
+  Missing fields take the defaults of `get_config()`.
+  """
+  defaults = get_config()
+  if isinstance(data_config, DataConfig):
+    return data_config
+  if isinstance(data_config, ml_collections.ConfigDict):
+    data_config = data_config.to_dict()
+  if not isinstance(data_config, Mapping):
+    raise ValueError(
+        f'data config must be a ConfigDict or dict, got {type(data_config)}')
+  unknown = sorted(set(data_config) - set(defaults))
+  if unknown:
+    raise ValueError(
+        f'unknown data config keys {unknown}; known: {sorted(defaults)}')
+  get = lambda key: data_config.get(key, defaults[key])
+
+  name = get('name')
+  if not isinstance(name, str) or not name.strip():
+    raise ValueError(f'data.name must be a non-empty string, got {name!r}')
+  data_dir = get('data_dir')
+  if data_dir is not None:
+    if not isinstance(data_dir, (str, os.PathLike)) or not os.fspath(data_dir):
+      raise ValueError(
+          f'data.data_dir must be None or a path, got {data_dir!r}')
+    data_dir = os.fspath(data_dir)
+  download = get('download')
+  if not isinstance(download, bool):
+    raise ValueError(f'data.download must be a bool, got {download!r}')
+  seq_len = get('seq_len')
+  if not _is_int(seq_len) or seq_len <= 0:
+    raise ValueError(
+        f'data.seq_len must be a positive integer, got {seq_len!r}')
+  image_size = get('image_size')
+  if image_size is not None and (not _is_int(image_size) or image_size <= 0):
+    raise ValueError(
+        f'data.image_size must be None or a positive integer, got '
+        f'{image_size!r}')
+  text_key = get('text_key')
+  if not isinstance(text_key, str) or not text_key:
+    raise ValueError(
+        f'data.text_key must be a non-empty string, got {text_key!r}')
+  augment = get('augment')
+  if not isinstance(augment, bool):
+    raise ValueError(f'data.augment must be a bool, got {augment!r}')
+  return DataConfig(
+      name=name.strip(), data_dir=data_dir, download=download,
+      seq_len=seq_len, image_size=image_size, text_key=text_key,
+      augment=augment)

@@ -1,0 +1,180 @@
+"""Per-layer moment statistics, reduced to scalars on device (pure `jnp`, safe under jit/scan/grad).
+
+Definitions follow the signal-propagation theory (SPEC §1 notation, DSLM paper Appendix A/O): every
+element of an activation tensor x_BLD is treated as a draw from one distribution with mean μ and
+variance σ², and correlations are Pearson correlations *about that mean*:
+
+    corr_seq    (r^l)  corr(x[b, t, i], x[b, t', i])   same example, same hidden index, tokens t ≠ t'
+    corr_hidden (r^d)  corr(x[b, t, i], x[b, t, j])    same example, same token, hidden indices i ≠ j
+
+Both are computed in O(B·L·D) without forming the L×L or D×D matrices: for centred values c,
+Σ_{t≠t'} c_t·c_t' = (Σ_t c_t)² − Σ_t c_t². μ and σ² are the moments over all B·L·D elements (the
+theory's expectation is over inputs *and* weight draws; within one tensor the pooled moments are its
+estimator). This is the same convention as `dsjax.theory`'s `corr_seq` / `corr_hidden`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FORWARD_STATS = ('mean', 'var', 'corr_seq', 'corr_hidden', 'max_abs')
+GRAD_STATS = ('grad_var', 'grad_corr_seq')
+
+# Weight types of a block whose per-layer gradient norms are recorded, and the quantiles of |g|.
+WEIGHT_TYPES = ('q', 'k', 'v', 'o', 'ffn1', 'ffn2', 'norms')
+GRAD_QUANTILES = {'p50': 0.5, 'p90': 0.9, 'p99': 0.99, 'p99.9': 0.999}
+DISTRIBUTION_STATS = tuple(f'grad_abs_{q}' for q in GRAD_QUANTILES) + ('grad_kurtosis', 'grad_tail_ratio')
+
+
+class _Sums:
+  """The few O(B·L·D) reductions every statistic below is computed from (sums over tokens, over hidden
+  units, of squares). Raw, unshifted moments keep it to one read of x per reduction — this runs at up
+  to 40 tensors per layer; float32 var = Σx²/n − mean² loses ~(mean/std)²·1e-7 relative accuracy,
+  negligible for activations and gradients (|mean| ≲ std).
+  """
+
+  def __init__(self, x_BLD: jax.Array, *, hidden_sums: bool = True):
+    x_BLD = x_BLD.astype(jnp.float32)
+    self.b, self.l, self.d = x_BLD.shape
+    self.n = x_BLD.size
+    self.sum_BD = x_BLD.sum(1)                                  # over tokens
+    self.sum_BL = x_BLD.sum(2) if hidden_sums else None         # over hidden units
+    self.sum = self.sum_BD.sum()
+    self.sum_sq = (x_BLD * x_BLD).sum()
+
+  @property
+  def mean(self) -> jax.Array:
+    return self.sum / self.n
+
+  @property
+  def var(self) -> jax.Array:
+    return jnp.maximum(self.sum_sq / self.n - self.mean ** 2, 0.0)
+
+  def pair_corr(self, group_sums: jax.Array, group_size: int) -> jax.Array:
+    """Correlation over pairs i ≠ j inside groups of `group_size` elements with sums `group_sums`.
+
+    With c = x − mean: Σ_{i≠j} c_i·c_j = (Σ_i c_i)² − Σ_i c_i², summed over groups and divided by the
+    number of ordered pairs n·(group_size − 1).
+    """
+    if group_size < 2:
+      return jnp.zeros((), jnp.float32)
+    centred_sums = group_sums - group_size * self.mean
+    cov = ((centred_sums * centred_sums).sum() - self.n * self.var) / (self.n * (group_size - 1))
+    return _safe_ratio(cov, self.var)
+
+
+def _safe_ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def forward_stats(x_BLD: jax.Array) -> dict[str, jax.Array]:
+  """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D)."""
+  s = _Sums(x_BLD)
+  return {'mean': s.mean, 'var': s.var, 'corr_seq': s.pair_corr(s.sum_BD, s.l),
+          'corr_hidden': s.pair_corr(s.sum_BL, s.d), 'max_abs': jnp.abs(x_BLD).max().astype(jnp.float32)}
+
+
+def grad_stats(g_BLD: jax.Array) -> dict[str, jax.Array]:
+  """Variance and token correlation (r^l) of the loss gradient w.r.t. an activation tensor (B, L, D)."""
+  s = _Sums(g_BLD, hidden_sums=False)
+  return {'grad_var': s.var, 'grad_corr_seq': s.pair_corr(s.sum_BD, s.l)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight gradients.
+# ------------------------------------------------------------------------------------------------
+
+def _path_names(path) -> tuple[str, ...]:
+  names = []
+  for entry in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)))
+        break
+  return tuple(names)
+
+
+def weight_type(names: tuple[str, ...]) -> str | None:
+  """The WEIGHT_TYPES entry of a stacked block parameter at `names` (path below the layer stack).
+
+  Matrices are identified by their kernel (q/k/v/o/ffn1/ffn2); every parameter of any norm in the
+  block (pre/mid/post norms and QKNorm; gains and biases) counts as 'norms'. Dense biases and learnable
+  residual scales are not recorded.
+  """
+  if any(n.endswith('_norm') for n in names):
+    return 'norms'
+  if len(names) >= 2 and names[-1] == 'kernel' and names[-2] in WEIGHT_TYPES:
+    return names[-2]
+  return None
+
+
+def group_layer_grads(layer_grads: Any) -> dict[str, list[jax.Array]]:
+  """Stacked (depth, ...) gradient leaves of the layer stack, grouped by weight type."""
+  groups: dict[str, list[jax.Array]] = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(layer_grads):
+    kind = weight_type(_path_names(path))
+    if kind is not None:
+      groups.setdefault(kind, []).append(leaf)
+  return groups
+
+
+# |g| quantiles come from a histogram of log2|g| with 1/32-octave bins over the 40 octaves below the
+# largest |g| (one O(n) pass; a sort of every gradient entry costs ~20× more on CPU). Interpolating
+# inside a bin, a quantile is accurate to well under the bin width (2.2%); smaller values (and zeros)
+# land in an underflow bin and read as 0.
+_BINS_PER_OCTAVE = 32
+_OCTAVES = 40
+
+
+def abs_quantiles(g: jax.Array, probs: tuple[float, ...]) -> jax.Array:
+  """Approximate quantiles of |g| (flattened) at `probs`, from a log-binned histogram."""
+  abs_g = jnp.abs(g.reshape(-1).astype(jnp.float32))
+  num_bins = _BINS_PER_OCTAVE * _OCTAVES
+  top = abs_g.max()
+  safe_top = jnp.where(top > 0, top, 1.0)
+  # Bin 0 holds the largest values; bin num_bins is the underflow bin.
+  depth = -jnp.log2(jnp.maximum(abs_g / safe_top, 2.0 ** -(_OCTAVES + 1)))
+  bins = jnp.minimum(jnp.floor(depth * _BINS_PER_OCTAVE), num_bins).astype(jnp.int32)
+  counts_ascending = jnp.bincount(num_bins - bins, length=num_bins + 1)  # index 0 = underflow
+  cumulative = jnp.cumsum(counts_ascending)
+  rank = jnp.asarray(probs, jnp.float32) * abs_g.shape[0]
+  k = jnp.clip(jnp.searchsorted(cumulative, rank), 0, num_bins)  # first bin reaching the rank
+  below = (cumulative[k] - counts_ascending[k]).astype(jnp.float32)
+  within = jnp.clip((rank - below) / jnp.maximum(counts_ascending[k], 1), 0.0, 1.0)
+  # Ascending index k covers |g| in top·2^(−(num_bins − k + 1)/B) .. top·2^(−(num_bins − k)/B).
+  log2_value = (k - num_bins - 1 + within) / _BINS_PER_OCTAVE
+  return jnp.where(k > 0, safe_top * jnp.exp2(log2_value), 0.0) * (top > 0)
+
+
+def distribution_stats(g: jax.Array) -> dict[str, jax.Array]:
+  """Heavy-tail summary of one weight type's gradient entries (DNT, seed 004 Fig. 1).
+
+  Quantiles of |g| (`abs_quantiles`), the kurtosis E[(g−μ)⁴]/σ⁴ (3 for a Gaussian, not the excess)
+  and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian).
+  """
+  flat = g.reshape(-1).astype(jnp.float32)
+  c = flat - flat.mean()
+  var = (c * c).mean()
+  qs = abs_quantiles(flat, tuple(GRAD_QUANTILES.values()))
+  out = {f'grad_abs_{name}': q for name, q in zip(GRAD_QUANTILES, qs)}
+  out['grad_kurtosis'] = _safe_ratio((c ** 4).mean(), var * var)
+  out['grad_tail_ratio'] = _safe_ratio(out['grad_abs_p99.9'], out['grad_abs_p50'])
+  return out
+
+
+def weight_grad_stats(layer_grads: Any) -> dict[str, dict[str, jax.Array]]:
+  """Gradient statistics of the stacked block parameters, per weight type.
+
+  `layer_grads` is the gradient of the layer stack (leaves of shape (depth, ...)). Returns
+  {weight_type: {'grad_norm': (depth,) per-layer norms, **distribution_stats (scalars)}}.
+  """
+  out = {}
+  for kind, leaves in group_layer_grads(layer_grads).items():
+    sq_norm_N = sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1)
+                    for leaf in leaves)
+    flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
+    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(flat)}
+  return out

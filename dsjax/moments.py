@@ -1,0 +1,240 @@
+r"""Per-layer moments of a model, measured on real batches and predicted by `dsjax.theory`.
+
+  python -m dsjax.moments --config=configs/gpt_preln.py --out=DIR [--batches=4] [--checkpoint=WORKDIR]
+      [--config.model.depth=192 --config.model.width=256 --config.model.dropout=0.1 ...]
+
+The analogue of the DSLM paper's Figures 1–4 (seed 000): the model at initialisation (or restored from
+the latest checkpoint of a training workdir) runs forward and backward on `--batches` real training
+batches with dropout active, as at train time (the theory includes dropout), under the
+`dsjax.instrument` probe. Per layer, the statistics of the layer output (the residual stream after the
+layer, site 'ffn_residual') are averaged over the batches and compared with
+`dsjax.theory.model.propagate` for the same configuration (see `dsjax.instrument.theory_adapter`).
+
+Writes
+  DIR/moments.json  {"config", "settings", "summary", "input", "layers": [{"layer", "forward_var":
+                    {"measured", "predicted"}, "grad_var", "corr_seq", "grad_corr_seq"}, ...],
+                    "sites": every recorded (site, statistic) per layer, measured}
+  DIR/moments.png   forward variance, gradient variance and token correlations against layer,
+                    measured vs predicted (variances on a log scale, as in the paper)
+and prints the mean / median relative error |predicted − measured| / |measured| and R² per quantity.
+
+The theory's backward recursion is relative: the prediction starts from the gradient measured at the
+output of the last layer (variance and token correlation), so the predicted gradient variance matches
+the measured one at the last layer by construction and the errors measure the propagation through depth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
+                                          lock_config=True)
+_OUT = flags.DEFINE_string('out', None, 'Output directory for moments.json and moments.png.')
+_BATCHES = flags.DEFINE_integer('batches', 4, 'Number of training batches to average the statistics over.')
+_CHECKPOINT = flags.DEFINE_string('checkpoint', None,
+                                  'A training workdir: measure its latest checkpoint instead of the init.')
+_INPUT_MOMENTS = flags.DEFINE_enum(
+    'input_moments', 'measured', ['measured', 'theory'],
+    'Moments entering the first layer for the prediction: measured at the embedding output, or the '
+    'theory\'s embedding formula (Zipf-distributed tokens, SPEC §1.4).')
+flags.mark_flags_as_required(['config', 'out'])
+
+# Quantities compared per layer: JSON name -> (site, statistic) of the layer output.
+QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual', 'grad_var'),
+              'corr_seq': ('ffn_residual', 'corr_seq'), 'grad_corr_seq': ('ffn_residual', 'grad_corr_seq')}
+
+
+# ------------------------------------------------------------------------------------------------
+# Model and measurement.
+# ------------------------------------------------------------------------------------------------
+
+def load_model(config, data_info, checkpoint: str | None):
+  """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
+  from flax import nnx
+  from dsjax import models
+  model = models.build_model(config, data_info, nnx.Rngs(params=config.seed))
+  if checkpoint is None:
+    return model
+  import jax
+  from dsjax.train import checkpoint as checkpoint_lib
+  from dsjax.train import loop, optimizers
+  tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
+  _, create_state = loop.create_train_state(config, data_info, tx)
+  abstract_state = jax.eval_shape(create_state)
+  checkpointer = checkpoint_lib.Checkpointer(checkpoint, save_every=1, keep=1)
+  if checkpointer.latest_step() is None:
+    raise ValueError(f'--checkpoint {checkpoint} holds no checkpoint')
+  state, _ = checkpointer.restore(abstract_state)
+  checkpointer.close()
+  graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+  logging.info('Restored step %d from %s', int(state['step']), checkpoint)
+  return nnx.merge(graphdef, state['params'], state['rest'])
+
+
+def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, float]], dict[str, Any]]:
+  """Forward + backward of `model` on each batch under the instrumentation probe.
+
+  Returns ({(site, stat): {layer: mean over batches}}, {'loss': mean loss, 'num_batches': n}).
+  """
+  import jax
+  import numpy as np
+  from flax import nnx
+  from dsjax import instrument as instrument_lib
+  from dsjax.train import step as step_lib
+
+  collector = instrument_lib.Collector(None)
+  instrument = instrument_lib.Instrument(collector)
+  loss_fn = step_lib.LOSSES[config.model.name]
+  use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def forward_backward(params, batch, step):
+    key = step_lib.dropout_key_for_step(config.seed, step) if use_dropout else None
+    probe = instrument.probe(step)
+
+    def loss_of_params(params):
+      return loss_fn(nnx.merge(graphdef, params, rest), batch, key, probe)[0]
+
+    loss, grads = jax.value_and_grad(loss_of_params)(params)
+    instrument.record_weight_grads(step, grads)
+    return loss
+
+  losses = []
+  for step, batch in enumerate(batches, start=1):  # The step tags the records of each batch.
+    losses.append(float(forward_backward(params, batch, step)))
+    logging.info('batch %d: loss %.4f', step, losses[-1])
+  collector.flush()
+  per_batch = instrument_lib.collector.table(collector.records)
+  means = {key: {layer: float(np.mean(values)) for layer, values in by_layer.items()}
+           for key, by_layer in per_batch.items()}
+  return means, {'loss': float(np.mean(losses)), 'num_batches': len(losses)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparison, figure, summary.
+# ------------------------------------------------------------------------------------------------
+
+def layer_rows(measured, predicted, depth: int) -> list[dict[str, Any]]:
+  rows = []
+  for n in range(depth):
+    row: dict[str, Any] = {'layer': n}
+    for name, key in QUANTITIES.items():
+      row[name] = {'measured': measured[key][n], 'predicted': predicted[name][n]}
+    rows.append(row)
+  return rows
+
+
+def summarize(rows) -> dict[str, dict[str, float]]:
+  """Mean / median relative error and R² of prediction vs measurement, per quantity."""
+  import numpy as np
+  out = {}
+  for name in QUANTITIES:
+    m = np.array([r[name]['measured'] for r in rows])
+    p = np.array([r[name]['predicted'] for r in rows])
+    rel = np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
+    total = ((m - m.mean()) ** 2).sum()
+    out[name] = {'mean_rel_error': float(rel.mean()), 'median_rel_error': float(np.median(rel)),
+                 'max_rel_error': float(rel.max()),
+                 'r2': float(1 - ((m - p) ** 2).sum() / total) if total > 0 else float('nan')}
+  return out
+
+
+def plot(rows, path: str, title: str):
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  layers = np.array([r['layer'] for r in rows]) + 1
+  panels = [('forward_var', 'forward variance', True), ('grad_var', 'gradient variance', True),
+            ('corr_seq', 'token correlation $r^l$ (forward)', False),
+            ('grad_corr_seq', 'token correlation $r^l_g$ (gradient)', False)]
+  fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+  for ax, (name, label, log) in zip(axes.flat, panels):
+    ax.plot(layers, [r[name]['measured'] for r in rows], 'o', ms=3, label='measured')
+    ax.plot(layers, [r[name]['predicted'] for r in rows], '-', lw=1.5, label='predicted (theory)')
+    ax.set_xlabel('layer')
+    ax.set_title(label)
+    if log:
+      ax.set_yscale('log')
+    ax.grid(alpha=0.3, which='both')
+  axes.flat[0].legend()
+  fig.suptitle(title)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def describe(config) -> str:
+  m = config.model
+  return (f'{m.name} {m.block} {m.scheme}/{m.init}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
+          f'{m.activation}, seq {config.data.seq_len}')
+
+
+def run(config, out: str, num_batches: int, checkpoint: str | None = None,
+        input_moments: str = 'measured') -> dict[str, Any]:
+  """Measures, predicts, writes DIR/moments.json and DIR/moments.png; returns the JSON content."""
+  import itertools
+  import jax
+  from dsjax import data as data_lib
+  from dsjax.instrument import theory_adapter
+
+  data_info = data_lib.dataset_info(config.data)
+  model = load_model(config, data_info, checkpoint)
+  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
+                                    seed=config.seed, process_index=0, process_count=1, train=True)
+  batches = (jax.device_put(b) for b in itertools.islice(pipeline, num_batches))
+  measured, info = measure(model, config, batches)
+  predicted, settings = theory_adapter.predict(config, model, data_info, measured,
+                                               input_moments=input_moments)
+  rows = layer_rows(measured, predicted, config.model.depth)
+  summary = summarize(rows)
+  result = {
+      'config': json.loads(config.to_json_best_effort()),
+      'settings': {**settings, **info, 'checkpoint': checkpoint,
+                   'grad_normalisation': 'prediction starts from the gradient measured at the last '
+                                         'layer output'},
+      'summary': summary,
+      'input': {stat: values[-1] for (site, stat), values in measured.items() if site == 'embedding'},
+      'layers': rows,
+      # Every per-layer record (all four sites, forward and backward, weight-gradient norms).
+      'sites': {f'{site}/{stat}': [values[n] for n in range(config.model.depth)]
+                for (site, stat), values in sorted(measured.items()) if 0 in values},
+  }
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, 'moments.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  plot(rows, os.path.join(out, 'moments.png'), describe(config))
+  return result
+
+
+def format_summary(result) -> str:
+  lines = [f'{"quantity":14s} {"mean rel err":>13s} {"median":>8s} {"max":>8s} {"R²":>8s}']
+  for name, s in result['summary'].items():
+    lines.append(f'{name:14s} {100 * s["mean_rel_error"]:12.1f}% {100 * s["median_rel_error"]:7.1f}% '
+                 f'{100 * s["max_rel_error"]:7.1f}% {s["r2"]:8.4f}')
+  lines.append('(gradient prediction starts from the gradient measured at the last layer output)')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  try:
+    result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value)
+  except ValueError as e:
+    print(f'dsjax.moments: error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(describe(_CONFIG.value))
+  print(format_summary(result))
+  print(f'wrote {os.path.join(_OUT.value, "moments.json")} and moments.png')
+
+
+if __name__ == '__main__':
+  app.run(main)
