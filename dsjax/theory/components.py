@@ -324,6 +324,7 @@ def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True) -> tuple[St
 # ----------------------------------------------------------------------------------------------------
 # Softmax (Appendix A.7) and its exact moments.
 
+_V_POINTS = 600
 _GH_Z, _GH_W = np.polynomial.hermite.hermgauss(96)
 _GH_LOGW = np.log(_GH_W / np.sqrt(np.pi))
 
@@ -344,7 +345,7 @@ def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...]) -> tuple[n
   # Laplace representation: 1/Z^k = ∫_0^∞ t^{k−1} e^{−tZ} dt/(k−1)!, Z = Σ_j e^{δ_j}; the keys are i.i.d.,
   # so E[e^{2δ_1}·e^{−tZ}] = ψ2(t)·φ(t)^{n−1} with ψk(t) = E[e^{kδ} e^{−t e^δ}], φ = ψ0. Integrate over
   # v = log t on one grid that covers every n (the mass sits near t ≈ 1/Z ≈ e^{−σ²/2}/n).
-  v = np.linspace(-math.log(n.max()) - sigma2 / 2 - 25.0, 8.0 + 10.0 * sigma, 1500)
+  v = np.linspace(-math.log(n.max()) - sigma2 / 2 - 25.0, 8.0 + 10.0 * sigma, _V_POINTS)
   t = np.exp(v)
   dv = v[1] - v[0]
   lp0, lp1, lp2 = (_log_psi(k, t, sigma) for k in (0, 1, 2))
@@ -492,7 +493,8 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
   position and averaged over positions (pairs of positions for covariances). The per-query logit
   variance is spread like σℓ²·χ²_{d_head}/d_head over queries (‖x Wq‖² is a sum of d_head squares), so
   E[e^{σℓ²}] → (1 − 2σℓ²/d_head)^{−d_head/2} and e^κ → ((1 − bρ)² − b²)^{−d_head/2}, b = σℓ²/d_head,
-  ρ = c2/q2 (the MGF of the product of correlated Gaussian vectors); `form='exact'` uses these.
+  ρ = c2/q2 (the MGF of the product of correlated Gaussian vectors); `form='exact'` uses these (the
+  softmax moments at the logit variance σ_eff² = −(d_head/2)·log(1 − 2b) that reproduces the first).
   """
   s2, mu, r = x.var, x.mean, x.corr_seq
   g2, rg = g.var, g.corr_seq
@@ -526,9 +528,11 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     if 2 * b >= 1:
       raise ValueError(f'attention logits too large for the moment formulas (logit variance {sl2:.3g} '
                        f'>= d_head/2 = {d_head / 2}): the softmax is saturated')
-    chi_factor = math.exp(-0.5 * d_head * math.log1p(-2 * b) - sl2)
+    # E[e^{σℓ²X}] over X ~ χ²_{d_head}/d_head equals e^{σ_eff²}: the softmax moments are evaluated at
+    # σ_eff² (exact for n = 1 and for n → ∞, smooth in between).
+    sl2_eff = -0.5 * d_head * math.log1p(-2 * b)
     e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho)**2 - b**2))
-    e2_of = lambda n: _softmax_e2(sl2, n) * chi_factor
+    e2_of = lambda n: _softmax_e2(sl2_eff, n)
   else:
     e_kappa = math.exp(kappa)
     e2_of = lambda n: np.full(np.shape(n), math.exp(sl2))

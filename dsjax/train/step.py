@@ -83,8 +83,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
                  'opt_state': opt_state, 'step': state['step'] + 1}
-    metrics = {'train/loss': loss, 'train/grad_norm': optax.global_norm(grads),
-               'train/param_norm': optax.global_norm(state['params']),
+    metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
+               'train/param_norm': optax.tree.norm(state['params']),
                'train/lr': schedule(state['step'])}
     return new_state, metrics
 
