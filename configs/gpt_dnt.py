@@ -13,7 +13,7 @@ from dsjax.config_defaults import base_config
 
 def get_config():
   c = base_config('gpt', optimizer_name='msgdw')
-  c.total_steps = 1500
+  c.total_steps = 1000
   c.batch_size = 32
   c.eval_every = 500
   c.checkpoint_every = 500

@@ -16,10 +16,10 @@ from dsjax.config_defaults import base_config
 
 def get_config():
   c = base_config('vit', optimizer_name='adamw')
-  c.total_steps = 1500
+  c.total_steps = 600
   c.batch_size = 128
-  c.eval_every = 500
-  c.checkpoint_every = 500
+  c.eval_every = 200
+  c.checkpoint_every = 200
   c.log_every = 100
 
   c.model.depth = 6
