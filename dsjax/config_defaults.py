@@ -49,6 +49,20 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   m.pooling = 'gap'               # 'gap' | 'cls'
   # GPT only.
   m.tie_embeddings = False
+  # DeepScaleLM (model.scheme='dslm'; seed 000 §3.5 and Appendix M, SPEC §2; see dsjax/schemes/dslm.py).
+  m.dslm = d = ml_collections.ConfigDict()
+  d.init = 'simple'               # 'simple': V/O like the FFN (all of the paper's §4 runs) | 'full': V/O per
+                                  # layer from the correlation recurrence (paper §3.5 item 3, Fig. 15)
+  d.k = 2.0                       # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)
+  d.alpha = 1.0                   # α = 1: gradient change and sensitivity independent of depth (Appendix G)
+  d.learnable_beta = False        # paper Table 13: a learnable β is worse than the fixed one
+  d.output_scale = 'sqrt_d'       # final hidden state × 1/sqrt(d) (paper) | 'sqrt_embed_var_d':
+                                  # × 1/sqrt(σe²·d) (reference code: 1/sqrt(0.3·d), σe² = 0.3 for BERT)
+  # Token correlation of the embedded input, start of the recurrence: 'zipf' (paper's estimate for
+  # text, Appendix A.1), 'measure' (on real batches, the paper's way for vision/speech, Appendix H) or
+  # a number. A FieldReference of type object so that both a string and a number can be set.
+  d.input_corr = config_dict.FieldReference('measure' if model_name == 'vit' else 'zipf', field_type=object)
+  d.input_var = 1.0               # variance of the model input after the embedding dropout (paper: 1)
 
   c.optimizer = default_optimizer_config(optimizer_name, family=model_name)
 

@@ -1,7 +1,10 @@
 r"""Per-layer moments of a model, measured on real batches and predicted by `dsjax.theory`.
 
   python -m dsjax.moments --config=configs/gpt_preln.py --out=DIR [--batches=4] [--checkpoint=WORKDIR]
+      [--theory_form=exact|paper|simple] [--input_moments=measured|theory]
       [--config.model.depth=192 --config.model.width=256 --config.model.dropout=0.1 ...]
+
+Commands and results of the DSLM-figure reproduction (192 layers): dsjax/instrument/README.md.
 
 The analogue of the DSLM paper's Figures 1–4 (seed 000): the model at initialisation (or restored from
 the latest checkpoint of a training workdir) runs forward and backward on `--batches` real training
@@ -12,11 +15,13 @@ layer, site 'ffn_residual') are averaged over the batches and compared with
 
 Writes
   DIR/moments.json  {"config", "settings", "summary", "input", "layers": [{"layer", "forward_var":
-                    {"measured", "predicted"}, "grad_var", "corr_seq", "grad_corr_seq"}, ...],
-                    "sites": every recorded (site, statistic) per layer, measured}
-  DIR/moments.png   forward variance, gradient variance and token correlations against layer,
-                    measured vs predicted (variances on a log scale, as in the paper)
-and prints the mean / median relative error |predicted − measured| / |measured| and R² per quantity.
+                    {"measured", "predicted"}, "grad_var", "corr_seq", "grad_corr_seq",
+                    "attn_branch_var", "ffn_branch_var"}, ...], "sites": every per-layer record
+                    (all probe sites, forward and backward, weight-gradient norms), measured}
+  DIR/moments.png   forward variance, gradient variance, token correlations and branch variances against
+                    layer, measured vs predicted (variances on a log scale, as in the paper)
+and prints the mean / median / max relative error |predicted − measured| / |measured| and R² per
+quantity.
 
 The theory's backward recursion is relative: the prediction starts from the gradient measured at the
 output of the last layer (variance and token correlation), so the predicted gradient variance matches
@@ -43,11 +48,19 @@ _INPUT_MOMENTS = flags.DEFINE_enum(
     'input_moments', 'measured', ['measured', 'theory'],
     'Moments entering the first layer for the prediction: measured at the embedding output, or the '
     'theory\'s embedding formula (Zipf-distributed tokens, SPEC §1.4).')
+_THEORY_FORM = flags.DEFINE_enum(
+    'theory_form', 'exact', ['exact', 'paper', 'simple'],
+    "Formulas of `dsjax.theory.model.propagate`: 'exact' (finite-d LayerNorm, exact softmax and "
+    "attention), 'paper' (the DSLM paper's Appendix A formulas) or 'simple' (its Tables 1-2).")
 flags.mark_flags_as_required(['config', 'out'])
 
-# Quantities compared per layer: JSON name -> (site, statistic) of the layer output.
+# Quantities compared per layer: JSON name -> measured (site, statistic). The first four are of the
+# layer output (the residual stream after the layer); the branch variances (the branch output after
+# its dropout, before the β scale) are what a Post-LN stack's forward pass is really about, since its
+# stream has variance 1 by construction.
 QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual', 'grad_var'),
-              'corr_seq': ('ffn_residual', 'corr_seq'), 'grad_corr_seq': ('ffn_residual', 'grad_corr_seq')}
+              'corr_seq': ('ffn_residual', 'corr_seq'), 'grad_corr_seq': ('ffn_residual', 'grad_corr_seq'),
+              'attn_branch_var': ('attn_branch', 'var'), 'ffn_branch_var': ('ffn_branch', 'var')}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,19 +71,22 @@ def load_model(config, data_info, checkpoint: str | None):
   """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
   from flax import nnx
   from dsjax import models
-  model = models.build_model(config, data_info, nnx.Rngs(params=config.seed))
+  from dsjax.schemes import dslm
+  # DSLM with model.dslm.input_corr='measure' initialises from measured input moments: those the run
+  # stored in its workdir, or measured afresh on the first training batches.
+  input_moments = dslm.input_moments_for_run(config, data_info, checkpoint, write=False)
+  model = models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
   if checkpoint is None:
     return model
   import jax
   from dsjax.train import checkpoint as checkpoint_lib
   from dsjax.train import loop, optimizers
   tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  _, create_state = loop.create_train_state(config, data_info, tx)
-  abstract_state = jax.eval_shape(create_state)
+  _, create_state = loop.create_train_state(config, data_info, tx, input_moments)
   checkpointer = checkpoint_lib.Checkpointer(checkpoint, save_every=1, keep=1)
   if checkpointer.latest_step() is None:
     raise ValueError(f'--checkpoint {checkpoint} holds no checkpoint')
-  state, _ = checkpointer.restore(abstract_state)
+  state, _ = checkpointer.restore(jax.eval_shape(create_state))
   checkpointer.close()
   graphdef, _, _ = nnx.split(model, nnx.Param, ...)
   logging.info('Restored step %d from %s', int(state['step']), checkpoint)
@@ -97,13 +113,11 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
   @jax.jit
   def forward_backward(params, batch, step):
     key = step_lib.dropout_key_for_step(config.seed, step) if use_dropout else None
-    probe = instrument.probe(step)
 
-    def loss_of_params(params):
+    def loss_of_params(params, probe):
       return loss_fn(nnx.merge(graphdef, params, rest), batch, key, probe)[0]
 
-    loss, grads = jax.value_and_grad(loss_of_params)(params)
-    instrument.record_weight_grads(step, grads)
+    loss, _ = instrument.value_and_grad(loss_of_params, params, step=step)
     return loss
 
   losses = []
@@ -153,10 +167,13 @@ def plot(rows, path: str, title: str):
   import numpy as np
 
   layers = np.array([r['layer'] for r in rows]) + 1
-  panels = [('forward_var', 'forward variance', True), ('grad_var', 'gradient variance', True),
+  panels = [('forward_var', 'forward variance (layer output)', True),
+            ('grad_var', 'gradient variance (layer output)', True),
+            ('attn_branch_var', 'attention branch output variance', True),
             ('corr_seq', 'token correlation $r^l$ (forward)', False),
-            ('grad_corr_seq', 'token correlation $r^l_g$ (gradient)', False)]
-  fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+            ('grad_corr_seq', 'token correlation $r^l_g$ (gradient)', False),
+            ('ffn_branch_var', 'FFN branch output variance', True)]
+  fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
   for ax, (name, label, log) in zip(axes.flat, panels):
     ax.plot(layers, [r[name]['measured'] for r in rows], 'o', ms=3, label='measured')
     ax.plot(layers, [r[name]['predicted'] for r in rows], '-', lw=1.5, label='predicted (theory)')
@@ -173,12 +190,13 @@ def plot(rows, path: str, title: str):
 
 def describe(config) -> str:
   m = config.model
-  return (f'{m.name} {m.block} {m.scheme}/{m.init}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
+  init = m.dslm.init if m.scheme == 'dslm' else m.init
+  return (f'{m.name} {m.block} {m.scheme}/{init}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
           f'{m.activation}, seq {config.data.seq_len}')
 
 
 def run(config, out: str, num_batches: int, checkpoint: str | None = None,
-        input_moments: str = 'measured') -> dict[str, Any]:
+        input_moments: str = 'measured', theory_form: str = 'exact') -> dict[str, Any]:
   """Measures, predicts, writes DIR/moments.json and DIR/moments.png; returns the JSON content."""
   import itertools
   import jax
@@ -192,7 +210,7 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
   batches = (jax.device_put(b) for b in itertools.islice(pipeline, num_batches))
   measured, info = measure(model, config, batches)
   predicted, settings = theory_adapter.predict(config, model, data_info, measured,
-                                               input_moments=input_moments)
+                                               input_moments=input_moments, form=theory_form)
   rows = layer_rows(measured, predicted, config.model.depth)
   summary = summarize(rows)
   result = {
@@ -215,9 +233,9 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
 
 
 def format_summary(result) -> str:
-  lines = [f'{"quantity":14s} {"mean rel err":>13s} {"median":>8s} {"max":>8s} {"R²":>8s}']
+  lines = [f'{"quantity":16s} {"mean rel err":>13s} {"median":>8s} {"max":>8s} {"R²":>8s}']
   for name, s in result['summary'].items():
-    lines.append(f'{name:14s} {100 * s["mean_rel_error"]:12.1f}% {100 * s["median_rel_error"]:7.1f}% '
+    lines.append(f'{name:16s} {100 * s["mean_rel_error"]:12.1f}% {100 * s["median_rel_error"]:7.1f}% '
                  f'{100 * s["max_rel_error"]:7.1f}% {s["r2"]:8.4f}')
   lines.append('(gradient prediction starts from the gradient measured at the last layer output)')
   return '\n'.join(lines)
@@ -227,7 +245,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   try:
-    result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value)
+    result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value,
+                 _THEORY_FORM.value)
   except ValueError as e:
     print(f'dsjax.moments: error: {e}', file=sys.stderr)
     sys.exit(2)

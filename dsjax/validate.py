@@ -59,6 +59,8 @@ def validate_config(config, num_devices: int, process_count: int = 1):
   _probability('model.dropout', m.dropout)
   _probability('model.attn_dropout', m.attn_dropout)
   _one_of('model.scheme', m.scheme, sorted(schemes.SCHEMES))
+  if m.scheme == 'dslm':
+    schemes.dslm.validate_config(m)  # model.dslm.* keys and the blocks/embeddings DSLM can scale.
   _one_of('model.init', m.init, INITS)
   _one_of('model.init_distribution', m.init_distribution, INIT_DISTRIBUTIONS)
   _one_of('model.remat', m.remat, REMAT_POLICIES)

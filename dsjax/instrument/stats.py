@@ -31,8 +31,8 @@ DISTRIBUTION_STATS = tuple(f'grad_abs_{q}' for q in GRAD_QUANTILES) + ('grad_kur
 
 class _Sums:
   """The few O(B·L·D) reductions every statistic below is computed from (sums over tokens, over hidden
-  units, of squares). Raw, unshifted moments keep it to one read of x per reduction — this runs at up
-  to 40 tensors per layer; float32 var = Σx²/n − mean² loses ~(mean/std)²·1e-7 relative accuracy,
+  units, of squares). Raw, unshifted moments keep it to one read of x per reduction — this runs on 8
+  tensors per layer and step; float32 var = Σx²/n − mean² loses ~(mean/std)²·1e-7 relative accuracy,
   negligible for activations and gradients (|mean| ≲ std).
   """
 

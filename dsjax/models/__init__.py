@@ -41,11 +41,15 @@ def model_dims(config, data_info) -> schemes.ModelDims:
       num_embedding_tables=2)
 
 
-def build_model(config, data_info, rngs: nnx.Rngs) -> nnx.Module:
-  """Creates the model named by `config.model.name`, initialised by `config.model.scheme`."""
+def build_model(config, data_info, rngs: nnx.Rngs, input_moments: dict | None = None) -> nnx.Module:
+  """Creates the model named by `config.model.name`, initialised by `config.model.scheme`.
+
+  `input_moments`: measured {'var', 'corr_seq'} of the embedded input, for schemes that use them
+  (DSLM with `model.dslm.input_corr='measure'`; see `dsjax.schemes.dslm.input_moments_for_run`).
+  """
   m = config.model
   dims = model_dims(config, data_info)
-  plan = schemes.make_init_plan(m, dims)
+  plan = schemes.make_init_plan(m, dims, input_moments)
   # The scheme, not the raw config, has the last word on how weights are drawn and what is learnable.
   cfg = dataclasses.replace(transformer_config(m), distribution=plan.distribution,
                             learnable_skip_scale=plan.learnable_skip_scale,

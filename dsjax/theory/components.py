@@ -48,7 +48,6 @@ import math
 from typing import Callable, Sequence
 
 import numpy as np
-from scipy import special
 
 __all__ = [
     'Stats', 'GradStats', 'linear', 'dropout', 'relu', 'gelu', 'layernorm', 'softmax',
@@ -329,15 +328,22 @@ _GH_Z, _GH_W = np.polynomial.hermite.hermgauss(96)
 _GH_LOGW = np.log(_GH_W / np.sqrt(np.pi))
 
 
+def _logsumexp(a: np.ndarray, axis: int = -1) -> np.ndarray:
+  peak = np.max(a, axis=axis, keepdims=True)
+  peak = np.where(np.isfinite(peak), peak, 0.0)
+  with np.errstate(divide='ignore'):   # all terms −inf: the sum is 0, its log −inf
+    return np.log(np.sum(np.exp(a - peak), axis=axis)) + np.squeeze(peak, axis)
+
+
 def _log_psi(k: int, t: np.ndarray, sigma: float) -> np.ndarray:
   """log E[e^{kδ}·exp(−t·e^δ)], δ ~ N(0, σ²), by Gauss–Hermite quadrature (t: any shape)."""
   delta = math.sqrt(2.0) * sigma * _GH_Z
-  terms = _GH_LOGW + k * delta - t[..., None] * np.exp(delta)
-  return special.logsumexp(terms, axis=-1)
+  return _logsumexp(_GH_LOGW + k * delta - t[..., None] * np.exp(delta))
 
 
 @functools.lru_cache(maxsize=4096)
-def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...], full: bool
+                            ) -> tuple[np.ndarray, ...]:
   n = np.asarray(n_values, np.float64)
   if sigma2 == 0.0:
     return 1 / n**2, 1 / n**4, (1 / n**2) * (1 - 1 / n)**2
@@ -348,24 +354,24 @@ def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...]) -> tuple[n
   v = np.linspace(-math.log(n.max()) - sigma2 / 2 - 25.0, 8.0 + 10.0 * sigma, _V_POINTS)
   t = np.exp(v)
   dv = v[1] - v[0]
-  lp0, lp1, lp2 = (_log_psi(k, t, sigma) for k in (0, 1, 2))
-  lp0 = np.minimum(lp0, 0.0)
+  lp0 = np.minimum(_log_psi(0, t, sigma), 0.0)
+  lp2 = _log_psi(2, t, sigma)
   nn = n[:, None]
-  logsum = lambda logf: np.exp(special.logsumexp(logf, axis=-1) + math.log(dv))
+  integral = lambda logf: np.exp(_logsumexp(logf) + math.log(dv))
+  single = n == 1
   # E[P_1²] = ∫ t ψ2 φ^{n−1} dt.
-  m2 = logsum(2 * v + lp2 + (nn - 1) * lp0)
+  m2 = np.where(single, 1.0, integral(2 * v + lp2 + (nn - 1) * lp0))
+  if not full:
+    return m2, None, None
+  lp1 = _log_psi(1, t, sigma)
   # E[P_1² P_2²] = ∫ t³/6 ψ2² φ^{n−2} dt (n ≥ 2).
-  m22 = logsum(4 * v - math.log(6) + 2 * lp2 + np.maximum(nn - 2, 0) * lp0)
+  m22 = integral(4 * v - math.log(6) + 2 * lp2 + np.maximum(nn - 2, 0) * lp0)
   # E[P_1²(1−P_1)²] = E[e^{2δ_1} R² / Z⁴], R = Z − e^{δ_1}; E[R² e^{−tR}] = (φ^{n−1})''.
   with np.errstate(divide='ignore'):
     log_a = np.log(np.maximum((nn - 1) * (nn - 2), 0)) + 2 * lp1 + np.maximum(nn - 3, 0) * lp0
     log_b = np.log(np.maximum(nn - 1, 0)) + lp2 + np.maximum(nn - 2, 0) * lp0
-  m2q = logsum(4 * v - math.log(6) + lp2 + np.logaddexp(log_a, log_b))
-  single = n == 1
-  m2 = np.where(single, 1.0, m2)
-  m22 = np.where(single, 0.0, m22)
-  m2q = np.where(single, 0.0, m2q)
-  return m2, m22, m2q
+  m2q = integral(4 * v - math.log(6) + lp2 + np.logaddexp(log_a, log_b))
+  return m2, np.where(single, 0.0, m22), np.where(single, 0.0, m2q)
 
 
 def softmax_moments(sigma2: float, n) -> dict[str, np.ndarray]:
@@ -373,6 +379,11 @@ def softmax_moments(sigma2: float, n) -> dict[str, np.ndarray]:
 
   Returns E[P_1²] ('m2'), E[P_1²·P_2²] ('m22') and E[P_1²·(1−P_1)²] ('m2q'), arrays over `n`.
   """
+  m2, m22, m2q = _softmax_moments_raw(sigma2, n, full=True)
+  return {'m2': m2, 'm22': m22, 'm2q': m2q}
+
+
+def _softmax_moments_raw(sigma2: float, n, full: bool):
   sigma2 = _check_finite('sigma2', sigma2)
   if sigma2 < 0:
     raise ValueError(f'sigma2 must be >= 0, got {sigma2}')
@@ -380,9 +391,9 @@ def softmax_moments(sigma2: float, n) -> dict[str, np.ndarray]:
   if np.any(n_arr < 1):
     raise ValueError(f'n must be >= 1, got {n}')
   key = tuple(int(v) for v in n_arr.ravel())
-  m2, m22, m2q = _softmax_moments_cached(round(sigma2, 15), key)
+  values = _softmax_moments_cached(round(sigma2, 15), key, full)
   shape = np.shape(n)
-  return {'m2': m2.reshape(shape), 'm22': m22.reshape(shape), 'm2q': m2q.reshape(shape)}
+  return tuple(None if v is None else v.reshape(shape) for v in values)
 
 
 def _softmax_e2(sigma2: float, n) -> np.ndarray:
@@ -394,10 +405,10 @@ def _softmax_e2(sigma2: float, n) -> np.ndarray:
   n = np.asarray(n)
   unique = np.unique(n)
   if unique.size <= 48:
-    e2 = unique.astype(np.float64)**2 * softmax_moments(sigma2, unique)['m2']
+    e2 = unique.astype(np.float64)**2 * _softmax_moments_raw(sigma2, unique, full=False)[0]
     return e2[np.searchsorted(unique, n)]
   nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(int)
-  e2 = nodes.astype(np.float64)**2 * softmax_moments(sigma2, nodes)['m2']
+  e2 = nodes.astype(np.float64)**2 * _softmax_moments_raw(sigma2, nodes, full=False)[0]
   # np.interp needs increasing abscissae: 1/n decreases with n, so reverse.
   return np.interp(1.0 / n, (1.0 / nodes)[::-1], e2[::-1])
 
@@ -534,7 +545,8 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho)**2 - b**2))
     e2_of = lambda n: _softmax_e2(sl2_eff, n)
   else:
-    e_kappa = math.exp(kappa)
+    # Appendix A.8: e^{σℓ²} in the forward; the backward treats the softmax as the constant 1/L.
+    e_kappa = 1.0
     e2_of = lambda n: np.full(np.shape(n), math.exp(sl2))
 
   if not causal:
@@ -547,11 +559,13 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
       # Appendix A.8 verbatim (mu = 0 there; c2 generalises r·s2).
       var_pre = c2 + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
       cov_pre = c2 + (sd2 + 2 * tau2) / n
+    if not exact:
+      v_path = 1 / (n * (1 - p)) + rg * (n - 1) / n
+      v_cov = 1 / n + rg * (n - 1) / n
+      return proj_f * var_pre, proj_f * cov_pre, unit_b * v_path, unit_b * v_cov
     s1, s2_pairs = e2 / n, (n - 1) / n
     v_path = s1 / (1 - p) + rg * e_kappa * s2_pairs
     v_cov = (n - e2) / (n * (n - 1)) + rg * (n - 1) / n
-    if not exact:
-      return proj_f * var_pre, proj_f * cov_pre, unit_b * v_path, unit_b * v_cov
     c_n = 1 - e2 / n
     q_path = qk_prod * d_in * sd2 * (sd2 * c_n**2 + c_n * e2 * d_in * (p * c2 + sd2) / (n * (1 - p)))
     k_path = U * (p * c2 + sd2) * s1 / (1 - p) + rg * kappa * e_kappa * s2_pairs
@@ -584,12 +598,12 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
   # Key u collects from the queries t ≥ u: suffix sums over t.
   suffix = lambda f: np.cumsum(f[::-1])[::-1]
   inv_n = 1 / n
-  s1 = suffix(e2 / n**2)
+  s1 = suffix((e2 if exact else 1.0) / n**2)
   sum_inv = suffix(inv_n)
   s2_pairs = sum_inv**2 - suffix(inv_n**2)
   v_path = s1 / (1 - p) + rg * e_kappa * s2_pairs
   # Covariance of keys u ≠ u': queries t ≥ max(u, u') see both keys.
-  shared = suffix(np.where(n > 1, (n - e2) / (n**2 * np.maximum(n - 1, 1)), 0.0))
+  shared = suffix(np.where(n > 1, (n - (e2 if exact else 1.0)) / (n**2 * np.maximum(n - 1, 1)), 0.0))
   v_cov = (mean_over_pairs_of_max(shared)
            + rg * (mean_over_pairs_of_product(sum_inv) - mean_over_pairs_of_max(suffix(inv_n**2))))
   if not exact:

@@ -42,10 +42,12 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 from scipy import special
+from scipy import stats
 from scipy.stats import qmc
 
 from dsjax.theory import components as C
@@ -127,7 +129,7 @@ def _kernels():
   def moments(z):
     """[mean, E(z−z̄)², token covariance, hidden covariance] of z: (..., L, D), pooled."""
     L, D = z.shape[-2:]
-    n = z.size
+    n = float(z.size)
     mean = jnp.mean(z)
     z = z - mean
     total = jnp.sum(jnp.sum(z * z, axis=-1))
@@ -140,25 +142,83 @@ def _kernels():
       hid = jnp.zeros(())
     return jnp.stack([mean, total / n, tok, hid])
 
-  def per_pair(fn, xs, gs, extras, ws):
-    """vjp of fn(x, extra, w) for every (input draw, weight draw) pair: outputs (bx, bw, ...)."""
-    def one(x, g, extra, w):
-      y, vjp = jax.vjp(lambda z: fn(z, extra, w), x)
+  def unit(v):
+    """v/‖v‖ over the last axis; e_0 where v = 0 (any fixed direction keeps the draw exact)."""
+    norm = jnp.linalg.norm(v, axis=-1, keepdims=True)
+    e0 = jnp.zeros_like(v).at[..., 0].set(1.0)
+    return jnp.where(norm > 1e-30, v / jnp.maximum(norm, 1e-30), e0)
+
+  def gaussian_matrices(key, shape, a, bs, strata):
+    """bw matrices with i.i.d. N(0, 1) entries, stratified along input direction a and output
+    directions bs across the configuration.
+
+    With a unit (bw, n_in) and bs orthonormal (bw, k, n_out), independent of Z:
+      Z = Z⊥ + a·ζᵀ + Σ_k η_k·b_kᵀ + Σ_k s_k·a·b_kᵀ,
+    Z⊥ ⟂ a and ⟂ every b_k, ζ ⟂ every b_k, η_k ⟂ a, s_k = aᵀZb_k: independent Gaussian pieces.
+    Replacing ‖ζ‖ (χ, n_out−k dof), each ‖η_k‖ (χ, n_in−1 dof) and each s_k (normal) by independent
+    draws of the same laws leaves Z exactly i.i.d. N(0, 1); drawing them from strata (`strata`:
+    (bw, 1 + 2k): ‖ζ‖, then ‖η_k‖, s_k per k) removes the chi-square noise of ‖aᵀW‖² (the variance a
+    shared input direction gets), of aᵀW·b_k (the output mean, b = 1/sqrt(n)) and of ‖W b_k‖² (the
+    variance a shared gradient direction gets).
+    """
+    z = jax.random.normal(key, shape, jnp.float32)
+    k = bs.shape[1]
+    az = jnp.einsum('wi,wio->wo', a, z)
+    zb = jnp.einsum('wio,wko->wik', z, bs)
+    s0 = jnp.einsum('wik,wi->wk', zb, a)
+    zeta = az - jnp.einsum('wk,wko->wo', s0, bs)
+    eta = zb - s0[:, None, :] * a[:, :, None]
+    z_perp = (z - a[:, :, None] * az[:, None, :] - jnp.einsum('wik,wko->wio', zb, bs)
+              + a[:, :, None] * jnp.einsum('wk,wko->wo', s0, bs)[:, None, :])
+    zeta = zeta * (strata[:, 0] / jnp.maximum(jnp.linalg.norm(zeta, axis=-1), 1e-30))[:, None]
+    eta = eta * (strata[:, 1:1 + 2 * k:2] / jnp.maximum(jnp.linalg.norm(eta, axis=1), 1e-30))[:, None, :]
+    s_new = strata[:, 2:2 + 2 * k:2]
+    return (z_perp + a[:, :, None] * zeta[:, None, :] + jnp.einsum('wik,wko->wio', eta, bs)
+            + a[:, :, None] * jnp.einsum('wk,wko->wo', s_new, bs)[:, None, :])
+
+  def out_directions(cg, bw, n_out, with_gradient=True):
+    """Orthonormal output directions: all-ones (the output mean) and the shared gradient part."""
+    ones = unit(jnp.ones((n_out,), jnp.float32))
+    rows = [ones]
+    if with_gradient:
+      b = cg[0] - jnp.dot(cg[0], ones) * ones
+      rows.append(unit(b))
+    return jnp.broadcast_to(jnp.stack(rows), (bw, len(rows), n_out))
+
+  def per_weight(fn, x, g, ws, n_grad):
+    """Outputs of fn(x, w) for every weight draw w and input gradients (vjp with cotangent g) for the
+    first n_grad draws (the gradient moments need fewer draws than the output mean)."""
+    def both(w):
+      y, vjp = jax.vjp(lambda z: fn(z, w), x)
       return y, vjp(g)[0]
-    inner = lambda x, g, extra: jax.vmap(lambda w: one(x, g, extra, w))(ws)
-    return jax.vmap(inner)(xs, gs, extras)
+    head = jax.tree.map(lambda t: t[:n_grad], ws)
+    tail = jax.tree.map(lambda t: t[n_grad:], ws)
+    y, gin = jax.vmap(both)(head)
+    n_tail = jax.tree.leaves(tail)[0].shape[0]
+    if n_tail:
+      y = jnp.concatenate([y, jax.vmap(lambda w: fn(x, w))(tail)])
+    return y, gin
+
+  def in_direction(x, bw):
+    """Unit vector of the token average of the input: its shared part (mean included) plus the
+    average of the independent parts — what every output token carries."""
+    a = unit(jnp.mean(x, axis=0))
+    return jnp.broadcast_to(a, (bw,) + a.shape)
 
   static = functools.partial(jax.jit, static_argnames=('shape',))
 
+  # Each chunk holds one input draw (x: (1, L, d), its shared parts c, c': (1, d)) and `bw` weight draws.
+
   @static
-  def linear(key, c, cg, theta, *, shape):
-    bx, bw, L, d_in, d_out = shape
+  def linear(key, c, cg, strata, theta, *, shape):
+    bw, n_grad, L, d_in, d_out = shape
     mean, s2, r, w_std, g2, rg = theta
     kx, kg, kw = jax.random.split(key, 3)
-    x = draw(kx, c, (bx, L, d_in), mean, s2, r)
-    g = draw(kg, cg, (bx, L, d_out), 0.0, g2, rg)
-    w = w_std * jax.random.normal(kw, (bw, d_in, d_out), jnp.float32)
-    y, gin = per_pair(lambda z, _, wb: z @ wb, x, g, jnp.zeros((bx,)), w)
+    x = draw(kx, c, (1, L, d_in), mean, s2, r)[0]
+    g = draw(kg, cg, (1, L, d_out), 0.0, g2, rg)[0]
+    w = w_std * gaussian_matrices(kw, (bw, d_in, d_out), in_direction(x, bw),
+                                  out_directions(cg, bw, d_out), strata)
+    y, gin = per_weight(lambda z, wb: z @ wb, x, g, w, n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
   @static
@@ -208,54 +268,63 @@ def _kernels():
     return jnp.einsum('hlm,hmk->lhk', probs, v)
 
   @static
-  def attention_head(key, c, cg, theta, *, shape):
-    bx, bw, L, d_in, d_head, causal = shape
+  def attention_head(key, c, cg, strata, theta, *, shape):
+    bw, n_grad, L, d_in, d_head, causal = shape
     s2, r, qk_std, v_std, threshold, g2, rg = theta
-    kx, kg, km, kw = jax.random.split(key, 4)
-    x = draw(kx, c, (bx, L, d_in), 0.0, s2, r)
-    g = draw(kg, cg, (bx, L, d_head), 0.0, g2, rg)
-    keep, scale = keep_mask(km, (bx, 1, L, L), threshold)
-    w = jax.random.normal(kw, (bw, 3, d_in, 1, d_head), jnp.float32)
-    w = w * jnp.stack([qk_std, qk_std, v_std])[None, :, None, None, None]
-    fn = lambda z, kp, wb: attention(z, kp, scale, wb[0], wb[1], wb[2], causal)[:, 0]
-    y, gin = per_pair(fn, x, g, keep, w)
+    kx, kg, km, kq, kv = jax.random.split(key, 5)
+    x = draw(kx, c, (1, L, d_in), 0.0, s2, r)[0]
+    g = draw(kg, cg, (1, L, d_head), 0.0, g2, rg)[0]
+    keep, scale = keep_mask(km, (1, L, L), threshold)
+    wqk = qk_std * jax.random.normal(kq, (bw, 2, d_in, 1, d_head), jnp.float32)
+    wv = v_std * gaussian_matrices(kv, (bw, d_in, d_head), in_direction(x, bw),
+                                   out_directions(cg, bw, d_head), strata)
+    fn = lambda z, wb: attention(z, keep, scale, wb[0][0], wb[0][1], wb[1][:, None, :], causal)[:, 0]
+    y, gin = per_weight(fn, x, g, (wqk, wv), n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
   @static
-  def attention_block(key, c, cg, theta, *, shape):
-    bx, bw, L, d, heads, causal = shape
+  def attention_block(key, c, cg, strata, theta, *, shape):
+    bw, n_grad, L, d, heads, causal = shape
     s2, r, qk_std, v_std, o_std, threshold_attn, threshold, g2, rg = theta
-    kx, kg, ka, ko, kw = jax.random.split(key, 5)
-    x = draw(kx, c, (bx, L, d), 0.0, s2, r)
-    g = draw(kg, cg, (bx, L, d), 0.0, g2, rg)
-    keep_attn, scale_attn = keep_mask(ka, (bx, heads, L, L), threshold_attn)
-    keep_out, scale_out = keep_mask(ko, (bx, L, d), threshold)
-    w = jax.random.normal(kw, (bw, 4, d, d), jnp.float32)
-    w = w * jnp.stack([qk_std, qk_std, v_std, o_std])[None, :, None, None]
+    kx, kg, ka, ko, kq, kv, kw = jax.random.split(key, 7)
+    x = draw(kx, c, (1, L, d), 0.0, s2, r)[0]
+    g = draw(kg, cg, (1, L, d), 0.0, g2, rg)[0]
+    keep_attn, scale_attn = keep_mask(ka, (heads, L, L), threshold_attn)
+    keep_out, scale_out = keep_mask(ko, (L, d), threshold)
+    wqk = qk_std * jax.random.normal(kq, (bw, 2, d, d), jnp.float32)
+    a = in_direction(x, bw)
+    # Value projection stratified along the token average of the input; output projection along what
+    # the value projection made of it (input side) and along the output mean and shared gradient.
+    wv_unit = gaussian_matrices(kv, (bw, d, d), a, jnp.zeros((bw, 0, d)), strata[:, :1])
+    a_out = unit(jnp.einsum('wi,wio->wo', a, wv_unit))
+    wo = o_std * gaussian_matrices(kw, (bw, d, d), a_out, out_directions(cg, bw, d), strata[:, 1:])
+    split = lambda m: m.reshape(d, heads, d // heads)
 
-    def block(z, keeps, wb):
-      k_attn, k_out = keeps
-      split = lambda m: m.reshape(d, heads, d // heads)
-      heads_out = attention(z, k_attn, scale_attn, split(wb[0]), split(wb[1]), split(wb[2]), causal)
-      out = heads_out.reshape(L, d) @ wb[3]
-      return jnp.where(k_out, out * scale_out, 0.0)
+    def block(z, wb):
+      w_qk, w_v, w_o = wb
+      heads_out = attention(z, keep_attn, scale_attn, split(w_qk[0]), split(w_qk[1]), split(w_v), causal)
+      return jnp.where(keep_out, heads_out.reshape(L, d) @ w_o * scale_out, 0.0)
 
-    y, gin = per_pair(block, x, g, (keep_attn, keep_out), w)
+    y, gin = per_weight(block, x, g, (wqk, v_std * wv_unit, wo), n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
   @static
-  def ffn_block(key, c, cg, theta, *, shape):
-    bx, bw, L, d, hidden, activation = shape
+  def ffn_block(key, c, cg, strata, theta, *, shape):
+    bw, n_grad, L, d, hidden, activation = shape
     s2, r, w1_std, w2_std, threshold, g2, rg = theta
     kx, kg, km, k1, k2 = jax.random.split(key, 5)
-    x = draw(kx, c, (bx, L, d), 0.0, s2, r)
-    g = draw(kg, cg, (bx, L, d), 0.0, g2, rg)
-    keep, scale = keep_mask(km, (bx, L, d), threshold)
-    w1 = w1_std * jax.random.normal(k1, (bw, d, hidden), jnp.float32)
-    w2 = w2_std * jax.random.normal(k2, (bw, hidden, d), jnp.float32)
+    x = draw(kx, c, (1, L, d), 0.0, s2, r)[0]
+    g = draw(kg, cg, (1, L, d), 0.0, g2, rg)[0]
+    keep, scale = keep_mask(km, (L, d), threshold)
     act = jax.nn.relu if activation == 'relu' else (lambda z: jax.nn.gelu(z, approximate=False))
-    fn = lambda z, kp, wb: jnp.where(kp, act(z @ wb[0]) @ wb[1] * scale, 0.0)
-    y, gin = per_pair(fn, x, g, keep, (w1, w2))
+    w1 = w1_std * gaussian_matrices(k1, (bw, d, hidden), in_direction(x, bw),
+                                    jnp.zeros((bw, 0, hidden)), strata[:, :1])
+    # The second matrix sees the token average of the activations (which carries the activation
+    # mean): stratify along it, and along the output mean and the shared gradient.
+    a2 = unit(jnp.mean(act(jnp.einsum('ld,wdh->wlh', x, w1)), axis=1))
+    w2 = w2_std * gaussian_matrices(k2, (bw, hidden, d), a2, out_directions(cg, bw, d), strata[:, 1:])
+    fn = lambda z, wb: jnp.where(keep, act(z @ wb[0]) @ wb[1] * scale, 0.0)
+    y, gin = per_weight(fn, x, g, (w1, w2), n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
   return dict(linear=linear, elementwise=elementwise, softmax=softmax, attention_head=attention_head,
@@ -266,18 +335,28 @@ def _kernels():
 # Stratified shared components and the chunked simulation loop.
 
 
+def _lhs_uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
+  """Latin-hypercube uniforms: one point in each of n equal-probability strata, shuffled."""
+  return np.clip((rng.permutation(n) + rng.random(n)) / n, 1e-12, 1 - 1e-12)
+
+
 def _lhs_normals(rng: np.random.Generator, shape) -> np.ndarray:
-  """Latin-hypercube standard normals: one point in each of n equal-probability strata, shuffled."""
-  n = int(np.prod(shape))
-  u = (rng.permutation(n) + rng.random(n)) / n
-  return special.ndtri(u).reshape(shape).astype(np.float32)
+  """Latin-hypercube standard normals."""
+  return special.ndtri(_lhs_uniforms(rng, int(np.prod(shape)))).reshape(shape).astype(np.float32)
 
 
 def _sobol_normal_pairs(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-  """n pairs of independent standard normals from scrambled 2-D Sobol points, randomly ordered."""
-  m = max(1, math.ceil(math.log2(n)))
-  points = qmc.Sobol(d=2, scramble=True, seed=rng).random_base2(m)[rng.permutation(2**m)[:n]]
-  points = np.clip(points, 1e-12, 1 - 1e-12)
+  """n pairs of independent standard normals: the first n scrambled 2-D Sobol points, shuffled."""
+  sobol = qmc.Sobol(d=2, scramble=True, seed=rng)
+  m = math.ceil(math.log2(n))
+  # A prefix of a Sobol sequence is still evenly spread when n is not a power of two.
+  if 2**m == n:
+    points = sobol.random_base2(m)
+  else:
+    with warnings.catch_warnings():
+      warnings.filterwarnings('ignore', message='The balance properties')
+      points = sobol.random(n)
+  points = np.clip(points[rng.permutation(n)], 1e-12, 1 - 1e-12)
   z = special.ndtri(points).astype(np.float32)
   return z[:, 0], z[:, 1]
 
@@ -296,10 +375,12 @@ def _pool(chunks: np.ndarray) -> dict[str, float]:
           'cov_seq': chunks[:, 2].mean() + between, 'cov_hidden': chunks[:, 3].mean() + between}
 
 
-def _run_chunks(kernel, shape, theta, key, c_all, cg_all) -> dict[str, float]:
+def _run_chunks(kernel, shape, theta, key, c_all, cg_all, strata_all=None) -> dict[str, float]:
   jax, jnp = _jax()
   theta = jnp.asarray(theta, jnp.float32)
-  results = [kernel(jax.random.fold_in(key, i), c_all[i], cg_all[i], theta, shape=shape)
+  extra = [] if strata_all is None else [strata_all]
+  results = [kernel(jax.random.fold_in(key, i), c_all[i], cg_all[i], *[e[i] for e in extra], theta,
+                    shape=shape)
              for i in range(len(c_all))]
   results = np.asarray(jax.device_get(results), np.float64)   # (chunks, 2, 4)
   out, grad = _pool(results[:, 0]), _pool(results[:, 1])
@@ -309,16 +390,37 @@ def _run_chunks(kernel, shape, theta, key, c_all, cg_all) -> dict[str, float]:
   return measured
 
 
-def _pair_plan(pairs_needed: int, floats_per_pair: int, input_draws: int = 1) -> tuple[int, int, int]:
-  """(input draws, weight draws, chunks): one chunk holds ≤ _CHUNK_FLOATS floats.
+def _simulate_weighted(kernel: str, shape_tail: tuple, theta, key, rng, *, d_in: int, d_grad: int,
+                       matrices: list[tuple[int, int]], columns: int, d_out: int,
+                       floats_per_draw: int, input_draws: int, grad_every: int) -> dict[str, float]:
+  """Chunked simulation of a component with weights: each chunk is one input draw (with its injected
+  gradient and dropout masks) pushed through `bw` weight draws.
 
-  Each input draw of a chunk is paired with every weight draw of the chunk. Weight draws are what the
-  noise of a shared direction (the input mean, a ReLU mean) averages over, so chunks favour them.
+  columns: output columns wanted in all (weight draws × d_out; what the output mean's noise averages
+  over); input_draws: at least this many chunks; grad_every: input gradients are computed for one
+  weight draw in `grad_every` (at least one per chunk). `matrices`: (n_in, n_out, number of stratified
+  output directions) of each stratified matrix, in the kernel's order.
   """
-  per_chunk = max(1, _CHUNK_FLOATS // floats_per_pair)
-  bx = max(1, min(input_draws, per_chunk))
-  bw = max(1, min(per_chunk // bx, math.ceil(pairs_needed / bx)))
-  return bx, bw, math.ceil(pairs_needed / (bx * bw))
+  draws = math.ceil(columns / d_out)
+  capacity = max(1, _CHUNK_FLOATS // floats_per_draw)
+  bw = max(1, min(capacity, math.ceil(draws / input_draws)))
+  chunks = max(input_draws, math.ceil(draws / bw))
+  n_grad = max(1, bw // grad_every)
+  c = _lhs_normals(rng, (chunks, 1, d_in))
+  cg = _lhs_normals(rng, (chunks, 1, d_grad))
+  # The draws that also give gradients (the first n_grad of each chunk) are stratified on their own,
+  # and so are the others.
+  def uniforms():
+    head = _lhs_uniforms(rng, chunks * n_grad).reshape(chunks, n_grad)
+    tail = _lhs_uniforms(rng, chunks * (bw - n_grad)).reshape(chunks, bw - n_grad)
+    return np.concatenate([head, tail], axis=1)
+  strata = []
+  for n_in, n_out, k in matrices:
+    strata.append(np.sqrt(stats.chi2.ppf(uniforms(), n_out - k)))
+    for _ in range(k):
+      strata += [np.sqrt(stats.chi2.ppf(uniforms(), n_in - 1)), special.ndtri(uniforms())]
+  strata = np.stack(strata, axis=-1).astype(np.float32)
+  return _run_chunks(_kernels()[kernel], (bw, n_grad) + shape_tail, theta, key, c, cg, strata)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -360,12 +462,11 @@ _FIFTHS = (0.0, 0.2, 0.4, 0.6, 0.8)
 
 def _simulate_linear(shape, prm, key, rng, quick):
   L, d_in, d_out = shape
-  columns = (1 << 13) if quick else (1 << 17)
-  bx, bw, chunks = _pair_plan(math.ceil(columns / d_out), L * max(d_in, d_out))
-  c = _lhs_normals(rng, (chunks, bx, d_in))
-  cg = _lhs_normals(rng, (chunks, bx, d_out))
   theta = [prm['mean'], prm['s2'], prm['r'], math.sqrt(prm['w_var'] / d_in), prm['g2'], prm['rg']]
-  return _run_chunks(_kernels()['linear'], (bx, bw, L, d_in, d_out), theta, key, c, cg)
+  return _simulate_weighted(
+      'linear', (L, d_in, d_out), theta, key, rng, d_in=d_in, d_grad=d_out,
+      matrices=[(d_in, d_out, 2)], columns=(1 << 12) if quick else (1 << 13), d_out=d_out,
+      floats_per_draw=L * max(d_in, d_out), input_draws=4 if quick else 16, grad_every=4)
 
 
 def _predict_linear(shape, prm):
@@ -380,7 +481,8 @@ def _predict_linear(shape, prm):
 def _simulate_elementwise(kind):
   def simulate(shape, prm, key, rng, quick):
     L, d = shape
-    columns = (1 << 12) if quick else (1 << 15)
+    # Noise of the shared parts is stratified away; what is left shrinks with columns × tokens.
+    columns = (1 << 12) if quick else (1 << 14 if L <= 100 else 1 << 12)
     b = max(1, _CHUNK_FLOATS // (L * d))
     b = min(b, math.ceil(columns / d))
     chunks = math.ceil(columns / (b * d))
@@ -416,7 +518,7 @@ def _predict_dropout(shape, prm):
 
 def _simulate_softmax(shape, prm, key, rng, quick):
   (L,) = shape
-  elements = (1 << 21) if quick else (1 << 24)
+  elements = (1 << 20) if quick else (1 << 21)
   b = min(max(1, _CHUNK_FLOATS // L), max(1, elements // L))
   chunks = math.ceil(elements / (b * L))
   # The shared parts cancel in a softmax; they are drawn anyway so that inputs are as specified.
@@ -438,15 +540,16 @@ def _predict_softmax(form):
 def _simulate_head(causal):
   def simulate(shape, prm, key, rng, quick):
     L, d_in, d_head = shape
-    columns = (1 << 10) if quick else (1 << 12)
-    bx, bw, chunks = _pair_plan(math.ceil(columns / d_head), L * max(L, d_in))
-    c = _lhs_normals(rng, (chunks, bx, d_in))
-    cg = _lhs_normals(rng, (chunks, bx, d_head))
     _, threshold = _quantise_p(prm['p'])
     theta = [prm['s2'], prm['r'], math.sqrt(prm['qk_var'] / d_in), math.sqrt(prm['v_var'] / d_in),
              threshold, prm['g2'], prm['rg']]
-    return _run_chunks(_kernels()['attention_head'], (bx, bw, L, d_in, d_head, causal), theta, key,
-                       c, cg)
+    # Causal outputs and gradients lean on the first few tokens (position 0 sees only itself), whose
+    # norms fluctuate from draw to draw: causal attention needs many more input draws.
+    draws = (32 if quick else 128) if causal else (8 if quick else 32)
+    return _simulate_weighted(
+        'attention_head', (L, d_in, d_head, causal), theta, key, rng, d_in=d_in, d_grad=d_head,
+        matrices=[(d_in, d_head, 2)], columns=(1 << 10) if quick else (1 << 11), d_out=d_head,
+        floats_per_draw=L * max(L, d_in), input_draws=draws, grad_every=2)
   return simulate
 
 
@@ -465,15 +568,15 @@ def _predict_head(causal, form):
 def _simulate_attention_block(causal):
   def simulate(shape, prm, key, rng, quick):
     L, d, heads = shape
-    columns = (1 << 10) if quick else (1 << 12)
-    bx, bw, chunks = _pair_plan(math.ceil(columns / d), max(heads * L * L, 4 * L * d))
-    c = _lhs_normals(rng, (chunks, bx, d))
-    cg = _lhs_normals(rng, (chunks, bx, d))
     _, threshold = _quantise_p(prm['p'])
     std = lambda name: math.sqrt(prm[name] / d)
     theta = [prm['s2'], prm['r'], std('qk_var'), std('v_var'), std('o_var'), threshold, threshold,
              prm['g2'], prm['rg']]
-    return _run_chunks(_kernels()['attention_block'], (bx, bw, L, d, heads, causal), theta, key, c, cg)
+    draws = (32 if quick else 128) if causal else (8 if quick else 32)
+    return _simulate_weighted(
+        'attention_block', (L, d, heads, causal), theta, key, rng, d_in=d, d_grad=d,
+        matrices=[(d, d, 0), (d, d, 2)], columns=(1 << 10) if quick else (1 << 12), d_out=d,
+        floats_per_draw=max(heads * L * L, 4 * L * d), input_draws=draws, grad_every=2)
   return simulate
 
 
@@ -494,14 +597,13 @@ def _predict_attention_block(causal, form):
 def _simulate_ffn_block(shape, prm, key, rng, quick):
   L, d, activation = shape
   hidden = 4 * d
-  columns = (1 << 10) if quick else (1 << 12)
-  bx, bw, chunks = _pair_plan(math.ceil(columns / d), L * hidden)
-  c = _lhs_normals(rng, (chunks, bx, d))
-  cg = _lhs_normals(rng, (chunks, bx, d))
   _, threshold = _quantise_p(prm['p'])
   theta = [prm['s2'], prm['r'], math.sqrt(prm['w1_var'] / d), math.sqrt(prm['w2_var'] / hidden),
            threshold, prm['g2'], prm['rg']]
-  return _run_chunks(_kernels()['ffn_block'], (bx, bw, L, d, hidden, activation), theta, key, c, cg)
+  return _simulate_weighted(
+      'ffn_block', (L, d, hidden, activation), theta, key, rng, d_in=d, d_grad=d,
+      matrices=[(d, hidden, 0), (hidden, d, 2)], columns=(1 << 11) if quick else (1 << 13), d_out=d,
+      floats_per_draw=2 * L * hidden, input_draws=4 if quick else 16, grad_every=4)
 
 
 def _predict_ffn_block(exact):
@@ -525,6 +627,9 @@ _HEAD_GRID = dict(s2=(1.0,), r=_THIRDS, v_var=_LOG3, qk_var=(0.01, 0.06, 0.36), 
 _HEAD_SHAPES = ((300, 100, 32), (300, 316, 64), (300, 1000, 128), (300, 100, 256),
                 (547, 316, 32), (547, 1000, 64), (547, 100, 128), (547, 316, 256),
                 (1000, 1000, 32), (1000, 100, 64), (1000, 316, 128), (1000, 1000, 256))
+# Causal attention needs many input draws (see `_simulate_head`); its grid stops at L = 547.
+_CAUSAL_HEAD_SHAPES = ((300, 100, 32), (300, 316, 64), (300, 1000, 128), (547, 100, 256),
+                       (547, 316, 32), (547, 1000, 64))
 _BLOCK_GRID = dict(s2=(0.5, 1.0), r=_FIFTHS, qk_var=(0.25, 1.0), v_var=(0.3, 1.0, 3.0),
                    o_var=(0.3, 1.0, 3.0), p=(0.0, 0.1, 0.3), g2=_LOG3, rg=_FIFTHS)
 
@@ -536,7 +641,7 @@ COMPONENTS = {c.name: c for c in [
         quick_shapes=((100, 100, 316),),
         grid=dict(mean=(-10.0, -1.0, 0.0, 1.0, 10.0), s2=_LOG3, r=_THIRDS, w_var=(0.01, 1.0, 100.0),
                   g2=_LOG3, rg=_THIRDS),
-        configs_per_shape=12, quick_configs_per_shape=6, simulate=_simulate_linear,
+        configs_per_shape=9, quick_configs_per_shape=6, simulate=_simulate_linear,
         predict=_predict_linear, statistics=STATISTICS, scales=_SCALES),
     Component(
         'relu', shapes=((100, 1), (1000, 1)), quick_shapes=((100, 1),),
@@ -575,19 +680,19 @@ COMPONENTS = {c.name: c for c in [
         predict=_predict_head(False, 'exact'), statistics=_FIVE, scales=_HEAD_SCALES,
         alternatives={'paper': _predict_head(False, 'paper')}),
     Component(
-        'attention_head_causal', shapes=_HEAD_SHAPES[::2], quick_shapes=((300, 100, 32),),
-        grid=_HEAD_GRID, configs_per_shape=8, quick_configs_per_shape=4, simulate=_simulate_head(True),
+        'attention_head_causal', shapes=_CAUSAL_HEAD_SHAPES, quick_shapes=((300, 100, 32),),
+        grid=_HEAD_GRID, configs_per_shape=6, quick_configs_per_shape=4, simulate=_simulate_head(True),
         predict=_predict_head(True, 'exact'), statistics=_FIVE, scales=_HEAD_SCALES,
         alternatives={'paper': _predict_head(True, 'paper')}),
     Component(
         'attention_block', shapes=((128, 128, 2), (512, 128, 4), (128, 256, 4), (512, 256, 8)),
-        quick_shapes=((128, 128, 2),), grid=_BLOCK_GRID, configs_per_shape=10,
+        quick_shapes=((128, 128, 2),), grid=_BLOCK_GRID, configs_per_shape=8,
         quick_configs_per_shape=4, simulate=_simulate_attention_block(False),
         predict=_predict_attention_block(False, 'exact'), statistics=_FIVE, scales=_SCALES,
         alternatives={'paper': _predict_attention_block(False, 'paper')}),
     Component(
-        'attention_block_causal', shapes=((128, 128, 2), (512, 256, 8)), quick_shapes=((128, 128, 2),),
-        grid=_BLOCK_GRID, configs_per_shape=10, quick_configs_per_shape=4,
+        'attention_block_causal', shapes=((128, 128, 2), (256, 256, 8)), quick_shapes=((128, 128, 2),),
+        grid=_BLOCK_GRID, configs_per_shape=8, quick_configs_per_shape=4,
         simulate=_simulate_attention_block(True), predict=_predict_attention_block(True, 'exact'),
         statistics=_FIVE, scales=_SCALES,
         alternatives={'paper': _predict_attention_block(True, 'paper')}),
@@ -596,7 +701,7 @@ COMPONENTS = {c.name: c for c in [
         quick_shapes=((64, 64, 'relu'),),
         grid=dict(s2=(0.5, 1.0, 2.0), r=_FIFTHS, w1_var=(0.5, 1.0, 2.0), w2_var=(0.5, 1.0, 2.0),
                   p=(0.0, 0.1, 0.3), g2=_LOG3, rg=_FIFTHS),
-        configs_per_shape=10, quick_configs_per_shape=4, simulate=_simulate_ffn_block,
+        configs_per_shape=8, quick_configs_per_shape=4, simulate=_simulate_ffn_block,
         predict=_predict_ffn_block(True), statistics=_FIVE, scales=_SCALES,
         alternatives={'fit': _predict_ffn_block(False)}),
 ]}

@@ -20,6 +20,7 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax import validate
+from dsjax.schemes import dslm
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import optimizers
 from dsjax.train import sharding as sharding_lib
@@ -27,16 +28,18 @@ from dsjax.train import step as step_lib
 from dsjax.train.metrics import MetricWriter
 
 
-def create_train_state(config, data_info, tx) -> tuple[nnx.GraphDef, Any]:
-  """Returns the model's static graphdef and a function creating the initial train state."""
+def create_train_state(config, data_info, tx, input_moments=None) -> tuple[nnx.GraphDef, Any]:
+  """Returns the model's static graphdef and a function creating the initial train state.
+
+  `input_moments`: measured moments of the embedded input, for `model.dslm.input_corr='measure'`."""
+  build = lambda: models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
+
   def create():
-    model = models.build_model(config, data_info, nnx.Rngs(params=config.seed))
-    _, params, rest = nnx.split(model, nnx.Param, ...)
+    _, params, rest = nnx.split(build(), nnx.Param, ...)
     params, rest = params.to_pure_dict(), rest.to_pure_dict()
     return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
             'step': jnp.zeros((), jnp.int32)}
-  graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: models.build_model(config, data_info, nnx.Rngs(params=config.seed))))
+  graphdef = nnx.graphdef(nnx.eval_shape(build))
   return graphdef, create
 
 
@@ -83,7 +86,12 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   # Model, optimizer and the sharded train state (created directly on its shardings).
   # ----------------------------------------------------------------------------------------------
   tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  graphdef, create_state = create_train_state(config, data_info, tx)
+  # DSLM with input_corr='measure' initialises from the moments of the embedded data (measured on a
+  # few batches, or read back from the workdir when resuming).
+  input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=is_chief)
+  if input_moments is not None:
+    logging.info('Input moments of the embedded data (model.dslm.input_corr=measure): %s', input_moments)
+  graphdef, create_state = create_train_state(config, data_info, tx, input_moments)
   abstract_state = jax.eval_shape(create_state)
   state_shardings = sharding_lib.tree_shardings(abstract_state, mesh)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))

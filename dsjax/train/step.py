@@ -65,21 +65,21 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
                     instrument=None) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument` (a `dsjax.instrument.Instrument`) makes the step send per-layer moments to the host
-  through `jax.debug.callback`s, tagged with the loop step (`state['step'] + 1`, as in metrics.jsonl);
+  through `jax.debug.callback`, tagged with the loop step (`state['step'] + 1`, as in metrics.jsonl);
   with None the compiled step contains no callbacks."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
-    probe = no_probe if instrument is None else instrument.probe(state['step'] + 1)
 
-    def loss_of_params(params):
+    def loss_of_params(params, probe: Probe = no_probe):
       model = nnx.merge(graphdef, params, state['rest'])
       loss, _ = loss_fn(model, batch, key, probe)
       return loss
 
-    loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
-    if instrument is not None:
-      instrument.record_weight_grads(state['step'] + 1, grads)
+    if instrument is None:
+      loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
+    else:
+      loss, grads = instrument.value_and_grad(loss_of_params, state['params'], step=state['step'] + 1)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
                  'opt_state': opt_state, 'step': state['step'] + 1}
