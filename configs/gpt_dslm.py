@@ -34,6 +34,11 @@ def get_config():
   c.model.scheme = 'dslm'
   c.model.dslm.init = 'simple'        # the paper's §4 runs
   c.model.dslm.input_corr = 'zipf'    # Zipf estimate over the 256 byte values (Appendix A.1)
+  # The reference code's head: tied to the token table, final hidden state × 1/sqrt(σe²·d) so that the
+  # initial logits have variance 1 (the paper's 1/sqrt(d) gives σe² = 0.45 and learns slower here; see
+  # configs/gpt_dslm_deep.py).
+  c.model.tie_embeddings = True
+  c.model.dslm.output_scale = 'sqrt_embed_var_d'
 
   c.optimizer.lr = 1e-3
   c.optimizer.weight_decay = 0.1

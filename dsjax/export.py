@@ -51,10 +51,6 @@ from typing import Any
 import numpy as np
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir of the scaled (e.g. DSLM) model.')
-_OUT = flags.DEFINE_string('out', None, 'Output directory for the folded vanilla checkpoint.')
-_RTOL = flags.DEFINE_float('rtol', 1e-4, 'Allowed max |Δlogits| relative to max |logits|.')
-
 EXPORT_CHECKPOINT = 'checkpoint'
 
 
@@ -182,6 +178,7 @@ def restore_run(workdir: str):
   import jax
   from flax import nnx
   from dsjax import data as data_lib
+  from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
   from dsjax.schemes import dslm
   from dsjax.train import checkpoint as checkpoint_lib
   from dsjax.train import loop, optimizers
@@ -246,6 +243,7 @@ def logit_error(model_a, model_b, inputs) -> dict[str, float]:
 def first_eval_inputs(config):
   """Model inputs of the first evaluation batch (real data)."""
   from dsjax import data as data_lib
+  from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
   from dsjax.schemes import dslm
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size, seed=config.seed,
                                     process_index=0, process_count=1, train=False)
@@ -269,20 +267,30 @@ def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
   return check
 
 
+def _define_flags():
+  # Defined only when run as a program, so that importing dsjax.export (tests, other tools with flags
+  # of the same names) defines no absl flags.
+  flags.DEFINE_string('workdir', None, 'Training workdir of the scaled (e.g. DSLM) model.')
+  flags.DEFINE_string('out', None, 'Output directory for the folded vanilla checkpoint.')
+  flags.DEFINE_float('rtol', 1e-4, 'Allowed max |Δlogits| relative to max |logits|.')
+  flags.mark_flags_as_required(['workdir', 'out'])
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
+  args = flags.FLAGS
   try:
-    check = export(_WORKDIR.value, _OUT.value, _RTOL.value)
+    check = export(args.workdir, args.out, args.rtol)
   except ValueError as e:
     print(f'dsjax.export: error: {e}', file=sys.stderr)
     sys.exit(2)
-  print(f'wrote {_OUT.value}: vanilla {load_config(os.path.join(_OUT.value, "config.json")).model.block} '
+  print(f'wrote {args.out}: vanilla {load_config(os.path.join(args.out, "config.json")).model.block} '
         f'checkpoint; max |Δlogits| {check["max_abs_error"]:.3g} '
         f'(relative {check["relative_error"]:.3g} <= {check["rtol"]})')
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['workdir', 'out'])
+  _define_flags()
   app.run(main)

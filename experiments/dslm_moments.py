@@ -41,7 +41,7 @@ CASES = {
 
 
 def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: int, batch_size: int,
-                activation: str, dropout: float = 0.1):
+                activation: str, dropout: float = 0.1, input_corr: str = 'zipf'):
   from dsjax.config_defaults import base_config
   scheme, block, init = CASES[name]
   c = base_config('gpt')
@@ -53,6 +53,15 @@ def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: i
   m.remat = 'nothing_saveable'  # Keeps the 192-layer backward pass within a laptop's memory.
   if init is not None:
     m.dslm.init = init
+  if scheme == 'dslm' and input_corr == 'measure':
+    # Measured on the first training batches, handed over as a number so that dsjax.moments (which
+    # builds the model without input moments) rebuilds exactly this model.
+    from dsjax import data as data_lib
+    from dsjax import models  # noqa: F401  Before dsjax.schemes (import order of the package).
+    from dsjax.schemes import dslm
+    m.dslm.input_corr = 'measure'
+    moments = dslm.input_moments_for_run(c, data_lib.dataset_info(c.data))
+    m.dslm.input_corr = moments['corr_seq']
   return c
 
 
@@ -64,10 +73,12 @@ def summarize(result: dict) -> dict:
   errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
   worst = max(range(len(errors)), key=errors.__getitem__)
   grads = [r['grad_var']['measured'] for r in rows]
+  predicted_grads = [r['grad_var']['predicted'] for r in rows]
   return {'forward_var_max_err': max(errors), 'forward_var_max_err_layer': worst + 1,
           'forward_var_mean_err': sum(errors) / len(errors),
           'forward_var_first_last': [measured[0], measured[-1]],
           'grad_ratio_1_N': grads[0] / grads[-1],
+          'predicted_grad_ratio_1_N': predicted_grads[0] / predicted_grads[-1],
           'forward_growth_N_1': measured[-1] / measured[0],
           'predicted_growth_N_1': predicted[-1] / predicted[0],
           'grad_var_mean_err': result['summary']['grad_var']['mean_rel_error']}
@@ -87,13 +98,14 @@ def run_cases(out: str, names, *, num_batches: int, **shape) -> dict[str, dict]:
 
 def markdown(summary: dict[str, dict], shape: dict) -> str:
   lines = [f"GPT at initialisation, {shape['depth']} layers × d {shape['width']}, dropout 0.1, "
-           f"{shape['activation']}, seq {shape['seq_len']}, batch {shape['batch_size']}.", '',
-           '| case | fwd var max err (layer) | fwd var mean err | grad var ratio L1/LN | '
+           f"{shape['activation']}, seq {shape['seq_len']}, batch {shape['batch_size']}, DSLM input "
+           f"correlation: {shape.get('input_corr', 'zipf')}.", '',
+           '| case | fwd var max err (layer) | fwd var mean err | grad var L1/LN measured (theory) | '
            'fwd var LN/L1 measured (theory) |',
            '|---|---|---|---|---|']
   for name, s in summary.items():
     lines.append(f"| {name} | {100 * s['forward_var_max_err']:.1f}% ({s['forward_var_max_err_layer']}) | "
-                 f"{100 * s['forward_var_mean_err']:.1f}% | {s['grad_ratio_1_N']:.3g} | "
+                 f"{100 * s['forward_var_mean_err']:.1f}% | {s['grad_ratio_1_N']:.3g} ({s['predicted_grad_ratio_1_N']:.3g}) | "
                  f"{s['forward_growth_N_1']:.3g} ({s['predicted_growth_N_1']:.3g}) |")
   return '\n'.join(lines) + '\n'
 
@@ -111,6 +123,9 @@ def parse_args(argv=None):
   parser.add_argument('--batches', type=int, default=2, help='Batches averaged per case.')
   parser.add_argument('--activation', default='relu', choices=['relu', 'gelu'],
                       help='FFN activation (the paper and its reference code use ReLU).')
+  parser.add_argument('--input_corr', default='zipf', choices=['zipf', 'measure'],
+                      help="DSLM's token correlation of the embedded input: the Zipf estimate (paper, "
+                           'text) or measured on the data (used by the full init only).')
   parser.add_argument('--cases', default=','.join(CASES), help='Comma-separated subset of the cases.')
   return parser.parse_args(argv)
 
@@ -120,7 +135,7 @@ def main():
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   shape = dict(depth=args.depth, width=args.width, num_heads=args.num_heads, seq_len=args.seq_len,
-               batch_size=args.batch_size, activation=args.activation)
+               batch_size=args.batch_size, activation=args.activation, input_corr=args.input_corr)
   summary = run_cases(args.out, args.cases.split(','), num_batches=args.batches, **shape)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'summary.json'), 'w') as f:

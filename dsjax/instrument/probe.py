@@ -69,7 +69,12 @@ def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
   forward, layer = residuals
   backward = _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
   row = jnp.concatenate([forward, backward])
-  sink_cotangent = jnp.zeros(sink_shape, jnp.float32).at[layer + 1, site_index].set(row)
+  # One-hot products rather than a scatter at a traced index: plain elementwise ops, which the SPMD
+  # partitioner handles inside the remat'ed, transposed layer scan (a scatter there deadlocked the
+  # collectives of an 8-device CPU mesh).
+  at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
+  at_site = jax.nn.one_hot(site_index, sink_shape[1], dtype=jnp.float32)
+  sink_cotangent = at_layer[:, None, None] * at_site[None, :, None] * row[None, None, :]
   return g_BLD, sink_cotangent, None  # layer is an integer: no cotangent.
 
 
