@@ -20,8 +20,8 @@ Writes
                     (all probe sites, forward and backward, weight-gradient norms), measured}
   DIR/moments.png   forward variance, gradient variance, token correlations and branch variances against
                     layer, measured vs predicted (variances on a log scale, as in the paper)
-and prints the mean / median / max relative error |predicted − measured| / |measured| and R² per
-quantity.
+and prints, per quantity, the mean / median / max error of prediction vs measurement — relative,
+|predicted − measured| / |measured|, for variances; absolute for correlations — and R² over layers.
 
 The theory's backward recursion is relative: the prediction starts from the gradient measured at the
 output of the last layer (variance and token correlation), so the predicted gradient variance matches
@@ -105,7 +105,6 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
   from dsjax.train import step as step_lib
 
   collector = instrument_lib.Collector(None)
-  instrument = instrument_lib.Instrument(collector)
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -117,12 +116,14 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
     def loss_of_params(params, probe):
       return loss_fn(nnx.merge(graphdef, params, rest), batch, key, probe)[0]
 
-    loss, _ = instrument.value_and_grad(loss_of_params, params, step=step)
-    return loss
+    loss, _, moments = instrument_lib.value_and_grad(loss_of_params, params)
+    return loss, moments
 
   losses = []
   for step, batch in enumerate(batches, start=1):  # The step tags the records of each batch.
-    losses.append(float(forward_backward(params, batch, step)))
+    loss, moments = forward_backward(params, batch, step)
+    collector.add(step, moments)
+    losses.append(float(loss))
     logging.info('batch %d: loss %.4f', step, losses[-1])
   collector.flush()
   per_batch = instrument_lib.collector.table(collector.records)
@@ -145,17 +146,23 @@ def layer_rows(measured, predicted, depth: int) -> list[dict[str, Any]]:
   return rows
 
 
+# Correlations are compared by their absolute error: a relative error is meaningless near r = 0.
+CORRELATIONS = ('corr_seq', 'grad_corr_seq')
+
+
 def summarize(rows) -> dict[str, dict[str, float]]:
-  """Mean / median relative error and R² of prediction vs measurement, per quantity."""
+  """Mean / median / max error and R² of prediction vs measurement, per quantity: relative error
+  |p − m| / |m| for variances, absolute error |p − m| for correlations."""
   import numpy as np
   out = {}
   for name in QUANTITIES:
     m = np.array([r[name]['measured'] for r in rows])
     p = np.array([r[name]['predicted'] for r in rows])
-    rel = np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
+    err = np.abs(p - m) if name in CORRELATIONS else np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
     total = ((m - m.mean()) ** 2).sum()
-    out[name] = {'mean_rel_error': float(rel.mean()), 'median_rel_error': float(np.median(rel)),
-                 'max_rel_error': float(rel.max()),
+    out[name] = {'error': 'absolute' if name in CORRELATIONS else 'relative',
+                 'mean_error': float(err.mean()), 'median_error': float(np.median(err)),
+                 'max_error': float(err.max()),
                  'r2': float(1 - ((m - p) ** 2).sum() / total) if total > 0 else float('nan')}
   return out
 
@@ -233,11 +240,15 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
 
 
 def format_summary(result) -> str:
-  lines = [f'{"quantity":16s} {"mean rel err":>13s} {"median":>8s} {"max":>8s} {"R²":>8s}']
+  lines = [f'{"quantity":16s} {"error":>9s} {"mean":>8s} {"median":>8s} {"max":>8s} {"R²":>9s}']
   for name, s in result['summary'].items():
-    lines.append(f'{name:16s} {100 * s["mean_rel_error"]:12.1f}% {100 * s["median_rel_error"]:7.1f}% '
-                 f'{100 * s["max_rel_error"]:7.1f}% {s["r2"]:8.4f}')
-  lines.append('(gradient prediction starts from the gradient measured at the last layer output)')
+    if s['error'] == 'relative':
+      errors = ''.join(f'{100 * s[k]:7.1f}%' for k in ('mean_error', 'median_error', 'max_error'))
+    else:
+      errors = ''.join(f'{s[k]:8.3f}' for k in ('mean_error', 'median_error', 'max_error'))
+    lines.append(f'{name:16s} {s["error"]:>9s} {errors} {s["r2"]:9.4f}')
+  lines.append('(gradient prediction starts from the gradient measured at the last layer output; '
+               'R² over layers is uninformative where a quantity is flat)')
   return '\n'.join(lines)
 
 

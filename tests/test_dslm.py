@@ -120,6 +120,8 @@ def test_vit_embedding_and_head():
   d_in = config.model.patch_size ** 2 * IMAGE_INFO.image_shape[2]
   np.testing.assert_allclose(plan.input_std ** 2, (1 - P) / 2 / d_in, rtol=1e-6)
   np.testing.assert_allclose(plan.pos_std ** 2, (1 - P) / 2, rtol=1e-6)
+  np.testing.assert_allclose(plan.head_std ** 2, (1 - P) / 2, rtol=1e-6)     # classifier: σe², as an LM head
+  np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt(256), rtol=1e-6)
   # The summed embedding of unit-variance pixels has variance 1 − p, i.e. 1 after the dropout.
   model = models.build_model(config, IMAGE_INFO, nnx.Rngs(params=0))
   pixels = jax.random.normal(jax.random.key(1), (64, 8, 8, 1))

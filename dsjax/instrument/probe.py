@@ -1,30 +1,25 @@
-"""Device side of the instrumentation: the model probe, the statistics table, the weight-gradient hook.
+"""Device side of the instrumentation: the model probe and the per-step statistics it produces.
 
 The model calls `probe(site, x_BLD, layer)` at every instrumented tensor (`dsjax.models.transformer`):
 sites 'embedding' (layer −1) and 'attn_branch', 'attn_residual', 'ffn_branch', 'ffn_residual' of every
-layer of the scanned stack. `Instrument.value_and_grad` is `jax.value_and_grad` of the loss that also
-measures, at every site,
+layer of the scanned stack. `value_and_grad(loss_fn, params)` is `jax.value_and_grad` of the loss that
+also returns the step's moments:
 
-  * forward: `stats.forward_stats(x)` (mean, var, corr_seq, corr_hidden, max_abs) and
-  * backward: `stats.grad_stats(dL/dx)` (grad_var, grad_corr_seq),
-
-plus per-layer weight-gradient statistics, and delivers them to the host `Collector` with
-`jax.debug.callback`, tagged with the step.
+  * at every site, forward `stats.forward_stats(x)` (mean, var, corr_seq, corr_hidden, max_abs) and
+    backward `stats.grad_stats(dL/dx)` (grad_var, grad_corr_seq);
+  * per block weight type, per-layer gradient norms and whole-stack heavy-tail statistics.
 
 How the per-layer statistics leave the layer scan: the probe passes x through an identity with a custom
-VJP that also takes a zero "stats sink" array S of shape (depth + 1, sites, statistics). Its forward
-rule computes the forward statistics (kept as residuals, a few scalars); its backward rule computes the
-gradient statistics and returns, as the cotangent of S, a zero array holding this site's row at
-S[layer + 1, site]. The gradient of the loss w.r.t. S is therefore exactly the table of all statistics
-of all layers — each entry written once, by construction, whatever scan, remat or sharding do — and one
-callback per step sends it to the host. We first delivered every site's statistics with its own
-callback from inside the scan; that was reliable after de-duplication (remat runs forward callbacks
-twice; see README.md), but it costs 8·depth + 2 host round trips per step (on an accelerator each one
-inside the loop stalls the device) and doubled the overhead on CPU (13% vs 7%, default GPT config).
+VJP that also takes a zero "stats sink" array of shape (depth + 1, sites, statistics). Its forward rule
+computes the forward statistics (kept as residuals: a few scalars); its backward rule computes the
+gradient statistics and returns, as the cotangent of the sink, this site's row at [layer + 1, site]
+(zero elsewhere). The gradient of the loss w.r.t. the sink is therefore the table of all statistics of
+all layers: every entry written exactly once by construction, whatever scan, remat or sharding do,
+with no change to the model beyond its probe hook.
 
-Usage (what `make_train_step(..., instrument=...)` does):
-
-    loss, grads = instrument.value_and_grad(lambda params, probe: loss_fn(..., probe), params, step=step)
+The table is returned from the jitted step and handed to the host `Collector` by the caller, rather
+than sent with `jax.debug.callback`; why (deadlocks on a multi-device CPU mesh, duplicates under remat,
+host round trips per layer), with the evidence, is in README.md.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.instrument import stats as stats_lib
-from dsjax.instrument.collector import NO_LAYER, Collector
 from dsjax.models.transformer import Probe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
@@ -45,6 +39,10 @@ EMBEDDING_SITE = 'embedding'
 LAYER_SITES = ('attn_branch', 'attn_residual', 'ffn_branch', 'ffn_residual')
 SITES = (EMBEDDING_SITE,) + LAYER_SITES
 ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
+
+# Moments of one step: {'activations': (depth + 1, len(SITES), len(ACTIVATION_STATS)) table, row 0 the
+# embedding and row n + 1 layer n; 'weights': {weight type: {'grad_norm': (depth,), statistic: ()}}}.
+Moments = dict[str, Any]
 
 
 def _stats_vector(stats: dict[str, jax.Array], names: tuple[str, ...]) -> jax.Array:
@@ -69,9 +67,8 @@ def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
   forward, layer = residuals
   backward = _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
   row = jnp.concatenate([forward, backward])
-  # One-hot products rather than a scatter at a traced index: plain elementwise ops, which the SPMD
-  # partitioner handles inside the remat'ed, transposed layer scan (a scatter there deadlocked the
-  # collectives of an 8-device CPU mesh).
+  # One-hot products rather than a scatter at a traced index: plain elementwise ops, cheap at this
+  # size and easy for the SPMD partitioner inside the transposed layer scan.
   at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
   at_site = jax.nn.one_hot(site_index, sink_shape[1], dtype=jnp.float32)
   sink_cotangent = at_layer[:, None, None] * at_site[None, :, None] * row[None, None, :]
@@ -81,71 +78,39 @@ def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
 _stats_tap.defvjp(_stats_tap_fwd, _stats_tap_bwd)
 
 
-def stack_depth(params: Any) -> int:
-  layer_params = params
+def _layer_stack(tree: Any) -> Any:
   for name in LAYER_STACK_PATH:
-    layer_params = layer_params[name]
-  return jax.tree.leaves(layer_params)[0].shape[0]
+    tree = tree[name]
+  return tree
 
 
-class Instrument:
-  """Measures per-layer moments inside a jitted gradient computation; sends them to `collector`."""
+def stack_depth(params: Any) -> int:
+  return jax.tree.leaves(_layer_stack(params))[0].shape[0]
 
-  def __init__(self, collector: Collector, *, weights: bool = True):
-    self.collector = collector
-    self.weights = weights
 
-  def value_and_grad(self, loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *,
-                     step: jax.Array) -> tuple[jax.Array, Any]:
-    """`jax.value_and_grad(lambda p: loss_fn(p, probe))(params)`, recording the moments of `step`.
+def _sink_probe(sink: jax.Array) -> Probe:
+  def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
+    if site not in SITES:
+      raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
+    return _stats_tap(SITES.index(site), sink.shape, x_BLD, sink, jnp.asarray(layer, jnp.int32))
+  return probe
 
-    `loss_fn(params, probe)` must hand `probe` to the model. Statistics are sent to the collector with
-    one `jax.debug.callback` per group (activations, weight gradients), tagged with `step` (traced).
-    """
-    depth = stack_depth(params)
-    sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
 
-    def loss_with_sink(params, sink):
-      return loss_fn(params, self._probe(sink))
+def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True
+                   ) -> tuple[jax.Array, Any, Moments]:
+  """(loss, grads, moments): `jax.value_and_grad(lambda p: loss_fn(p, probe))(params)` plus the moments.
 
-    loss, (grads, table) = jax.value_and_grad(loss_with_sink, argnums=(0, 1))(params, sink)
-    step = jnp.asarray(step, jnp.int32)
-    self._send_activation_table(step, table)
-    if self.weights:
-      self._send_weight_grads(step, grads)
-    return loss, grads
-
-  def _probe(self, sink: jax.Array) -> Probe:
-    def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
-      if site not in SITES:
-        raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
-      return _stats_tap(SITES.index(site), sink.shape, x_BLD, sink, jnp.asarray(layer, jnp.int32))
-    return probe
-
-  def _send_activation_table(self, step: jax.Array, table: jax.Array):
-    """table: (depth + 1, sites, statistics); row 0 is the embedding, row n + 1 layer n."""
-    depth = table.shape[0] - 1
-    receive = self.collector.receive
-    embedding_keys = tuple((EMBEDDING_SITE, name) for name in ACTIVATION_STATS)
-    jax.debug.callback(receive, step, jnp.asarray(NO_LAYER), table[0, 0], keys=embedding_keys)
-    layer_keys = tuple((site, name) for site in LAYER_SITES for name in ACTIVATION_STATS)
-    values_KN = table[1:, 1:].reshape(depth, len(layer_keys)).T  # one row per (site, statistic)
-    jax.debug.callback(receive, step, jnp.arange(depth), values_KN, keys=layer_keys)
-
-  def _send_weight_grads(self, step: jax.Array, grads: Any):
-    """Per-layer gradient norms and whole-stack heavy-tail statistics of each block weight type."""
-    layer_grads = grads
-    for name in LAYER_STACK_PATH:
-      layer_grads = layer_grads[name]
-    by_kind = stats_lib.weight_grad_stats(layer_grads)
-    norm_keys = tuple((f'weight/{kind}', 'grad_norm') for kind in by_kind)
-    norms_KN = jnp.stack([kind_stats.pop('grad_norm') for kind_stats in by_kind.values()])
-    jax.debug.callback(self.collector.receive, step, jnp.arange(norms_KN.shape[1]), norms_KN,
-                       keys=norm_keys)
-    whole_stack = {(f'weight/{kind}', name): value.astype(jnp.float32)
-                   for kind, kind_stats in by_kind.items() for name, value in kind_stats.items()}
-    jax.debug.callback(self.collector.receive, step, jnp.asarray(NO_LAYER),
-                       jnp.stack(list(whole_stack.values())), keys=tuple(whole_stack))
+  `loss_fn(params, probe)` must hand `probe` to the model; every probe site must be visited once per
+  layer (as `dsjax.models.transformer` does). `weights=False` skips the weight-gradient statistics.
+  """
+  depth = stack_depth(params)
+  sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
+  loss, (grads, table) = jax.value_and_grad(
+      lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1))(params, sink)
+  moments = {'activations': table}
+  if weights:
+    moments['weights'] = stats_lib.weight_grad_stats(_layer_stack(grads))
+  return loss, grads, moments
 
 
 def is_instrumented_step(step: int, every: int) -> bool:

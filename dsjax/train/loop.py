@@ -117,13 +117,13 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
       out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
   train_step = jit_train_step(
       step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout))
-  # Per-layer moments (dsjax.instrument): a second step with jax.debug callbacks, run only every
-  # `instrument.every` steps (and at step 1 = initialisation); `every = 0` compiles no callbacks.
+  # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
+  # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
     moments = instrument_lib.Collector(workdir, enabled=is_chief)
     instrumented_train_step = jit_train_step(step_lib.make_train_step(
-        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument_lib.Instrument(moments)))
+        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument=True))
   eval_step = jax.jit(step_lib.make_eval_step(graphdef, loss_fn),
                       in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
                       out_shardings=sharding_lib.replicated(mesh))
@@ -160,9 +160,11 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
       batch = sharding_lib.global_batch(next(train_data), mesh)
       if instrument_lib.is_instrumented_step(step, instrument_every):
         state, train_metrics = instrumented_train_step(state, batch)
-        moments.flush()  # Waits for this step's callbacks; writes moments.jsonl and TensorBoard.
+        moments.add(step, train_metrics.pop('moments'))
       else:
         state, train_metrics = train_step(state, batch)
+      if moments is not None:
+        moments.flush(before_step=step)  # Earlier steps' moments -> moments.jsonl and TensorBoard.
       if pending is not None:
         log(pending)
       pending = {'step': step, 'train': train_metrics, 'eval': {}}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dsjax import instrument as instrument_lib
 from dsjax.models.transformer import Probe, no_probe
 
 TrainState = dict[str, Any]
@@ -63,10 +64,9 @@ def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    instrument=None) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
-  """`instrument` (a `dsjax.instrument.Instrument`) makes the step send per-layer moments to the host
-  through `jax.debug.callback`, tagged with the loop step (`state['step'] + 1`, as in metrics.jsonl);
-  with None the compiled step contains no callbacks."""
+                    instrument: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+  """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
+  as metrics['moments']; the default step computes none of it."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
@@ -76,16 +76,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       loss, _ = loss_fn(model, batch, key, probe)
       return loss
 
-    if instrument is None:
-      loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
+    if instrument:
+      loss, grads, moments = instrument_lib.value_and_grad(loss_of_params, state['params'])
     else:
-      loss, grads = instrument.value_and_grad(loss_of_params, state['params'], step=state['step'] + 1)
+      loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
                  'opt_state': opt_state, 'step': state['step'] + 1}
     metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
                'train/param_norm': optax.tree.norm(state['params']),
                'train/lr': schedule(state['step'])}
+    if instrument:
+      metrics['moments'] = moments
     return new_state, metrics
 
   return train_step
