@@ -4,8 +4,9 @@ Command:
 
   python -m dsjax.main --config=configs/gpt_preln.py --workdir=/tmp/gpt_preln
 
-Expected runtime: RUNTIME_TBD on a 2-core CPU.
-Expected result: RESULT_TBD.
+Expected runtime: like configs/gpt_dnt.py (same shape).
+Expected result: eval loss well below the 3.144-nat unigram entropy of the validation split (not
+re-measured at 1000 steps).
 """
 
 from dsjax.config_defaults import base_config

@@ -4,8 +4,8 @@ Command (2-core CPU, no network; the dataset is built from scikit-learn's copy o
 
   python -m dsjax.main --config=configs/vit_dnt.py --workdir=/tmp/vit_dnt
 
-Expected runtime: RUNTIME_TBD on a 2-core CPU.
-Expected result: RESULT_TBD.
+Expected runtime: about 4 minutes on a 2-core CPU (measured 3m44s wall, with other jobs sharing the CPU).
+Expected result: test accuracy 0.957 (287/300) at step 600, eval loss 0.177 (measured with this command).
 
 DNT setting S5 (SPEC §3): InputNorm, PreNorm on attention only, QKNorm, MidNorm on both branches,
 RMSNorm. DNT's claim is that this placement trains with plain momentum SGD (mSGDW) as well as with
