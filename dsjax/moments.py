@@ -182,12 +182,20 @@ def plot(rows, path: str, title: str):
             ('ffn_branch_var', 'FFN branch output variance', True)]
   fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
   for ax, (name, label, log) in zip(axes.flat, panels):
-    ax.plot(layers, [r[name]['measured'] for r in rows], 'o', ms=3, label='measured')
-    ax.plot(layers, [r[name]['predicted'] for r in rows], '-', lw=1.5, label='predicted (theory)')
+    measured = np.array([r[name]['measured'] for r in rows])
+    predicted = np.array([r[name]['predicted'] for r in rows])
+    ax.plot(layers, measured, 'o', ms=3, label='measured')
+    ax.plot(layers, predicted, '-', lw=1.5, label='predicted (theory)')
     ax.set_xlabel('layer')
     ax.set_title(label)
-    if log:
+    both = np.concatenate([measured, predicted])
+    if log and both.min() > 0 and both.max() / both.min() > 3:  # Log scale where values span decades.
       ax.set_yscale('log')
+    else:
+      ax.ticklabel_format(axis='y', useOffset=False)
+      centre, spread = np.median(both), both.max() - both.min()
+      if centre > 0 and spread < 0.1 * centre:  # A flat quantity: show ±10%, not float noise.
+        ax.set_ylim(0.9 * centre, 1.1 * centre)
     ax.grid(alpha=0.3, which='both')
   axes.flat[0].legend()
   fig.suptitle(title)

@@ -237,19 +237,24 @@ def test_statistics_match_a_direct_computation():
   def loss_fn(params, probe):
     return nnx.merge(graphdef, params, rest)(tokens, probe=probe).mean()
 
-  _, _, moments = instrument_lib.value_and_grad(loss_fn, params)
-  got = np.asarray(moments['activations'])
-  names = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
-  # Reference forward: the layers applied one by one, outside the scan.
+  got = jax.jit(lambda p: instrument_lib.value_and_grad(loss_fn, p)[2]['activations'])(params)
   layer_graphdef, layer_state = nnx.split(model.trunk.stack.layers)
-  x = model.embed(tokens)
-  # Reference backward: d(loss)/d(delta_n), delta_n added to the output of layer n (zero).
-  add_delta = lambda delta: lambda site, x, n: x + delta[n] if site == 'ffn_residual' else x  # noqa: E731
-  delta = jnp.zeros((DEPTH,) + x.shape)
-  grads = jax.grad(lambda d: loss_fn(params, add_delta(d)))(delta)
-  for n in range(DEPTH):
-    x = nnx.merge(layer_graphdef, jax.tree.map(lambda a: a[n], layer_state))(x, None, layer=jnp.asarray(n))
-    expected = {**stats_lib.forward_stats(x), **stats_lib.grad_stats(grads[n])}
+
+  @jax.jit
+  def reference():
+    # Forward: the layers applied one by one, outside the scan.
+    x, outputs = model.embed(tokens), []
+    for n in range(DEPTH):
+      layer = nnx.merge(layer_graphdef, jax.tree.map(lambda a: a[n], layer_state))
+      x = layer(x, None, layer=jnp.asarray(n))
+      outputs.append(stats_lib.forward_stats(x))
+    # Backward: d(loss)/d(delta_n) for a zero delta_n added to the output of layer n.
+    add_delta = lambda d: lambda site, x, n: x + d[n] if site == 'ffn_residual' else x  # noqa: E731
+    grads = jax.grad(lambda d: loss_fn(params, add_delta(d)))(jnp.zeros((DEPTH,) + x.shape))
+    return [{**outputs[n], **stats_lib.grad_stats(grads[n])} for n in range(DEPTH)]
+
+  names = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
+  for n, expected in enumerate(reference()):
     row = got[n + 1, SITES.index('ffn_residual')]
     for k, name in enumerate(names):
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
