@@ -4,8 +4,10 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_dslm.py --workdir=/tmp/gpt_dslm
 
-Expected runtime: RUNTIME_TBD on a 2-core CPU.
-Expected result: RESULT_TBD.
+Expected runtime: ~17 minutes at the 1 step/s of a lightly loaded 2-core CPU (27 minutes measured on
+a shared one, load ~4).
+Expected result: eval loss 2.07 nats/byte at step 500, 1.88 (2.71 bits/byte, perplexity 6.56) at 1000.
+Folding with `dsjax.export` reproduces the logits to 7e-7 relative.
 
 The same parameter count as `configs/gpt_preln.py` (4 layers × width 128) spent on 16 layers × width 64,
 the DSLM paper's deeper-narrower trade (seed 000 Table 4). `model.scheme='dslm'` sets every init and the

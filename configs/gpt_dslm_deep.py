@@ -4,8 +4,9 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_dslm_deep.py --workdir=/tmp/gpt_dslm_deep
 
-Expected runtime: RUNTIME_TBD on a 2-core CPU.
-Expected result: RESULT_TBD.
+Expected runtime: ~3 minutes on a 2-core CPU (0.5–1 s per step for 96 layers).
+Expected result: eval loss 2.37 nats/byte (3.42 bits/byte) after 300 steps; the vanilla Post-LN model of
+the same shape: 3.25, the vanilla Pre-LN one 2.95 (experiments/dslm_results.md).
 
 Every residual add is x ← λ·x + β·Drop(f(LN(x))) with β² = 2/96, and the weights come from
 `dsjax.theory` (SPEC §2), so the forward and backward variances stay bounded through all 96 layers at

@@ -158,11 +158,13 @@ def summarize(rows) -> dict[str, dict[str, float]]:
   for name in QUANTITIES:
     m = np.array([r[name]['measured'] for r in rows])
     p = np.array([r[name]['predicted'] for r in rows])
-    err = np.abs(p - m) if name in CORRELATIONS else np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
+    if name in CORRELATIONS:
+      kind, err = 'abs', np.abs(p - m)
+    else:
+      kind, err = 'rel', np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
     total = ((m - m.mean()) ** 2).sum()
-    out[name] = {'error': 'absolute' if name in CORRELATIONS else 'relative',
-                 'mean_error': float(err.mean()), 'median_error': float(np.median(err)),
-                 'max_error': float(err.max()),
+    out[name] = {f'mean_{kind}_error': float(err.mean()), f'median_{kind}_error': float(np.median(err)),
+                 f'max_{kind}_error': float(err.max()),
                  'r2': float(1 - ((m - p) ** 2).sum() / total) if total > 0 else float('nan')}
   return out
 
@@ -189,7 +191,7 @@ def plot(rows, path: str, title: str):
     ax.set_xlabel('layer')
     ax.set_title(label)
     both = np.concatenate([measured, predicted])
-    if log and both.min() > 0 and both.max() / both.min() > 3:  # Log scale where values span decades.
+    if log and both.min() > 0 and both.max() / both.min() > 3:  # Log scale for wide ranges.
       ax.set_yscale('log')
     else:
       ax.ticklabel_format(axis='y', useOffset=False)
@@ -206,8 +208,9 @@ def plot(rows, path: str, title: str):
 def describe(config) -> str:
   m = config.model
   init = m.dslm.init if m.scheme == 'dslm' else m.init
+  inputs = f'seq {config.data.seq_len}' if m.name == 'gpt' else f'patch {m.patch_size}'
   return (f'{m.name} {m.block} {m.scheme}/{init}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
-          f'{m.activation}, seq {config.data.seq_len}')
+          f'{m.activation}, {inputs}')
 
 
 def run(config, out: str, num_batches: int, checkpoint: str | None = None,
@@ -250,11 +253,11 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
 def format_summary(result) -> str:
   lines = [f'{"quantity":16s} {"error":>9s} {"mean":>8s} {"median":>8s} {"max":>8s} {"R²":>9s}']
   for name, s in result['summary'].items():
-    if s['error'] == 'relative':
-      errors = ''.join(f'{100 * s[k]:7.1f}%' for k in ('mean_error', 'median_error', 'max_error'))
-    else:
-      errors = ''.join(f'{s[k]:8.3f}' for k in ('mean_error', 'median_error', 'max_error'))
-    lines.append(f'{name:16s} {s["error"]:>9s} {errors} {s["r2"]:9.4f}')
+    kind = 'rel' if 'mean_rel_error' in s else 'abs'
+    fmt = (lambda v: f'{100 * v:7.1f}%') if kind == 'rel' else (lambda v: f'{v:8.3f}')
+    errors = ''.join(fmt(s[f'{k}_{kind}_error']) for k in ('mean', 'median', 'max'))
+    label = 'relative' if kind == 'rel' else 'absolute'
+    lines.append(f'{name:16s} {label:>9s} {errors} {s["r2"]:9.4f}')
   lines.append('(gradient prediction starts from the gradient measured at the last layer output; '
                'R² over layers is uninformative where a quantity is flat)')
   return '\n'.join(lines)

@@ -2,4 +2,5 @@
 
 from dsjax.instrument.collector import Collector, NO_LAYER, read_jsonl
 from dsjax.instrument.probe import SITES, is_instrumented_step, value_and_grad
-from dsjax.instrument.stats import FORWARD_STATS, GRAD_STATS, WEIGHT_TYPES, forward_stats, grad_stats, weight_grad_stats
+from dsjax.instrument.stats import (FORWARD_STATS, GRAD_STATS, WEIGHT_TYPES, forward_stats, grad_stats,
+                                    weight_grad_stats)

@@ -48,7 +48,7 @@ class ModelDescription:
 
 def describe(config, model, data_info) -> ModelDescription:
   """Sizes from the config; λ/β and weight variances (mean square of each kernel) from the model."""
-  from dsjax.models import transformer_config
+  from dsjax.models import model_dims, transformer_config
   cfg = transformer_config(config.model)
   layers = model.trunk.stack.layers
   kernels = {'q': layers.attn.q, 'k': layers.attn.k, 'v': layers.attn.v, 'o': layers.attn.o,
@@ -60,7 +60,8 @@ def describe(config, model, data_info) -> ModelDescription:
   is_gpt = config.model.name == 'gpt'
   return ModelDescription(
       depth=cfg.depth, width=cfg.width, num_heads=cfg.num_heads, mlp_hidden=cfg.mlp_hidden,
-      seq_len=config.data.seq_len, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
+      seq_len=model_dims(config, data_info).seq_len,  # tokens: GPT context, ViT patches (+ CLS)
+      dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
       activation=cfg.activation, causal=cfg.causal, block=config.model.block,
       weight_var=weight_var, scale=scale,
       vocab_size=data_info.vocab_size if is_gpt else None,
