@@ -4,8 +4,9 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/vit_dslm.py --workdir=/tmp/vit_dslm
 
-Expected runtime: RUNTIME_TBD on a 2-core CPU.
-Expected result: RESULT_TBD.
+Expected runtime: ~15 minutes on a shared 2-core CPU (934 s measured).
+Expected result: test accuracy 99.3% (eval loss 0.0086) after 1500 steps. Logged input moments of the
+embedded digits: variance 0.985 (design 1 − p = 0.9), token correlation −0.026.
 
 The paper's recipe for vision (seed 000 Appendix H): the patch embedding is a Linear of the normalised
 pixels, and the token correlation of the embedded input is measured on real batches before the model is
