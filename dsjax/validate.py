@@ -74,6 +74,9 @@ def validate_config(config, num_devices: int, process_count: int = 1):
 
   if not isinstance(config.instrument.every, int) or config.instrument.every < 0:
     raise ValueError(f'instrument.every must be an integer >= 0 (0 = off), got {config.instrument.every!r}')
+  if config.instrument.delivery not in ('return', 'callback'):
+    raise ValueError(f"instrument.delivery must be one of ['return', 'callback'], got "
+                     f'{config.instrument.delivery!r}')
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
   batch_shards = math.prod(shape[:2])

@@ -57,6 +57,7 @@ def _spec_recurrence(depth, p, r_embed):
 def test_plan_matches_spec(depth, block, init):
   d = 64
   config = _dslm_config('gpt', init=init, depth=depth, width=d, block=block, activation='relu')
+  config.model.dslm.attention_var = 'table2'   # the SPEC's (paper's) V/O formula
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
   lay = {k: np.asarray(v, np.float64) for k, v in plan.layer.items()}
 
@@ -80,6 +81,29 @@ def test_plan_matches_spec(depth, block, init):
   np.testing.assert_allclose(lay['o'] ** 2, expected_vo, rtol=1e-4)
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt(d), rtol=1e-6)
   assert not plan.learnable_skip_scale and not plan.learnable_branch_scale
+
+
+@pytest.mark.parametrize('depth', [12, 96])
+def test_exact_attention_var_gives_unit_attention_output(depth):
+  """attention_var='exact' (default): per layer, the theory's causal attention block with the planned
+  V/O has output variance 1 for the recurrence's r_n; it is above Table 2 where r_n is small."""
+  d = 64
+  config = _dslm_config('gpt', init='full', depth=depth, width=d, block='preln', activation='relu')
+  assert config.model.dslm.attention_var == 'exact'
+  dims = _dims(config, TEXT_INFO)
+  plan = schemes.make_init_plan(config.model, dims)
+  vo = np.asarray(plan.layer['v'], np.float64) ** 2
+  np.testing.assert_allclose(np.asarray(plan.layer['o'], np.float64) ** 2, vo, rtol=1e-6)
+  r_word = math.pi ** 2 / (6 * math.log(256) ** 2)
+  r_n = _spec_recurrence(depth, P, r_word / 2)
+  for n in (0, depth // 2, depth - 1):
+    out, _ = theory.components.attention_block(
+        theory.Stats(var=1.0, corr_seq=float(r_n[n])), theory.GradStats(), d=d,
+        num_heads=dims.num_heads, length=dims.seq_len, p=P, q_var=1 / d, k_var=1 / d,
+        v_var=vo[n], o_var=vo[n], attn_p=config.model.attn_dropout, causal=True)
+    np.testing.assert_allclose(out.var, 1.0, rtol=2e-3, err_msg=f'layer {n}')
+  table2 = (1 / d) * np.sqrt((1 - P) / r_n)
+  assert vo[0] < table2[0]                      # causal: early queries average few tokens
 
 
 @pytest.mark.parametrize('block', ['preln', 'postln'])
@@ -166,6 +190,7 @@ def test_beta_exponent_learnable_beta_and_output_scales():
     (dict(block='dnt'), 'model.block'),
     (dict(dslm_init='fancy'), 'model.dslm.init'),
     (dict(dslm_output_scale='one'), 'model.dslm.output_scale'),
+    (dict(dslm_attention_var='paper'), 'model.dslm.attention_var'),
     (dict(dslm_k=-1.0), 'model.dslm.k'),
     (dict(dslm_k=4.0), 'model.dslm.k / model.depth'),
     (dict(dslm_input_corr='guess'), 'model.dslm.input_corr'),

@@ -158,7 +158,7 @@ DEPTH = 3
 LAYER_SITES = SITES[1:]
 
 
-def _train_setup(remat, instrument=False, **overrides):
+def _train_setup(remat, instrument=False, moments_receiver=None, **overrides):
   config = tiny_config('gpt', depth=DEPTH, remat=remat, dropout=0.1, **overrides)
   model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -166,7 +166,8 @@ def _train_setup(remat, instrument=False, **overrides):
   tx = optax.sgd(0.1)
   state = {'params': params, 'rest': rest, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
   step_fn = step_lib.make_train_step(graphdef, tx, step_lib.lm_loss, 0, optax.constant_schedule(0.1),
-                                     use_dropout=True, instrument=instrument)
+                                     use_dropout=True, instrument=instrument,
+                                     moments_receiver=moments_receiver)
   tokens = jax.random.randint(jax.random.key(7), (8, 17), 0, 256)
   return step_fn, state, {'tokens': tokens}
 
@@ -184,10 +185,12 @@ def _expected_keys(steps):
 
 
 @functools.cache
-def _run_instrumented(remat, num_devices):
-  """Two instrumented train steps (loop steps 1 and 2) under jit + scan + grad, into one collector."""
+def _run_instrumented(remat, num_devices, delivery='return'):
+  """Two instrumented train steps (loop steps 1 and 2) under jit + scan + grad, into one collector;
+  the per-site statistics returned from the step or sent by jax.debug.callback."""
   collector = instrument_lib.Collector()
-  step_fn, state, batch = _train_setup(remat, instrument=True)
+  receiver = collector.receive if delivery == 'callback' else None
+  step_fn, state, batch = _train_setup(remat, instrument=True, moments_receiver=receiver)
   if num_devices == 1:
     jitted, mesh_context = jax.jit(step_fn), contextlib.nullcontext()
   else:  # data × fsdp × tensor = 2 × 2 × 2: batch, model width and heads all sharded.
@@ -200,6 +203,7 @@ def _run_instrumented(remat, num_devices):
     for step in (1, 2):
       state, metrics = jitted(state, batch)
       collector.add(step, metrics['moments'])
+  jax.effects_barrier()  # delivery='callback': wait for callbacks still in flight.
   collector.flush()
   return collector
 
@@ -213,6 +217,24 @@ def test_every_statistic_arrives_exactly_once(remat, num_devices):
   assert set(keys) == _expected_keys(steps=(1, 2))     # nothing missing, nothing extra
   assert len(keys) == len(set(keys)) and collector.num_duplicates == 0   # exactly once
   assert all(np.isfinite(r['value']) for r in collector.records)
+
+
+@pytest.mark.parametrize('num_devices', [1, 8])
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_callback_delivery_arrives_exactly_once_with_the_same_values(remat, num_devices):
+  """instrument.delivery='callback': per-site jax.debug.callbacks from inside the scanned layers. Under
+  remat the forward callbacks fire again in the backward pass; the collector keeps each key once."""
+  collector = _run_instrumented(remat, num_devices, 'callback')
+  keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in collector.records]
+  assert set(keys) == _expected_keys(steps=(1, 2))
+  assert len(keys) == len(set(keys))
+  if remat == 'none':
+    assert collector.num_duplicates == 0
+  returned = {(r['step'], r['layer'], r['site'], r['stat']): r['value']
+              for r in _run_instrumented(remat, num_devices).records}
+  for r in collector.records:
+    key = (r['step'], r['layer'], r['site'], r['stat'])
+    np.testing.assert_allclose(r['value'], returned[key], rtol=2e-3, atol=1e-12, err_msg=str(key))
 
 
 def test_statistics_do_not_depend_on_mesh_or_remat():

@@ -5,6 +5,8 @@ Each record is one JSON line {"step", "layer", "site", "stat", "value"}. Layer â
 the embedding site and whole-stack weight statistics; weight records have site 'weight/<type>'.
 `add` keeps the device arrays; `flush` fetches and writes them, so an instrumented step never waits for
 the host: the training loop flushes the moments of earlier steps while the current one runs.
+`receive` is the `jax.debug.callback` target of `instrument.delivery='callback'`: it buffers what
+arrives (from XLA's host-callback thread, in any order, duplicates included) until the next `flush`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import collections
 import json
 import os
+import threading
 from typing import Any, Iterable
 
 import jax
 import numpy as np
 
-from dsjax.instrument.probe import ACTIVATION_STATS, EMBEDDING_SITE, LAYER_SITES, Moments
+from dsjax.instrument import stats as stats_lib
+from dsjax.instrument.probe import ACTIVATION_STATS, EMBEDDING_SITE, LAYER_SITES, SITES, Moments
 
 Key = tuple[int, int, str, str]  # (step, layer, site, statistic)
 
@@ -26,12 +30,13 @@ NO_LAYER = -1
 
 def moments_to_records(step: int, moments: Moments) -> Iterable[tuple[Key, float]]:
   """The (key, value) records of one step's moments (host numpy arrays, see `probe.Moments`)."""
-  table = np.asarray(moments['activations'], np.float64)
-  for k, stat in enumerate(ACTIVATION_STATS):
-    yield (step, NO_LAYER, EMBEDDING_SITE, stat), table[0, 0, k]
-    for s, site in enumerate(LAYER_SITES, start=1):
-      for n in range(table.shape[0] - 1):
-        yield (step, n, site, stat), table[n + 1, s, k]
+  if 'activations' in moments:  # Absent with delivery='callback': those arrive through `receive`.
+    table = np.asarray(moments['activations'], np.float64)
+    for k, stat in enumerate(ACTIVATION_STATS):
+      yield (step, NO_LAYER, EMBEDDING_SITE, stat), table[0, 0, k]
+      for s, site in enumerate(LAYER_SITES, start=1):
+        for n in range(table.shape[0] - 1):
+          yield (step, n, site, stat), table[n + 1, s, k]
   for kind, kind_stats in moments.get('weights', {}).items():
     for stat, value in kind_stats.items():
       value = np.asarray(value, np.float64)
@@ -57,6 +62,8 @@ class Collector:
     self.num_duplicates = 0
     self._seen: set[Key] = set()
     self._pending: list[tuple[int, Moments]] = []
+    self._received: list[tuple[Key, float]] = []
+    self._lock = threading.Lock()
     self._jsonl = self._tensorboard = None
     if workdir is not None and enabled:
       os.makedirs(workdir, exist_ok=True)
@@ -70,19 +77,33 @@ class Collector:
     if self.enabled:
       self._pending.append((int(step), moments))
 
+  def receive(self, step, layer, site_index, part, values):
+    """`jax.debug.callback` target: one site's forward (part 0) or gradient (part 1) statistics."""
+    if not self.enabled:
+      return
+    names = stats_lib.FORWARD_STATS if int(part) == 0 else stats_lib.GRAD_STATS
+    site, layer = SITES[int(site_index)], int(layer)
+    records = [((int(step), NO_LAYER if layer < 0 else layer, site, name), float(value))
+               for name, value in zip(names, np.asarray(values))]
+    with self._lock:
+      self._received.extend(records)
+
   def flush(self, before_step: int | None = None) -> list[dict[str, Any]]:
-    """Fetches and writes the queued moments of steps < `before_step` (all if None); returns them."""
+    """Fetches and writes the queued moments of steps < `before_step` (all if None), and everything
+    `receive` got so far; returns the new records."""
     ready = [(s, m) for s, m in self._pending if before_step is None or s < before_step]
     self._pending = [(s, m) for s, m in self._pending if not (before_step is None or s < before_step)]
+    with self._lock:
+      received, self._received = self._received, []
     new = []
-    for step, moments in ready:
-      for key, value in moments_to_records(step, jax.device_get(moments)):
-        if key in self._seen:
-          self.num_duplicates += 1
-          continue
-        self._seen.add(key)
-        new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3],
-                    'value': float(value)})
+    for key, value in received + [r for step, moments in ready
+                                  for r in moments_to_records(step, jax.device_get(moments))]:
+      if key in self._seen:
+        self.num_duplicates += 1
+        continue
+      self._seen.add(key)
+      new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3],
+                  'value': float(value)})
     self._write(new)
     return new
 
@@ -99,6 +120,7 @@ class Collector:
       self._tensorboard.flush()
 
   def close(self):
+    jax.effects_barrier()  # Callbacks still in flight (delivery='callback') arrive before the flush.
     self.flush()
     if self._jsonl is not None:
       self._jsonl.close()

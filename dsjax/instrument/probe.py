@@ -17,9 +17,12 @@ gradient statistics and returns, as the cotangent of the sink, this site's row a
 all layers: every entry written exactly once by construction, whatever scan, remat or sharding do,
 with no change to the model beyond its probe hook.
 
-The table is returned from the jitted step and handed to the host `Collector` by the caller, rather
-than sent with `jax.debug.callback`; why (deadlocks on a multi-device CPU mesh, duplicates under remat,
-host round trips per layer), with the evidence, is in README.md.
+By default the table is returned from the jitted step and handed to the host `Collector` by the
+caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the same statistics
+with `jax.debug.callback` from the probe instead: forward statistics in the forward rule, gradient
+statistics in the backward rule, tagged with (step, layer, site) and de-duplicated by the `Collector`.
+Why returning is the default (duplicates under remat, host round trips per layer, deadlocks of a
+callback after the scan on a multi-device mesh), with the evidence, is in README.md.
 """
 
 from __future__ import annotations
@@ -96,13 +99,74 @@ def _sink_probe(sink: jax.Array) -> Probe:
   return probe
 
 
-def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True
+# ------------------------------------------------------------------------------------------------
+# Delivery by `jax.debug.callback` (instrument.delivery='callback').
+# ------------------------------------------------------------------------------------------------
+
+# receiver(step, layer, site_index, part, values): part 0 = forward statistics (FORWARD_STATS order),
+# 1 = gradient statistics (GRAD_STATS order); every argument arrives as a host numpy array.
+Receiver = Callable[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _callback_tap(site_index: int, receiver: Receiver, x_BLD: jax.Array, step: jax.Array,
+                  layer: jax.Array) -> jax.Array:
+  """Identity on x; sends x's forward statistics, and in the backward pass its gradient statistics,
+  to `receiver`, tagged with (step, layer, site)."""
+  del site_index, receiver, step, layer
+  return x_BLD
+
+
+def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
+  forward = _stats_vector(stats_lib.forward_stats(x_BLD), stats_lib.FORWARD_STATS)
+  # Under remat the backward pass re-runs this rule: the callback fires twice with equal values and
+  # the Collector drops the second (it de-duplicates on (step, layer, site, statistic)).
+  jax.debug.callback(receiver, step, layer, site_index, 0, forward)
+  return x_BLD, (step, layer)
+
+
+def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
+  step, layer = residuals
+  backward = _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
+  jax.debug.callback(receiver, step, layer, site_index, 1, backward)
+  return g_BLD, None, None  # step and layer are integers: no cotangents.
+
+
+_callback_tap.defvjp(_callback_tap_fwd, _callback_tap_bwd)
+
+
+def _callback_probe(receiver: Receiver, step: jax.Array) -> Probe:
+  def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
+    if site not in SITES:
+      raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
+    return _callback_tap(SITES.index(site), receiver, x_BLD, jnp.asarray(step, jnp.int32),
+                         jnp.asarray(layer, jnp.int32))
+  return probe
+
+
+def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True,
+                   receiver: Receiver | None = None, step: jax.Array | None = None
                    ) -> tuple[jax.Array, Any, Moments]:
   """(loss, grads, moments): `jax.value_and_grad(lambda p: loss_fn(p, probe))(params)` plus the moments.
 
   `loss_fn(params, probe)` must hand `probe` to the model; every probe site must be visited once per
   layer (as `dsjax.models.transformer` does). `weights=False` skips the weight-gradient statistics.
+
+  Delivery of the per-site activation statistics: by default the (depth + 1, sites, statistics) table
+  `moments['activations']` (the stats sink, module docstring). With a `receiver` (e.g.
+  `Collector.receive`) they are instead sent by `jax.debug.callback` from inside the layer scan,
+  tagged with `step` (the loop step) and the layer, and `moments` holds only the weight statistics,
+  which stay returned (a callback after the scan can deadlock a multi-device step: README.md).
   """
+  if receiver is not None:
+    if step is None:
+      raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
+    loss, grads = jax.value_and_grad(lambda params: loss_fn(params, _callback_probe(receiver, step)))(
+        params)
+    moments = {}
+    if weights:
+      moments['weights'] = stats_lib.weight_grad_stats(_layer_stack(grads))
+    return loss, grads, moments
   depth = stack_depth(params)
   sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
   loss, (grads, table) = jax.value_and_grad(

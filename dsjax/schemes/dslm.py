@@ -13,8 +13,12 @@ For a stack of N layers (one layer = attention add + FFN add), width d, dropout 
                                           variance 1; ReLU, hidden 4d: (1/d)·sqrt((1−p)/2); GeLU is
                                           solved from the GeLU moments (Appendix A.5), not the ReLU value
     queries, keys                         1/d (reference code)
-    values, output projection   full:     (1/d)·sqrt((1−p)/r_n) for layer n → attention block output
-                                          variance C1·r_n = 1 (Table 2), r_n from the recurrence below
+    values, output projection   full:     per layer n, attention block output variance 1 for an input
+                                          of correlation r_n (the recurrence below): the paper's Table 2
+                                          C1·r_n = 1, i.e. (1/d)·sqrt((1−p)/r_n) (attention_var='table2'),
+                                          or from the exact attention moments of `dsjax.theory` for
+                                          this model's causal mask, length and heads ('exact', default;
+                                          equal to Table 2 for long bidirectional sequences)
                                 simple:   σf² (the paper's §4 experiments all use this; Appendix E.5)
     final hidden state × s                s = 1/sqrt(d) ('sqrt_d', paper) or 1/sqrt(σe²·d)
                                           ('sqrt_embed_var_d', reference code: 1/sqrt(0.3·d))
@@ -80,6 +84,9 @@ def validate_config(model_config) -> None:
                      f'the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}')
   if c.init not in INITS:
     raise ValueError(f'model.dslm.init must be one of {list(INITS)}, got {c.init!r}')
+  if c.attention_var not in theory.model.ATTENTION_VARS:
+    raise ValueError(f'model.dslm.attention_var must be one of {list(theory.model.ATTENTION_VARS)}, '
+                     f'got {c.attention_var!r}')
   if c.output_scale not in OUTPUT_SCALES:
     raise ValueError(f'model.dslm.output_scale must be one of {list(OUTPUT_SCALES)}, got {c.output_scale!r}')
   if not _is_number(c.k) or c.k <= 0:
@@ -168,7 +175,9 @@ def init_plan(model_config, dims: ModelDims, input_moments: dict[str, float] | N
                      f"model.dslm.init='simple' or give model.dslm.input_corr as a positive number")
   weight_vars = theory.model.dslm_weight_vars(
       n, d, p, corr, k=c.k, alpha=c.alpha, activation=model_config.activation,
-      mlp_ratio=dims.mlp_hidden // d, simple=simple)
+      mlp_ratio=dims.mlp_hidden // d, simple=simple, attention_var=c.attention_var,
+      num_heads=dims.num_heads, seq_len=dims.seq_len, causal=dims.kind == 'gpt',
+      attn_dropout=model_config.attn_dropout)
 
   if c.output_scale == 'sqrt_d':
     output_scale = 1.0 / math.sqrt(d)

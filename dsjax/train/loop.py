@@ -122,8 +122,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
     moments = instrument_lib.Collector(workdir, enabled=is_chief)
+    receiver = moments.receive if config.instrument.delivery == 'callback' else None
     instrumented_train_step = jit_train_step(step_lib.make_train_step(
-        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument=True))
+        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument=True,
+        moments_receiver=receiver))
   eval_step = jax.jit(step_lib.make_eval_step(graphdef, loss_fn),
                       in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
                       out_shardings=sharding_lib.replicated(mesh))

@@ -64,9 +64,12 @@ def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    instrument: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+                    instrument: bool = False, moments_receiver: Callable | None = None
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
-  as metrics['moments']; the default step computes none of it."""
+  as metrics['moments']; the default step computes none of it. With a `moments_receiver`
+  (instrument.delivery='callback', e.g. `Collector.receive`) the per-site statistics go to it by
+  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
@@ -77,7 +80,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       return loss
 
     if instrument:
-      loss, grads, moments = instrument_lib.value_and_grad(loss_of_params, state['params'])
+      # The loop numbers steps from 1: the step that starts from state['step'] = t is loop step t + 1.
+      loss, grads, moments = instrument_lib.value_and_grad(
+          loss_of_params, state['params'], receiver=moments_receiver, step=state['step'] + 1)
     else:
       loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
