@@ -4,8 +4,10 @@ r"""Train-step time with per-layer moment instrumentation on every step vs off.
 
 Both steps are the loop's jitted train step (`dsjax.train.step.make_train_step`) on one device; the
 instrumented one (`instrument=True`) also measures the per-layer moments, and its timing includes
-fetching them and writing moments.jsonl + TensorBoard. The two are timed alternately on the same real
-batch, after compilation; the medians are reported.
+fetching them and writing moments.jsonl + TensorBoard. Both deliveries of `instrument.delivery` are
+timed: 'return' (the statistics table returned from the step, the default) and 'callback' (a
+`jax.debug.callback` per probe site from inside the layer scan, waited for with `jax.effects_barrier`).
+The three steps are timed in turn on the same real batch, after compilation; the medians are reported.
 """
 
 from __future__ import annotations
@@ -39,23 +41,31 @@ def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
   state = jax.jit(create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  collector = instrument_lib.Collector(workdir, keep_records=False)
-  make = lambda instrument: jax.jit(step_lib.make_train_step(  # noqa: E731
-      graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument), donate_argnums=0)
-  steps = {'off': make(False), 'every_step': make(True)}
+  import os
+  # One collector per delivery, so that neither de-duplicates the other's records.
+  collectors = {name: instrument_lib.Collector(os.path.join(workdir, name), keep_records=False)
+                for name in ('every_step', 'every_step_callback')}
+  make = lambda instrument, receiver=None: jax.jit(step_lib.make_train_step(  # noqa: E731
+      graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument,
+      moments_receiver=receiver), donate_argnums=0)
+  steps = {'off': make(False), 'every_step': make(True),
+           'every_step_callback': make(True, collectors['every_step_callback'].receive)}
 
   times: dict[str, list[float]] = {name: [] for name in steps}
   for i in range(num_steps + 2):
     for name, step_fn in steps.items():
       start = time.perf_counter()
       state, metrics = step_fn(state, batch)
-      if name == 'every_step':  # As in the loop, plus fetching and writing the moments at once.
-        collector.add(i, metrics.pop('moments'))
-        collector.flush()
+      if name != 'off':  # As in the loop, plus fetching and writing the moments at once.
+        collectors[name].add(i, metrics.pop('moments'))
+        if name == 'every_step_callback':
+          jax.effects_barrier()
+        collectors[name].flush()
       jax.block_until_ready(metrics)
       if i >= 2:  # The first two calls compile and warm up.
         times[name].append(time.perf_counter() - start)
-  collector.close()
+  for collector in collectors.values():
+    collector.close()
   return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -68,8 +78,10 @@ def main(argv):
   print(f'{m.name} {m.block} depth {m.depth} width {m.width}, batch {config.batch_size} x '
         f'{config.data.seq_len}, median of {_STEPS.value} steps:')
   print(f'  instrumentation off:        {t["off"] * 1e3:8.1f} ms/step')
-  print(f'  instrumentation every step: {t["every_step"] * 1e3:8.1f} ms/step')
-  print(f'  overhead: {100 * (t["every_step"] / t["off"] - 1):.1f}%')
+  print(f'  instrumentation every step: {t["every_step"] * 1e3:8.1f} ms/step '
+        f'(overhead {100 * (t["every_step"] / t["off"] - 1):.1f}%), delivery=return')
+  print(f'  instrumentation every step: {t["every_step_callback"] * 1e3:8.1f} ms/step '
+        f'(overhead {100 * (t["every_step_callback"] / t["off"] - 1):.1f}%), delivery=callback')
 
 
 if __name__ == '__main__':

@@ -53,10 +53,12 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   m.dslm = d = ml_collections.ConfigDict()
   d.init = 'simple'               # 'simple': V/O like the FFN (all of the paper's §4 runs) | 'full': V/O per
                                   # layer from the correlation recurrence (paper §3.5 item 3, Fig. 15)
-  d.attention_var = 'exact'       # full init only. 'exact': V/O give attention-block output variance 1 by
-                                  # dsjax.theory's attention moments (causal, L, heads) | 'table2': the
-                                  # paper's C1·r = 1 (bidirectional, long sequences; 4.6× off at layer 0
-                                  # of a causal byte-level GPT, see theory.model.dslm_weight_vars)
+  d.attention_var = 'table2'      # full init only. 'table2': the paper's V/O, C1·r_n = 1 (Table 2;
+                                  # assumes bidirectional attention over long sequences) | 'exact': V/O
+                                  # give attention-block output variance 1 by dsjax.theory's attention
+                                  # moments (causal mask, L, heads); 4.6× smaller V·O at layer 0 of a
+                                  # causal byte-level GPT (theory.model.dslm_weight_vars,
+                                  # experiments/dslm_results.md for the measured trade-off)
   d.k = 2.0                       # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)
   d.alpha = 1.0                   # α = 1: gradient change and sensitivity independent of depth (Appendix G)
   d.learnable_beta = False        # paper Table 13: a learnable β is worse than the fixed one

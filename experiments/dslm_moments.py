@@ -41,7 +41,8 @@ CASES = {
 
 
 def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: int, batch_size: int,
-                activation: str, dropout: float = 0.1, input_corr: str = 'zipf'):
+                activation: str, dropout: float = 0.1, input_corr: str = 'zipf',
+                attention_var: str = 'table2'):
   from dsjax.config_defaults import base_config
   scheme, block, init = CASES[name]
   c = base_config('gpt')
@@ -53,6 +54,7 @@ def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: i
   m.remat = 'nothing_saveable'  # Keeps the 192-layer backward pass within a laptop's memory.
   if init is not None:
     m.dslm.init = init
+    m.dslm.attention_var = attention_var
   if scheme == 'dslm' and input_corr == 'measure':
     # Measured on the first training batches, handed over as a number so that dsjax.moments (which
     # builds the model without input moments) rebuilds exactly this model.
@@ -102,7 +104,8 @@ def run_cases(out: str, names, *, num_batches: int, **shape) -> dict[str, dict]:
 def markdown(summary: dict[str, dict], shape: dict) -> str:
   lines = [f"GPT at initialisation, {shape['depth']} layers × d {shape['width']}, dropout 0.1, "
            f"{shape['activation']}, seq {shape['seq_len']}, batch {shape['batch_size']}, DSLM input "
-           f"correlation: {shape.get('input_corr', 'zipf')}.", '',
+           f"correlation: {shape.get('input_corr', 'zipf')}, full init's attention_var: "
+           f"{shape.get('attention_var', 'table2')}.", '',
            '| case | fwd var max err (layer) | grad var L1/LN measured (theory) | '
            'fwd var LN/L1 measured (theory) | median err: fwd var | grad var | attn branch var | '
            'FFN branch var |',
@@ -133,6 +136,9 @@ def parse_args(argv=None):
   parser.add_argument('--input_corr', default='zipf', choices=['zipf', 'measure'],
                       help="DSLM's token correlation of the embedded input: the Zipf estimate (paper, "
                            'text) or measured on the data (used by the full init only).')
+  parser.add_argument('--attention_var', default='table2', choices=['table2', 'exact'],
+                      help="model.dslm.attention_var of the full init: the paper's Table 2 (C1·r = 1, "
+                           "default) or the theory's exact attention moments.")
   parser.add_argument('--cases', default=','.join(CASES), help='Comma-separated subset of the cases.')
   return parser.parse_args(argv)
 
@@ -142,7 +148,8 @@ def main():
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   shape = dict(depth=args.depth, width=args.width, num_heads=args.num_heads, seq_len=args.seq_len,
-               batch_size=args.batch_size, activation=args.activation, input_corr=args.input_corr)
+               batch_size=args.batch_size, activation=args.activation, input_corr=args.input_corr,
+               attention_var=args.attention_var)
   summary = run_cases(args.out, args.cases.split(','), num_batches=args.batches, **shape)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'summary.json'), 'w') as f:

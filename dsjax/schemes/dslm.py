@@ -15,10 +15,10 @@ For a stack of N layers (one layer = attention add + FFN add), width d, dropout 
     queries, keys                         1/d (reference code)
     values, output projection   full:     per layer n, attention block output variance 1 for an input
                                           of correlation r_n (the recurrence below): the paper's Table 2
-                                          C1·r_n = 1, i.e. (1/d)·sqrt((1−p)/r_n) (attention_var='table2'),
-                                          or from the exact attention moments of `dsjax.theory` for
-                                          this model's causal mask, length and heads ('exact', default;
-                                          equal to Table 2 for long bidirectional sequences)
+                                          C1·r_n = 1, i.e. (1/d)·sqrt((1−p)/r_n) (attention_var='table2',
+                                          default), or from the exact attention moments of
+                                          `dsjax.theory` for this model's causal mask, length and heads
+                                          ('exact'; equal to Table 2 for long bidirectional sequences)
                                 simple:   σf² (the paper's §4 experiments all use this; Appendix E.5)
     final hidden state × s                s = 1/sqrt(d) ('sqrt_d', paper) or 1/sqrt(σe²·d)
                                           ('sqrt_embed_var_d', reference code: 1/sqrt(0.3·d))
