@@ -264,3 +264,40 @@ def test_ffn_block_relu_table_2():
                        exact=False)
   assert fit.corr_seq == pytest.approx((1 - p) * (1 / math.pi + r / 2 + (0.5 - 1 / math.pi) * r * r),
                                        abs=0.01)
+
+
+def test_layernorm_random_fraction_interpolates_the_finite_d_terms():
+  x, g = Stats(var=2.0, corr_seq=0.3), GradStats(var=3.0, corr_seq=0.4)
+  default = C.layernorm(x, g, d=32)
+  assert C.layernorm(x, g, d=32, random_fraction=1.0) == default
+  _, g0 = C.layernorm(x, g, d=32, random_fraction=0.0)
+  assert g0.var == pytest.approx(3.0 / 2.0)            # the large-d (paper) form
+  assert g0.cov_seq == pytest.approx(g.cov_seq / 2.0)
+  with pytest.raises(ValueError, match='random_fraction'):
+    C.layernorm(x, g, d=32, random_fraction=1.5)
+
+
+def test_layernorm_backward_of_a_post_ln_add_matches_simulation():
+  """Post-LN add λ·x + β·h: x a LayerNorm output (norm exactly sqrt(d)), h Gaussian, and a gradient that
+  came through the next LayerNorm (orthogonal to 1 and x̂). Only ρ = β²·var(h)/s2 of the input is
+  random, and the simulated gradient variance matches ρ, not the Gaussian-input form (ρ = 1)."""
+  d, n, lam2, beta2 = 32, 40_000, 0.96, 0.04
+  rng = np.random.default_rng(0)
+  unit = lambda a: a - a.mean(-1, keepdims=True)  # noqa: E731
+  x = unit(rng.standard_normal((n, d)))
+  x *= np.sqrt(d) / np.linalg.norm(x, axis=-1, keepdims=True)
+  s = math.sqrt(lam2) * x + math.sqrt(beta2) * rng.standard_normal((n, d))
+  x_hat = x / np.sqrt(d)
+  g = unit(rng.standard_normal((n, d)))
+  g -= (g * x_hat).sum(-1, keepdims=True) * x_hat
+  s_c = unit(s)
+  sigma = np.sqrt((s_c**2).mean(-1, keepdims=True))
+  s_hat = s_c / np.linalg.norm(s_c, axis=-1, keepdims=True)
+  g_in = (unit(g) - (g * s_hat).sum(-1, keepdims=True) * s_hat) / sigma
+  measured = (g_in**2).mean()
+  x_stats, g_stats = Stats(var=float((s**2).mean())), GradStats(var=float((g**2).mean()))
+  rho = beta2 / x_stats.var
+  predicted = C.layernorm(x_stats, g_stats, d=d, random_fraction=rho)[1].var
+  gaussian_form = C.layernorm(x_stats, g_stats, d=d)[1].var
+  assert measured == pytest.approx(predicted, rel=5e-3)
+  assert abs(gaussian_form / measured - 1) > 0.025     # 1/(d−3) = 3.4% off
