@@ -175,26 +175,15 @@ def fold_model(model, config):
 
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
-  import jax
-  from flax import nnx
   from dsjax import data as data_lib
   from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
   from dsjax.schemes import dslm
   from dsjax.train import checkpoint as checkpoint_lib
-  from dsjax.train import loop, optimizers
 
   config = load_config(os.path.join(workdir, 'config.json'))
   data_info = data_lib.dataset_info(config.data)
-  tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
   input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=False)
-  graphdef, create_state = loop.create_train_state(config, data_info, tx, input_moments)
-  checkpointer = checkpoint_lib.Checkpointer(workdir, save_every=1, keep=1)
-  if checkpointer.latest_step() is None:
-    raise ValueError(f'--workdir {workdir} holds no checkpoint')
-  state, _ = checkpointer.restore(jax.eval_shape(create_state))
-  checkpointer.close()
-  logging.info('Restored step %d from %s', int(state['step']), workdir)
-  return nnx.merge(graphdef, state['params'], state['rest']), config
+  return checkpoint_lib.restore_model(config, data_info, workdir, input_moments), config
 
 
 def save_exported(model, config, out: str):

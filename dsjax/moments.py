@@ -75,22 +75,10 @@ def load_model(config, data_info, checkpoint: str | None):
   # DSLM with model.dslm.input_corr='measure' initialises from measured input moments: those the run
   # stored in its workdir, or measured afresh on the first training batches.
   input_moments = dslm.input_moments_for_run(config, data_info, checkpoint, write=False)
-  model = models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
   if checkpoint is None:
-    return model
-  import jax
+    return models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
   from dsjax.train import checkpoint as checkpoint_lib
-  from dsjax.train import loop, optimizers
-  tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  _, create_state = loop.create_train_state(config, data_info, tx, input_moments)
-  checkpointer = checkpoint_lib.Checkpointer(checkpoint, save_every=1, keep=1)
-  if checkpointer.latest_step() is None:
-    raise ValueError(f'--checkpoint {checkpoint} holds no checkpoint')
-  state, _ = checkpointer.restore(jax.eval_shape(create_state))
-  checkpointer.close()
-  graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-  logging.info('Restored step %d from %s', int(state['step']), checkpoint)
-  return nnx.merge(graphdef, state['params'], state['rest'])
+  return checkpoint_lib.restore_model(config, data_info, checkpoint, input_moments)
 
 
 def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, float]], dict[str, Any]]:

@@ -327,10 +327,12 @@ def test_off_means_off():
   assert table_type in str(jax.make_jaxpr(instrumented_fn)(state, batch))  # positive control
 
 
-def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path):
+@pytest.mark.parametrize('delivery', ['return', 'callback'])
+def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path, delivery):
   from dsjax.train import loop
   config = tiny_config('gpt', depth=2)
   config.total_steps, config.instrument.every = 4, 2
+  config.instrument.delivery = delivery
   loop.train_and_evaluate(config, str(tmp_path), devices=jax.devices()[:1])
   rows = instrument_lib.read_jsonl(os.path.join(tmp_path, 'moments.jsonl'))
   keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in rows]
@@ -338,6 +340,21 @@ def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path):
   assert {k[0] for k in keys} == {1, 2, 4}   # step 1 (= initialisation) and every 2nd step
   assert {k for k in keys if k[0] == 4} == {(4,) + k[1:] for k in keys if k[0] == 1}
   assert os.listdir(os.path.join(tmp_path, 'tensorboard'))
+
+
+def test_moments_cli_reads_a_checkpoint(tmp_path):
+  """`dsjax.moments --checkpoint=WORKDIR` measures the trained model, not the initial one."""
+  from dsjax import moments
+  from dsjax.train import loop
+  config = tiny_config('gpt', depth=2)
+  config.total_steps = 3
+  loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  at_init = moments.run(config, str(tmp_path / 'init'), num_batches=1)
+  trained = moments.run(config, str(tmp_path / 'trained'), num_batches=1, checkpoint=str(tmp_path / 'run'))
+  assert trained['layers'][0]['grad_var']['measured'] != at_init['layers'][0]['grad_var']['measured']
+  with pytest.raises(ValueError, match='holds no checkpoint'):
+    moments.run(config, str(tmp_path / 'none'), num_batches=1, checkpoint=str(tmp_path / 'init'))
+  assert not os.path.exists(tmp_path / 'init' / 'checkpoints') and not os.path.exists(tmp_path / 'none')
 
 
 # ------------------------------------------------------------------------------------------------
