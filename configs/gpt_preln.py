@@ -4,9 +4,10 @@ Command:
 
   python -m dsjax.main --config=configs/gpt_preln.py --workdir=/tmp/gpt_preln
 
-Expected runtime: like configs/gpt_dnt.py (same shape).
-Expected result: eval loss well below the 3.144-nat unigram entropy of the validation split (not
-re-measured at 1000 steps).
+Expected runtime: 6m19s wall on an idle 2-core CPU (measured).
+Expected result: eval loss 1.688 nats/byte (2.435 bits/byte, perplexity 5.41) at step 1000 (measured),
+against the 3.144-nat unigram entropy of the validation split; the DNT model with mSGDW
+(configs/gpt_dnt.py) reaches 1.377.
 """
 
 from dsjax.config_defaults import base_config

@@ -4,9 +4,9 @@ Command:
 
   python -m dsjax.main --config=configs/vit_preln.py --workdir=/tmp/vit_preln
 
-Expected runtime: about 4 minutes on a 2-core CPU (not re-measured at 600 steps).
-Expected result: with AdamW lr 1e-3 this model reached test accuracy 0.96 after 300 steps (the DNT
-model with these AdamW settings); ≥ 0.9 expected.
+Expected runtime: 2m24s wall on an idle 2-core CPU (measured).
+Expected result: test accuracy 0.950 (285/300) at step 600, eval loss 0.192 (measured with this
+command; the DNT config reaches 0.957 with mSGDW).
 
 `--config.optimizer.name=msgdw --config.optimizer.lr=0.5 --config.optimizer.weight_decay=2e-4` gives the
 mSGDW comparison of seed 004, where the standard Pre-LN transformer is expected to fall behind DNT.
