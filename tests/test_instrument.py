@@ -392,3 +392,15 @@ def test_theory_adapter_reads_scales_and_weight_variances_from_the_model():
   np.testing.assert_allclose(desc.weight_var['q'], 2 / (64 + 64), rtol=0.05)      # Xavier
   np.testing.assert_allclose(desc.weight_var['ffn2'], 2 / (256 + 64), rtol=0.05)
   assert (desc.block, desc.causal, desc.mlp_hidden, desc.seq_len) == ('preln', True, 256, 16)
+
+
+def test_moments_table_of_a_run(tmp_path):
+  from experiments import moments_table
+  rows = [{'step': s, 'layer': n, 'site': 'ffn_residual', 'stat': 'corr_seq', 'value': 0.1 * s + n}
+          for s in (1, 50) for n in (0, 3)]
+  with open(tmp_path / 'moments.jsonl', 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+  table = moments_table.moments_table(str(tmp_path), [0, 3, 7], ['ffn_residual/corr_seq'])
+  assert '| ffn_residual/corr_seq | 50 | 5 | 8 | – |' in table
+  with pytest.raises(SystemExit, match='instrument.every'):
+    moments_table.moments_table(str(tmp_path / 'none'), [0], ['ffn_residual/corr_seq'])
