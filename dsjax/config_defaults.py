@@ -56,7 +56,7 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   d.attention_var = 'table2'      # full init only. 'table2': the paper's V/O, C1·r_n = 1 (Table 2;
                                   # assumes bidirectional attention over long sequences) | 'exact': V/O
                                   # give attention-block output variance 1 by dsjax.theory's attention
-                                  # moments (causal mask, L, heads); 4.6× smaller V·O at layer 0 of a
+                                  # moments (causal mask, L, heads); 4.3× smaller V·O at layer 0 of a
                                   # causal byte-level GPT (theory.model.dslm_weight_vars,
                                   # experiments/dslm_results.md for the measured trade-off)
   d.k = 2.0                       # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)

@@ -74,6 +74,8 @@ def load_model(config, data_info, checkpoint: str | None):
   from dsjax.schemes import dslm
   # DSLM with model.dslm.input_corr='measure' initialises from measured input moments: those the run
   # stored in its workdir, or measured afresh on the first training batches.
+  if checkpoint is not None and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+    raise ValueError(f'{checkpoint} holds no checkpoint (looked in {checkpoint}/checkpoints)')
   input_moments = dslm.input_moments_for_run(config, data_info, checkpoint, write=False)
   if checkpoint is None:
     return models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)

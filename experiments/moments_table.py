@@ -1,7 +1,7 @@
 r"""Per-layer moments of a training run as a table: how a statistic evolves over steps at chosen layers.
 
   python experiments/moments_table.py --workdir=RUN [--layers=0,10,48,95] \
-      [--stats=ffn_residual/corr_seq,ffn_residual/grad_var,attn_branch/var]
+      [--stats=ffn_residual/corr_seq,ffn_residual/var,attn_branch/var,ffn_residual/grad_var]
 
 RUN is a training workdir of a run with `--config.instrument.every=N` (it holds moments.jsonl, written
 by `dsjax.instrument.Collector`). Prints one row per (site/statistic, step) and one column per layer

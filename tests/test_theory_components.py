@@ -266,38 +266,52 @@ def test_ffn_block_relu_table_2():
                                        abs=0.01)
 
 
-def test_layernorm_random_fraction_interpolates_the_finite_d_terms():
+def test_layernorm_random_fraction_zero_is_the_large_d_form():
   x, g = Stats(var=2.0, corr_seq=0.3), GradStats(var=3.0, corr_seq=0.4)
-  default = C.layernorm(x, g, d=32)
-  assert C.layernorm(x, g, d=32, random_fraction=1.0) == default
   _, g0 = C.layernorm(x, g, d=32, random_fraction=0.0)
-  assert g0.var == pytest.approx(3.0 / 2.0)            # the large-d (paper) form
+  assert g0.var == pytest.approx(3.0 / 2.0)            # the paper's form
   assert g0.cov_seq == pytest.approx(g.cov_seq / 2.0)
   with pytest.raises(ValueError, match='random_fraction'):
     C.layernorm(x, g, d=32, random_fraction=1.5)
 
 
-def test_layernorm_backward_of_a_post_ln_add_matches_simulation():
-  """Post-LN add λ·x + β·h: x a LayerNorm output (norm exactly sqrt(d)), h Gaussian, and a gradient that
-  came through the next LayerNorm (orthogonal to 1 and x̂). Only ρ = β²·var(h)/s2 of the input is
-  random, and the simulated gradient variance matches ρ, not the Gaussian-input form (ρ = 1)."""
-  d, n, lam2, beta2 = 32, 40_000, 0.96, 0.04
-  rng = np.random.default_rng(0)
-  unit = lambda a: a - a.mean(-1, keepdims=True)  # noqa: E731
-  x = unit(rng.standard_normal((n, d)))
-  x *= np.sqrt(d) / np.linalg.norm(x, axis=-1, keepdims=True)
-  s = math.sqrt(lam2) * x + math.sqrt(beta2) * rng.standard_normal((n, d))
-  x_hat = x / np.sqrt(d)
-  g = unit(rng.standard_normal((n, d)))
-  g -= (g * x_hat).sum(-1, keepdims=True) * x_hat
-  s_c = unit(s)
-  sigma = np.sqrt((s_c**2).mean(-1, keepdims=True))
-  s_hat = s_c / np.linalg.norm(s_c, axis=-1, keepdims=True)
-  g_in = (unit(g) - (g * s_hat).sum(-1, keepdims=True) * s_hat) / sigma
-  measured = (g_in**2).mean()
-  x_stats, g_stats = Stats(var=float((s**2).mean())), GradStats(var=float((g**2).mean()))
-  rho = beta2 / x_stats.var
-  predicted = C.layernorm(x_stats, g_stats, d=d, random_fraction=rho)[1].var
-  gaussian_form = C.layernorm(x_stats, g_stats, d=d)[1].var
-  assert measured == pytest.approx(predicted, rel=5e-3)
-  assert abs(gaussian_form / measured - 1) > 0.025     # 1/(d−3) = 3.4% off
+def _simulate_post_ln_backward(d, rho, n=60_000, corr=0.5, seed=0):
+  """LayerNorm backward at a Post-LN add s = λ·x + β·h, per pair of tokens: x LayerNorm outputs (norm
+  exactly sqrt(d)), h Gaussian, the incoming gradient orthogonal to 1 and x̂; λ² = 1 − ρ, β² = ρ,
+  var(h) = 1 (s2 = 1). Returns (var_in / var_out, cov_in / cov_out) of the gradient."""
+  rng = np.random.default_rng(seed)
+  centre = lambda a: a - a.mean(-1, keepdims=True)  # noqa: E731
+
+  def pair():  # Two token vectors with correlation `corr`.
+    z = rng.standard_normal((n, d))
+    return z, math.sqrt(corr) * z + math.sqrt(1 - corr) * rng.standard_normal((n, d))
+
+  xs = [centre(v) * 1.0 for v in pair()]
+  xs = [v * math.sqrt(d) / np.linalg.norm(v, axis=-1, keepdims=True) for v in xs]
+  hs = pair()
+  gs = [centre(v) for v in pair()]
+  grads_in = []
+  for x, h, g in zip(xs, hs, gs):
+    x_hat = x / math.sqrt(d)
+    g -= (g * x_hat).sum(-1, keepdims=True) * x_hat
+    s_c = centre(math.sqrt(1 - rho) * x + math.sqrt(rho) * h)
+    s_hat = s_c / np.linalg.norm(s_c, axis=-1, keepdims=True)
+    sigma = np.sqrt((s_c**2).mean(-1, keepdims=True))
+    grads_in.append((g - (g * s_hat).sum(-1, keepdims=True) * s_hat) / sigma)
+  var_ratio = (grads_in[0]**2).mean() / (gs[0]**2).mean()
+  cov_ratio = (grads_in[0] * grads_in[1]).mean() / (gs[0] * gs[1]).mean()
+  return var_ratio, cov_ratio
+
+
+@pytest.mark.parametrize('d,rho', [(32, 0.04), (32, 0.5), (64, 0.1)])
+def test_layernorm_backward_of_a_post_ln_add_matches_simulation(d, rho):
+  """The finite-d excess of a Post-LN LayerNorm's backward (var and covariance) against simulation, to
+  15% of the excess itself; the Gaussian-input form (d−2)/(d−3) is far off for small ρ."""
+  var_ratio, cov_ratio = _simulate_post_ln_backward(d, rho)
+  g = GradStats(var=1.0, corr_seq=0.5)
+  _, g_in = C.layernorm(Stats(var=1.0, corr_seq=0.5), g, d=d, random_fraction=rho)
+  assert (g_in.var - 1) == pytest.approx(var_ratio - 1, rel=0.15)
+  assert (g_in.cov_seq / g.cov_seq - 1) == pytest.approx(cov_ratio - 1, rel=0.15)
+  if rho < 0.2:
+    gaussian_excess = C.layernorm(Stats(var=1.0, corr_seq=0.5), g, d=d)[1].var - 1
+    assert abs(gaussian_excess - (var_ratio - 1)) > 0.3 * (var_ratio - 1)

@@ -303,7 +303,7 @@ def gelu_second_moment(s2: float) -> float:
 
 
 def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
-              random_fraction: float = 1.0) -> tuple[Stats, GradStats]:
+              random_fraction: float | None = None) -> tuple[Stats, GradStats]:
   """LayerNorm over d hidden units, gain 1, bias 0 (Appendix A.6); hidden units assumed independent.
 
   Output: mean 0, var 1, hidden correlation −1/(d−1) (the d outputs sum to zero). The input mean is
@@ -318,16 +318,18 @@ def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
   backward projects out 1 and x̂ (trace d−2) and E[1/σ̂²] = d/(s2(d−3)), so var_g = g2·(d−2)/(s2(d−3));
   the gradient covariance uses tr(P_t P_s) = d−3+cos²θ and E[1/(σ̂_t σ̂_s)] to second order.
 
-  random_fraction (exact=True only; 1 = the Gaussian input above): the share of the input variance s2
-  that is random per token. A Post-LN residual add λ·x + β·h sums the previous LayerNorm's output x,
-  whose per-token norm is exactly sqrt(d), and a Gaussian branch h, so only ρ = β²·var(h)/s2 of it is.
-  The finite-d excess (d−2)/(d−3) − 1 = 1/(d−3) of the gradient variance comes from the random norm
-  (E[1/σ̂²]) and from projecting a gradient that is isotropic w.r.t. x̂; in a Post-LN stack the gradient
-  arriving at the add came through the next LayerNorm, whose x̂ equals this one's to O(β), so it is
-  already orthogonal to 1 and x̂. Both parts scale with ρ: var_g = g2/s2·(1 + ρ/(d−3)), and the second-
-  order term of the covariance likewise. With ρ = 1 in every one of the 2·depth norms of a 192-layer
-  DSLM Post-LN stack the gradient at layer 1 is over-predicted ~4.5× ((254/253)^384; measured with
-  `dsjax.moments`), with ρ from the block it is within a few per cent (dsjax/instrument/README.md).
+  random_fraction=ρ (exact=True only) is the Post-LN residual add λ·x + β·h instead: x is the previous
+  LayerNorm's output (per-token norm exactly sqrt(d), share 1 − ρ of s2) and h a Gaussian branch (share
+  ρ = β²·var(h)/s2), and the gradient arriving here came through the next LayerNorm, whose x̂ equals
+  this one's to O(β): it is already orthogonal to 1 and to x. Then the centred σ̂² has relative variance
+  v = (4ρ(1−ρ) + 2ρ²)/d (the λβ·x·h cross term and the branch's χ²) and mean s2·(1 − ρ/d), and the
+  projection removes a share ρ/d of the gradient (its component along h):
+      var_g = g2/s2·(1 + (4ρ − 2ρ²)/d),   cov_g = cov/s2·(1 + (3ρ − 2ρ²)/d)   (to O(1/d)).
+  The variance is the expansion; the covariance's second-order term was checked by simulation rather
+  than derived in full (tests/test_theory_components.py, d = 32 and 64, ρ = 0.02–0.5). A 192-layer DSLM
+  Post-LN stack has ρ ≈ β² = 0.01: the Gaussian form (1/(d−3) per norm) over-predicts the gradient at
+  layer 1 ~4.5× ((254/253)^384, measured with `dsjax.moments`); this form is within a few per cent
+  (dsjax/instrument/README.md). ρ = 1 is not the Gaussian case: there the gradient is isotropic.
   """
   _check_inputs(x, g)
   d = _check_size('d', d, minimum=4 if exact else 2)
@@ -335,13 +337,15 @@ def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
   if not exact:
     out = Stats(mean=0.0, var=1.0, corr_seq=r * (1 - 1 / d), corr_hidden=-1 / (d - 1))
     return out, GradStats(var=g.var / s2, corr_seq=g.corr_seq)
-  rho = _check_fraction('random_fraction', random_fraction)
   n = d - 1
   out = Stats(mean=0.0, var=1.0, corr_seq=r * (1 - (1 - r**2) / (2 * n)), corr_hidden=-1 / n)
-  grad_var = g.var / s2 * (1 + rho / (d - 3))            # ρ = 1: (d−2)/(d−3)
+  if random_fraction is not None:  # Post-LN add (docstring).
+    rho = _check_fraction('random_fraction', random_fraction)
+    return out, _grad(g.var / s2 * (1 + (4 * rho - 2 * rho**2) / d),
+                      g.cov_seq / s2 * (1 + (3 * rho - 2 * rho**2) / d))
+  grad_var = g.var * (d - 2) / (s2 * (d - 3))
   mean_cos2 = r**2 + (1 - r**2) * (1 - 2 * r**2) / n
-  projected = 1 - rho * (1 - (d - 3 + mean_cos2) / n)    # ρ = 1: tr(P_t P_s)/(d−1)
-  grad_cov = g.cov_seq / s2 * projected * (1 + rho * (3 + r**2) / (2 * n))
+  grad_cov = g.cov_seq / s2 * (d - 3 + mean_cos2) / n * (1 + (3 + r**2) / (2 * n))
   return out, _grad(grad_var, grad_cov)
 
 

@@ -65,4 +65,3 @@ def restore_model(config, data_info, workdir: str, input_moments=None):
   checkpointer.close()
   logging.info('Restored step %d from %s', int(state['step']), workdir)
   return nnx.merge(graphdef, state['params'], state['rest'])
-
