@@ -21,7 +21,10 @@ initial logits have variance 1. With the paper's 1/sqrt(d) the logits start at v
 the head learns ~2× slower per step (at 12 layers, 200 steps: eval loss 3.01 untied/1/sqrt(d), 2.63
 tied/1/sqrt(d), 2.52 tied/1/sqrt(σe²·d)). Pre-LN rather than Post-LN: at this width and step budget the
 96-layer DSLM Post-LN model, like the vanilla one, has not left the unigram plateau after 300 steps
-(it does at 12 layers); the DSLM Pre-LN model leaves it within ~50 steps.
+at this lr (it collapses in rank during training); the DSLM Pre-LN model leaves it within ~50 steps.
+With `--config.model.block=postln --config.optimizer.lr=1e-3 --config.optimizer.warmup_steps=100` the
+DSLM Post-LN model trains too (eval 2.786 at step 300; vanilla Post-LN with that schedule: 3.261) —
+experiments/dslm_results.md §2.
 """
 
 from dsjax.config_defaults import base_config
