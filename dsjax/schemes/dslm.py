@@ -68,7 +68,7 @@ from dsjax.schemes.base import InitPlan, ModelDims, per_layer
 INITS = ('full', 'simple')
 OUTPUT_SCALES = ('sqrt_d', 'sqrt_embed_var_d')
 INPUT_CORR_MODES = ('zipf', 'measure')
-BLOCKS = ('preln', 'postln')
+BLOCKS = theory.model.BLOCKS  # the blocks whose residual adds DSLM scales
 INPUT_MOMENTS_FILE = 'input_moments.json'
 
 
@@ -107,7 +107,7 @@ def validate_config(model_config) -> None:
   if m.name == 'vit' and m.pos_embedding != 'learned':
     raise ValueError(f"model.pos_embedding must be 'learned' with model.scheme='dslm' (DSLM sets the "
                      f'position table variance; sincos2d has a fixed variance of 1/2), got {m.pos_embedding!r}')
-  beta2 = residual_beta2(c.k, c.alpha, m.depth)
+  beta2 = theory.model.dslm_beta2(m.depth, c.k, c.alpha)
   if not beta2 < 1:
     raise ValueError(f'model.dslm.k / model.depth**model.dslm.alpha must be < 1 (β² = k/N^α, λ² = 1 − β²), '
                      f'got {beta2:.4g} with k={c.k}, alpha={c.alpha}, depth={m.depth}')
@@ -120,11 +120,6 @@ def _is_number(x) -> bool:
 # ------------------------------------------------------------------------------------------------
 # The plan.
 # ------------------------------------------------------------------------------------------------
-
-def residual_beta2(k: float, alpha: float, depth: int) -> float:
-  """β² = k/N^α (paper §3.5 "Choice of scaling parameters"; α = 1, k = 2 by default)."""
-  return float(k) / float(depth) ** float(alpha)
-
 
 def embedding_table_var(model_config, dims: ModelDims) -> float:
   """σe² = input_var·(1−p)/K: K equal tables, then the embedding dropout (×1/(1−p)) → input_var."""

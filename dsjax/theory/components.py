@@ -583,6 +583,9 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     e_kappa = 1.0
     e2_of = lambda n: np.full(np.shape(n), math.exp(sl2))
 
+  # The value path's n²·E[P²]: exact, or 1 in the paper's backward (softmax = the constant 1/n).
+  e2_backward = (lambda e2: e2) if exact else (lambda e2: 1.0)
+
   if not causal:
     n = float(L)
     e2 = float(e2_of(L))
@@ -593,13 +596,11 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
       # Appendix A.8 verbatim (mu = 0 there; c2 generalises r·s2).
       var_pre = c2 + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
       cov_pre = c2 + (sd2 + 2 * tau2) / n
-    if not exact:
-      v_path = 1 / (n * (1 - p)) + rg * (n - 1) / n
-      v_cov = 1 / n + rg * (n - 1) / n
-      return proj_f * var_pre, proj_f * cov_pre, unit_b * v_path, unit_b * v_cov
-    s1, s2_pairs = e2 / n, (n - 1) / n
+    s1, s2_pairs = e2_backward(e2) / n, (n - 1) / n
     v_path = s1 / (1 - p) + rg * e_kappa * s2_pairs
-    v_cov = (n - e2) / (n * (n - 1)) + rg * (n - 1) / n
+    v_cov = (n - e2_backward(e2)) / (n * (n - 1)) + rg * (n - 1) / n
+    if not exact:
+      return proj_f * var_pre, proj_f * cov_pre, unit_b * v_path, unit_b * v_cov
     c_n = 1 - e2 / n
     q_path = qk_prod * d_in * sd2 * (sd2 * c_n**2 + c_n * e2 * d_in * (p * c2 + sd2) / (n * (1 - p)))
     k_path = U * (p * c2 + sd2) * s1 / (1 - p) + rg * kappa * e_kappa * s2_pairs
@@ -632,12 +633,12 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
   # Key u collects from the queries t ≥ u: suffix sums over t.
   suffix = lambda f: np.cumsum(f[::-1])[::-1]
   inv_n = 1 / n
-  s1 = suffix((e2 if exact else 1.0) / n**2)
+  s1 = suffix(e2_backward(e2) / n**2)
   sum_inv = suffix(inv_n)
   s2_pairs = sum_inv**2 - suffix(inv_n**2)
   v_path = s1 / (1 - p) + rg * e_kappa * s2_pairs
   # Covariance of keys u ≠ u': queries t ≥ max(u, u') see both keys.
-  shared = suffix(np.where(n > 1, (n - (e2 if exact else 1.0)) / (n**2 * np.maximum(n - 1, 1)), 0.0))
+  shared = suffix(np.where(n > 1, (n - e2_backward(e2)) / (n**2 * np.maximum(n - 1, 1)), 0.0))
   v_cov = (mean_over_pairs_of_max(shared)
            + rg * (mean_over_pairs_of_product(sum_inv) - mean_over_pairs_of_max(suffix(inv_n**2))))
   if not exact:

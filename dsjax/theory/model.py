@@ -21,6 +21,7 @@ each layer (the recurrence of Appendix M), the FFN weight variance giving a unit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping
 
@@ -96,10 +97,6 @@ def xavier_weight_vars(width: int, mlp_ratio: int = 4) -> dict[str, float]:
   """Glorot variances 2/(fan_in + fan_out) of the six block matrices (dsjax 'vanilla' scheme)."""
   d, f = width, mlp_ratio * width
   return dict(q=1 / d, k=1 / d, v=1 / d, o=1 / d, ffn1=2 / (d + f), ffn2=2 / (d + f))
-
-
-def _scale(x: Stats, c: float) -> Stats:
-  return Stats(mean=c * x.mean, var=c * c * x.var, corr_seq=x.corr_seq, corr_hidden=x.corr_hidden)
 
 
 def _add(x: Stats, h: Stats, skip: float, branch: float) -> Stats:
@@ -221,13 +218,13 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
   stream_in = x
   n_sites = 2 * depth
   site_in, site_sum, branch_out, stream = [], [], [], []
-  for k, (f, skip, branch) in enumerate(adds):
+  for f, skip, branch in adds:
     h, _ = branch_of(f)(x, GradStats())
     s = _add(x, h, skip, branch)
     site_in.append(x)
     branch_out.append(h)
     site_sum.append(s)
-    x = post_norm(k, branch, s, GradStats())[0] if block == 'postln' else s
+    x = norm(s, GradStats())[0] if block == 'postln' else s  # ρ only changes the backward
     stream.append(x)
   output = norm(x, GradStats())[0] if final_norm else x
 
@@ -262,17 +259,23 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
 # DeepScaleLM (SPEC §2, Appendix M).
 
 
+def dslm_beta2(depth: int, k: float = 2.0, alpha: float = 1.0) -> float:
+  """β² = k/N^α (paper §3.5 "Choice of scaling parameters"; α = 1, k = 2 by default)."""
+  return float(k) / float(depth) ** float(alpha)
+
+
 def dslm_residual_scales(depth: int, k: float = 2.0, alpha: float = 1.0) -> tuple[float, float]:
   """(λ, β) with β² = k/N^α and λ² = 1 − β² (both adds of every layer; Appendix G for α)."""
   depth = C._check_size('depth', depth)  # pylint: disable=protected-access
   k = C._check_positive('k', k)  # pylint: disable=protected-access
   alpha = C._check_finite('alpha', alpha)  # pylint: disable=protected-access
-  beta2 = k / depth**alpha
+  beta2 = dslm_beta2(depth, k, alpha)
   if beta2 >= 1:
     raise ValueError(f'k/depth^alpha must be < 1 (λ² = 1 − β² > 0), got {beta2}')
   return math.sqrt(1 - beta2), math.sqrt(beta2)
 
 
+@functools.lru_cache(maxsize=64)  # A GeLU solve; dslm_weight_vars needs it twice per call.
 def _pre_activation_var(activation: str, p: float, mlp_ratio: float, input_var: float) -> float:
   """Pre-activation variance s1 = d·w_var·input_var when both FFN matrices have variance w_var and the
   FFN block output has variance 1."""

@@ -273,14 +273,11 @@ def _kernels():
     return (z_perp + a[:, :, None] * zeta[:, None, :] + jnp.einsum('wik,wko->wio', eta, bs)
             + a[:, :, None] * jnp.einsum('wk,wko->wo', s_new, bs)[:, None, :])
 
-  def out_directions(cg, bw, n_out, with_gradient=True):
+  def out_directions(cg, bw, n_out):
     """Orthonormal output directions: all-ones (the output mean) and the shared gradient part."""
     ones = unit(jnp.ones((n_out,), jnp.float32))
-    rows = [ones]
-    if with_gradient:
-      b = cg[0] - jnp.dot(cg[0], ones) * ones
-      rows.append(unit(b))
-    return jnp.broadcast_to(jnp.stack(rows), (bw, len(rows), n_out))
+    gradient = unit(cg[0] - jnp.dot(cg[0], ones) * ones)
+    return jnp.broadcast_to(jnp.stack([ones, gradient]), (bw, 2, n_out))
 
   def per_weight(fn, x, g, ws, n_grad):
     """Outputs of fn(x, w) for every weight draw w and input gradients (vjp with cotangent g) for the
@@ -488,17 +485,17 @@ def _run_chunks(kernel, shape, theta, key, c_all, cg_all, strata_all=None) -> di
 
 
 def _simulate_weighted(kernel: str, shape_tail: tuple, theta, key, rng, *, d_in: int, d_grad: int,
-                       matrices: list[tuple[int, int, int]], columns: int, d_out: int,
+                       matrices: list[tuple[int, int, int]], columns: int,
                        floats_per_draw: int, input_draws: int, grad_every: int) -> dict[str, float]:
   """Chunked simulation of a component with weights: each chunk is one input draw (with its injected
   gradient and dropout masks) pushed through `bw` weight draws.
 
-  columns: output columns wanted in all (weight draws × d_out; what the output mean's noise averages
-  over); input_draws: at least this many chunks; grad_every: input gradients are computed for one
-  weight draw in `grad_every` (at least one per chunk). `matrices`: (n_in, n_out, number of stratified
+  columns: output columns wanted in all (weight draws × d_grad, the output width; what the output
+  mean's noise averages over); input_draws: at least this many chunks; grad_every: input gradients
+  are computed for one weight draw in `grad_every` (at least one per chunk). `matrices`: (n_in, n_out, number of stratified
   output directions) of each stratified matrix, in the kernel's order.
   """
-  draws = math.ceil(columns / d_out)
+  draws = math.ceil(columns / d_grad)
   capacity = max(1, _CHUNK_FLOATS // floats_per_draw)
   bw = max(1, min(capacity, math.ceil(draws / input_draws)))
   chunks = max(input_draws, math.ceil(draws / bw))
@@ -562,7 +559,7 @@ def _simulate_linear(shape, prm, key, rng, quick):
   theta = [prm['mean'], prm['s2'], prm['r'], math.sqrt(prm['w_var'] / d_in), prm['g2'], prm['rg']]
   return _simulate_weighted(
       'linear', (L, d_in, d_out), theta, key, rng, d_in=d_in, d_grad=d_out,
-      matrices=[(d_in, d_out, 2)], columns=(1 << 12) if quick else (1 << 13), d_out=d_out,
+      matrices=[(d_in, d_out, 2)], columns=(1 << 12) if quick else (1 << 13),
       floats_per_draw=L * max(d_in, d_out), input_draws=4 if quick else 16, grad_every=4)
 
 
@@ -634,19 +631,23 @@ def _predict_softmax(form):
 
 # Single-head attention --------------------------------------------------------------------------------
 
+def _attention_input_draws(causal: bool, quick: bool) -> int:
+  # Causal outputs and gradients lean on the first few tokens (position 0 sees only itself), whose
+  # norms fluctuate from draw to draw: causal attention needs many more input draws.
+  return (32 if quick else 128) if causal else (8 if quick else 32)
+
+
 def _simulate_head(causal):
   def simulate(shape, prm, key, rng, quick):
     L, d_in, d_head = shape
     _, threshold = _quantise_p(prm['p'])
     theta = [prm['s2'], prm['r'], math.sqrt(prm['qk_var'] / d_in), math.sqrt(prm['v_var'] / d_in),
              threshold, prm['g2'], prm['rg']]
-    # Causal outputs and gradients lean on the first few tokens (position 0 sees only itself), whose
-    # norms fluctuate from draw to draw: causal attention needs many more input draws.
-    draws = (32 if quick else 128) if causal else (8 if quick else 32)
     return _simulate_weighted(
         'attention_head', (L, d_in, d_head, causal), theta, key, rng, d_in=d_in, d_grad=d_head,
-        matrices=[(d_in, d_head, 2)], columns=(1 << 10) if quick else (1 << 11), d_out=d_head,
-        floats_per_draw=L * max(L, d_in), input_draws=draws, grad_every=2)
+        matrices=[(d_in, d_head, 2)], columns=(1 << 10) if quick else (1 << 11),
+        floats_per_draw=L * max(L, d_in), input_draws=_attention_input_draws(causal, quick),
+        grad_every=2)
   return simulate
 
 
@@ -669,11 +670,11 @@ def _simulate_attention_block(causal):
     std = lambda name: math.sqrt(prm[name] / d)
     theta = [prm['s2'], prm['r'], std('qk_var'), std('v_var'), std('o_var'), threshold, threshold,
              prm['g2'], prm['rg']]
-    draws = (32 if quick else 128) if causal else (8 if quick else 32)
     return _simulate_weighted(
         'attention_block', (L, d, heads, causal), theta, key, rng, d_in=d, d_grad=d,
-        matrices=[(d, d, 0), (d, d, 2)], columns=(1 << 10) if quick else (1 << 12), d_out=d,
-        floats_per_draw=max(heads * L * L, 4 * L * d), input_draws=draws, grad_every=2)
+        matrices=[(d, d, 0), (d, d, 2)], columns=(1 << 10) if quick else (1 << 12),
+        floats_per_draw=max(heads * L * L, 4 * L * d),
+        input_draws=_attention_input_draws(causal, quick), grad_every=2)
   return simulate
 
 
@@ -699,7 +700,7 @@ def _simulate_ffn_block(shape, prm, key, rng, quick):
            threshold, prm['g2'], prm['rg']]
   return _simulate_weighted(
       'ffn_block', (L, d, hidden, activation), theta, key, rng, d_in=d, d_grad=d,
-      matrices=[(d, hidden, 0), (hidden, d, 2)], columns=(1 << 11) if quick else (1 << 13), d_out=d,
+      matrices=[(d, hidden, 0), (hidden, d, 2)], columns=(1 << 11) if quick else (1 << 13),
       floats_per_draw=2 * L * hidden, input_draws=4 if quick else 16, grad_every=4)
 
 
