@@ -12,6 +12,7 @@ The three steps are timed in turn on the same real batch, after compilation; the
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -41,7 +42,6 @@ def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
   state = jax.jit(create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  import os
   # One collector per delivery, so that neither de-duplicates the other's records.
   collectors = {name: instrument_lib.Collector(os.path.join(workdir, name), keep_records=False)
                 for name in ('every_step', 'every_step_callback')}

@@ -177,13 +177,10 @@ def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   from dsjax import data as data_lib
   from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
-  from dsjax.schemes import dslm
   from dsjax.train import checkpoint as checkpoint_lib
 
   config = load_config(os.path.join(workdir, 'config.json'))
-  data_info = data_lib.dataset_info(config.data)
-  input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=False)
-  return checkpoint_lib.restore_model(config, data_info, workdir, input_moments), config
+  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir), config
 
 
 def save_exported(model, config, out: str):

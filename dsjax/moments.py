@@ -69,18 +69,16 @@ QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual
 
 def load_model(config, data_info, checkpoint: str | None):
   """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
+  if checkpoint is not None:
+    from dsjax.train import checkpoint as checkpoint_lib
+    return checkpoint_lib.restore_model(config, data_info, checkpoint)
   from flax import nnx
   from dsjax import models
   from dsjax.schemes import dslm
-  # DSLM with model.dslm.input_corr='measure' initialises from measured input moments: those the run
-  # stored in its workdir, or measured afresh on the first training batches.
-  if checkpoint is not None and not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
-    raise ValueError(f'{checkpoint} holds no checkpoint (looked in {checkpoint}/checkpoints)')
-  input_moments = dslm.input_moments_for_run(config, data_info, checkpoint, write=False)
-  if checkpoint is None:
-    return models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
-  from dsjax.train import checkpoint as checkpoint_lib
-  return checkpoint_lib.restore_model(config, data_info, checkpoint, input_moments)
+  # DSLM with model.dslm.input_corr='measure' initialises from input moments measured afresh on the
+  # first training batches.
+  input_moments = dslm.input_moments_for_run(config, data_info, None, write=False)
+  return models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
 
 
 def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, float]], dict[str, Any]]:
@@ -106,7 +104,8 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
     def loss_of_params(params, probe):
       return loss_fn(nnx.merge(graphdef, params, rest), batch, key, probe)[0]
 
-    loss, _, moments = instrument_lib.value_and_grad(loss_of_params, params)
+    # Per-layer activation statistics only: moments.json has no use for the weight statistics.
+    loss, _, moments = instrument_lib.value_and_grad(loss_of_params, params, weights=False)
     return loss, moments
 
   losses = []
@@ -227,7 +226,7 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
                    'grad_normalisation': 'prediction starts from the gradient measured at the last '
                                          'layer output'},
       'summary': summary,
-      'input': {stat: values[-1] for (site, stat), values in measured.items() if site == 'embedding'},
+      'input': theory_adapter.embedding_moments(measured),
       'layers': rows,
       # Every per-layer record (all four sites, forward and backward, weight-gradient norms).
       'sites': {f'{site}/{stat}': [values[n] for n in range(config.model.depth)]

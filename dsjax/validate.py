@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from dsjax import schemes
+from dsjax.instrument.probe import DELIVERIES
 from dsjax.models import MODEL_NAMES
 from dsjax.models.layers import _ACTIVATIONS
 from dsjax.models.transformer import BLOCKS, DNT_SETTINGS, REMAT_POLICIES
@@ -74,9 +75,7 @@ def validate_config(config, num_devices: int, process_count: int = 1):
 
   if not isinstance(config.instrument.every, int) or config.instrument.every < 0:
     raise ValueError(f'instrument.every must be an integer >= 0 (0 = off), got {config.instrument.every!r}')
-  if config.instrument.delivery not in ('return', 'callback'):
-    raise ValueError(f"instrument.delivery must be one of ['return', 'callback'], got "
-                     f'{config.instrument.delivery!r}')
+  _one_of('instrument.delivery', config.instrument.delivery, DELIVERIES)
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
   batch_shards = math.prod(shape[:2])

@@ -16,7 +16,7 @@ from flax import nnx
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax.instrument import stats as stats_lib
-from dsjax.instrument.probe import SITES
+from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 from tests.helpers import TEXT_INFO, tiny_config
@@ -155,7 +155,6 @@ def test_is_instrumented_step():
 # ------------------------------------------------------------------------------------------------
 
 DEPTH = 3
-LAYER_SITES = SITES[1:]
 
 
 def _train_setup(remat, instrument=False, moments_receiver=None, **overrides):

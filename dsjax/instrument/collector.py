@@ -82,8 +82,8 @@ class Collector:
     if not self.enabled:
       return
     names = stats_lib.FORWARD_STATS if int(part) == 0 else stats_lib.GRAD_STATS
-    site, layer = SITES[int(site_index)], int(layer)
-    records = [((int(step), NO_LAYER if layer < 0 else layer, site, name), float(value))
+    key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer −1 = NO_LAYER.
+    records = [(key + (name,), float(value))
                for name, value in zip(names, np.asarray(values))]
     with self._lock:
       self._received.extend(records)
@@ -91,8 +91,10 @@ class Collector:
   def flush(self, before_step: int | None = None) -> list[dict[str, Any]]:
     """Fetches and writes the queued moments of steps < `before_step` (all if None), and everything
     `receive` got so far; returns the new records."""
-    ready = [(s, m) for s, m in self._pending if before_step is None or s < before_step]
-    self._pending = [(s, m) for s, m in self._pending if not (before_step is None or s < before_step)]
+    ready, waiting = [], []
+    for step, moments in self._pending:
+      (ready if before_step is None or step < before_step else waiting).append((step, moments))
+    self._pending = waiting
     with self._lock:
       received, self._received = self._received, []
     new = []

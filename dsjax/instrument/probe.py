@@ -42,6 +42,8 @@ EMBEDDING_SITE = 'embedding'
 LAYER_SITES = ('attn_branch', 'attn_residual', 'ffn_branch', 'ffn_residual')
 SITES = (EMBEDDING_SITE,) + LAYER_SITES
 ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
+# instrument.delivery: the statistics table returned from the step, or jax.debug.callbacks per site.
+DELIVERIES = ('return', 'callback')
 
 # Moments of one step: {'activations': (depth + 1, len(SITES), len(ACTIVATION_STATS)) table, row 0 the
 # embedding and row n + 1 layer n; 'weights': {weight type: {'grad_norm': (depth,), statistic: ()}}}.
@@ -51,6 +53,27 @@ Moments = dict[str, Any]
 def _stats_vector(stats: dict[str, jax.Array], names: tuple[str, ...]) -> jax.Array:
   return jnp.stack([stats[name].astype(jnp.float32) for name in names])
 
+
+def _forward_row(x_BLD: jax.Array) -> jax.Array:
+  return _stats_vector(stats_lib.forward_stats(x_BLD), stats_lib.FORWARD_STATS)
+
+
+def _grad_row(g_BLD: jax.Array) -> jax.Array:
+  return _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
+
+
+def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
+  """The model's probe(site, x, layer), checking the site and calling tap(site_index, x, layer)."""
+  def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
+    if site not in SITES:
+      raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
+    return tap(SITES.index(site), x_BLD, jnp.asarray(layer, jnp.int32))
+  return probe
+
+
+# ------------------------------------------------------------------------------------------------
+# Delivery in a stats sink returned from the step (instrument.delivery='return', default).
+# ------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _stats_tap(site_index: int, sink_shape: tuple[int, ...], x_BLD: jax.Array, sink: jax.Array,
@@ -62,14 +85,12 @@ def _stats_tap(site_index: int, sink_shape: tuple[int, ...], x_BLD: jax.Array, s
 
 def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer):
   del site_index, sink_shape, sink
-  forward = _stats_vector(stats_lib.forward_stats(x_BLD), stats_lib.FORWARD_STATS)
-  return x_BLD, (forward, layer)
+  return x_BLD, (_forward_row(x_BLD), layer)
 
 
 def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
   forward, layer = residuals
-  backward = _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
-  row = jnp.concatenate([forward, backward])
+  row = jnp.concatenate([forward, _grad_row(g_BLD)])
   # One-hot products rather than a scatter at a traced index: plain elementwise ops, cheap at this
   # size and easy for the SPMD partitioner inside the transposed layer scan.
   at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
@@ -92,11 +113,8 @@ def stack_depth(params: Any) -> int:
 
 
 def _sink_probe(sink: jax.Array) -> Probe:
-  def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
-    if site not in SITES:
-      raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
-    return _stats_tap(SITES.index(site), sink.shape, x_BLD, sink, jnp.asarray(layer, jnp.int32))
-  return probe
+  return _probe_with(lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink,
+                                                                 layer))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,17 +136,15 @@ def _callback_tap(site_index: int, receiver: Receiver, x_BLD: jax.Array, step: j
 
 
 def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
-  forward = _stats_vector(stats_lib.forward_stats(x_BLD), stats_lib.FORWARD_STATS)
   # Under remat the backward pass re-runs this rule: the callback fires twice with equal values and
   # the Collector drops the second (it de-duplicates on (step, layer, site, statistic)).
-  jax.debug.callback(receiver, step, layer, site_index, 0, forward)
+  jax.debug.callback(receiver, step, layer, site_index, 0, _forward_row(x_BLD))
   return x_BLD, (step, layer)
 
 
 def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
   step, layer = residuals
-  backward = _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
-  jax.debug.callback(receiver, step, layer, site_index, 1, backward)
+  jax.debug.callback(receiver, step, layer, site_index, 1, _grad_row(g_BLD))
   return g_BLD, None, None  # step and layer are integers: no cotangents.
 
 
@@ -136,12 +152,9 @@ _callback_tap.defvjp(_callback_tap_fwd, _callback_tap_bwd)
 
 
 def _callback_probe(receiver: Receiver, step: jax.Array) -> Probe:
-  def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
-    if site not in SITES:
-      raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
-    return _callback_tap(SITES.index(site), receiver, x_BLD, jnp.asarray(step, jnp.int32),
-                         jnp.asarray(layer, jnp.int32))
-  return probe
+  step = jnp.asarray(step, jnp.int32)
+  return _probe_with(lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step,
+                                                                    layer))
 
 
 def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True,
@@ -158,20 +171,17 @@ def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, w
   tagged with `step` (the loop step) and the layer, and `moments` holds only the weight statistics,
   which stay returned (a callback after the scan can deadlock a multi-device step: README.md).
   """
-  if receiver is not None:
+  if receiver is None:
+    sink = jnp.zeros((stack_depth(params) + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
+    loss, (grads, table) = jax.value_and_grad(
+        lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1))(params, sink)
+    moments = {'activations': table}
+  else:
     if step is None:
       raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
-    loss, grads = jax.value_and_grad(lambda params: loss_fn(params, _callback_probe(receiver, step)))(
-        params)
+    loss, grads = jax.value_and_grad(
+        lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
     moments = {}
-    if weights:
-      moments['weights'] = stats_lib.weight_grad_stats(_layer_stack(grads))
-    return loss, grads, moments
-  depth = stack_depth(params)
-  sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
-  loss, (grads, table) = jax.value_and_grad(
-      lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1))(params, sink)
-  moments = {'activations': table}
   if weights:
     moments['weights'] = stats_lib.weight_grad_stats(_layer_stack(grads))
   return loss, grads, moments

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from dsjax.instrument.collector import NO_LAYER
+from dsjax.instrument.probe import EMBEDDING_SITE
 from dsjax.theory import components as th
 from dsjax.theory.components import GradStats, Stats
 
@@ -68,10 +70,16 @@ def describe(config, model, data_info) -> ModelDescription:
       embedding_var=float(np.var(np.asarray(model.token_embed[...]))) if is_gpt else None)
 
 
+def embedding_moments(measured) -> dict[str, float]:
+  """{statistic: value} at the probe site 'embedding' (layer −1) of `dsjax.moments.measure`'s output."""
+  return {stat: by_layer[NO_LAYER] for (site, stat), by_layer in measured.items()
+          if site == EMBEDDING_SITE}
+
+
 def input_stats(desc: ModelDescription, measured, input_moments: str) -> Stats:
   """Moments of the stream entering the first layer."""
   if input_moments == 'measured':
-    m = {stat: values[-1] for (site, stat), values in measured.items() if site == 'embedding'}
+    m = embedding_moments(measured)
     return Stats(mean=m['mean'], var=m['var'], corr_seq=float(np.clip(m['corr_seq'], -1, 1)),
                  corr_hidden=float(np.clip(m['corr_hidden'], -1, 1)))
   if desc.vocab_size is None:

@@ -46,21 +46,24 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_model(config, data_info, workdir: str, input_moments=None):
+def restore_model(config, data_info, workdir: str):
   """The NNX model of a training run at the latest checkpoint in `workdir` (for `dsjax.export`,
   `dsjax.moments --checkpoint`): the train state is restored onto one device and merged into a model
-  built from `config` (`input_moments`: those of a DSLM run with `model.dslm.input_corr='measure'`)."""
+  built from `config`, with the measured input moments the run saved (DSLM, input_corr='measure')."""
   from absl import logging
   from flax import nnx
-  from dsjax.train import loop, optimizers  # Deferred: loop imports this module.
+  from dsjax.train import loop, optimizers  # Deferred: loop imports this module (and dsjax.models).
+  from dsjax.schemes import dslm
+  no_checkpoint = ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/checkpoints)')
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # Checked first: creates nothing.
-    raise ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/checkpoints)')
+    raise no_checkpoint
+  input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=False)
   tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
   graphdef, create_state = loop.create_train_state(config, data_info, tx, input_moments)
   checkpointer = Checkpointer(workdir, save_every=1, keep=1)
   if checkpointer.latest_step() is None:
     checkpointer.close()
-    raise ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/checkpoints)')
+    raise no_checkpoint
   state, _ = checkpointer.restore(jax.eval_shape(create_state))
   checkpointer.close()
   logging.info('Restored step %d from %s', int(state['step']), workdir)

@@ -121,7 +121,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
-    moments = instrument_lib.Collector(workdir, enabled=is_chief)
+    moments = instrument_lib.Collector(workdir, enabled=is_chief, keep_records=False)  # Files only.
     receiver = moments.receive if config.instrument.delivery == 'callback' else None
     instrumented_train_step = jit_train_step(step_lib.make_train_step(
         graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument=True,
