@@ -176,7 +176,6 @@ def fold_model(model, config):
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   from dsjax import data as data_lib
-  from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
   from dsjax.train import checkpoint as checkpoint_lib
 
   config = load_config(os.path.join(workdir, 'config.json'))
@@ -229,11 +228,10 @@ def logit_error(model_a, model_b, inputs) -> dict[str, float]:
 def first_eval_inputs(config):
   """Model inputs of the first evaluation batch (real data)."""
   from dsjax import data as data_lib
-  from dsjax import models  # noqa: F401  Before dsjax.schemes: schemes.base imports dsjax.models.
-  from dsjax.schemes import dslm
+  from dsjax.train import step as step_lib
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size, seed=config.seed,
                                     process_index=0, process_count=1, train=False)
-  return dslm.model_inputs(config.model.name, next(iter(pipeline)))
+  return step_lib.model_inputs(config.model.name, next(iter(pipeline)))
 
 
 def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:

@@ -20,7 +20,7 @@ NORMS = ('layernorm', 'rmsnorm')
 INIT_DISTRIBUTIONS = ('normal', 'truncated_normal', 'uniform')
 
 
-def _one_of(key: str, value, allowed):
+def one_of(key: str, value, allowed):
   if value not in allowed:
     raise ValueError(f'{key} must be one of {list(allowed)}, got {value!r}')
 
@@ -46,27 +46,27 @@ def validate_config(config, num_devices: int, process_count: int = 1):
     raise ValueError(f'seed must be a non-negative integer, got {config.seed!r}')
 
   m = config.model
-  _one_of('model.name', m.name, MODEL_NAMES)
+  one_of('model.name', m.name, MODEL_NAMES)
   for key in ('depth', 'width', 'num_heads', 'mlp_ratio', 'patch_size'):
     _positive_int(f'model.{key}', m[key])
   if m.width % m.num_heads:
     raise ValueError(f'model.width ({m.width}) must be divisible by model.num_heads ({m.num_heads})')
-  _one_of('model.block', m.block, BLOCKS)
-  _one_of('model.dnt_setting', m.dnt_setting, DNT_SETTINGS)
-  _one_of('model.norm', m.norm, NORMS)
+  one_of('model.block', m.block, BLOCKS)
+  one_of('model.dnt_setting', m.dnt_setting, DNT_SETTINGS)
+  one_of('model.norm', m.norm, NORMS)
   if not m.norm_eps > 0:
     raise ValueError(f'model.norm_eps must be > 0, got {m.norm_eps!r}')
-  _one_of('model.activation', m.activation, sorted(_ACTIVATIONS))
+  one_of('model.activation', m.activation, sorted(_ACTIVATIONS))
   _probability('model.dropout', m.dropout)
   _probability('model.attn_dropout', m.attn_dropout)
-  _one_of('model.scheme', m.scheme, sorted(schemes.SCHEMES))
+  one_of('model.scheme', m.scheme, sorted(schemes.SCHEMES))
   if m.scheme == 'dslm':
     schemes.dslm.validate_config(m)  # model.dslm.* keys and the blocks/embeddings DSLM can scale.
-  _one_of('model.init', m.init, INITS)
-  _one_of('model.init_distribution', m.init_distribution, INIT_DISTRIBUTIONS)
-  _one_of('model.remat', m.remat, REMAT_POLICIES)
-  _one_of('model.pos_embedding', m.pos_embedding, POS_EMBEDDINGS)
-  _one_of('model.pooling', m.pooling, POOLINGS)
+  one_of('model.init', m.init, INITS)
+  one_of('model.init_distribution', m.init_distribution, INIT_DISTRIBUTIONS)
+  one_of('model.remat', m.remat, REMAT_POLICIES)
+  one_of('model.pos_embedding', m.pos_embedding, POS_EMBEDDINGS)
+  one_of('model.pooling', m.pooling, POOLINGS)
   if m.name == 'vit' and m.pos_embedding == 'sincos2d' and m.width % 4:
     raise ValueError(f'model.width must be divisible by 4 with model.pos_embedding=sincos2d, got {m.width}')
 
@@ -75,7 +75,7 @@ def validate_config(config, num_devices: int, process_count: int = 1):
 
   if not isinstance(config.instrument.every, int) or config.instrument.every < 0:
     raise ValueError(f'instrument.every must be an integer >= 0 (0 = off), got {config.instrument.every!r}')
-  _one_of('instrument.delivery', config.instrument.delivery, DELIVERIES)
+  one_of('instrument.delivery', config.instrument.delivery, DELIVERIES)
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
   batch_shards = math.prod(shape[:2])

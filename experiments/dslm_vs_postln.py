@@ -60,11 +60,6 @@ def configs(steps: int | None, depth: int | None, seed: int, lr: float | None = 
   return out
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f]
-
-
 def summarize(name: str, records: list[dict], final_eval: dict) -> dict:
   losses = [r['train/loss'] for r in records if 'train/loss' in r]
   finite = all(math.isfinite(x) for x in losses)
@@ -72,7 +67,7 @@ def summarize(name: str, records: list[dict], final_eval: dict) -> dict:
   first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
   return {'model': name, 'final_train_loss': losses[-1], 'first_tenth_loss': first, 'last_tenth_loss': last,
           'min_train_loss': min(losses), 'diverged': (not finite) or last > first,
-          **{k: v for k, v in final_eval.items()}}
+          **final_eval}
 
 
 def unigram_entropy() -> float:
@@ -110,14 +105,16 @@ def plot(curves: dict[str, list[dict]], path: str, title: str, plateau: float):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from dsjax.instrument.collector import read_jsonl
   from dsjax.train import loop
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   curves, summary = {}, []
-  for name, config in configs(_STEPS.value, _DEPTH.value, _SEED.value, _LR.value, _WITH_PRELN.value).items():
+  runs = configs(_STEPS.value, _DEPTH.value, _SEED.value, _LR.value, _WITH_PRELN.value)
+  for name, config in runs.items():
     workdir = os.path.join(out, name)
     final_eval = loop.train_and_evaluate(config, workdir)
-    curves[name] = read_metrics(workdir)
+    curves[name] = read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
     summary.append(summarize(name, curves[name], final_eval))
     print(json.dumps(summary[-1]), flush=True)
   with open(os.path.join(out, 'curves.jsonl'), 'w') as f:
@@ -127,7 +124,7 @@ def main(argv):
   plateau = unigram_entropy()
   with open(os.path.join(out, 'summary.json'), 'w') as f:
     json.dump({'unigram_entropy': plateau, 'runs': summary}, f, indent=1)
-  m = configs(_STEPS.value, _DEPTH.value, _SEED.value, _LR.value)['dslm'].model
+  m = runs['dslm'].model
   plot(curves, os.path.join(out, 'curves.png'),
        f'GPT, {m.depth} layers × width {m.width}: DSLM ({m.block}) vs vanilla Xavier', plateau)
   for s in summary:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.models import layers
+from dsjax.schemes.base import LAYER_INIT_KEYS
 
 BLOCKS = ('preln', 'postln', 'dnt')
 DNT_SETTINGS = ('S1', 'S2', 'S3', 'S4', 'S5')
@@ -99,12 +100,6 @@ class TransformerConfig:
   learnable_skip_scale: bool = False
   learnable_branch_scale: bool = False
   remat: str = 'none'
-
-
-# Per-layer arrays (each of shape (depth,)) that the scheme chooses for layer n: initial standard
-# deviations of the six weight matrices and the four residual scales.
-LAYER_INIT_KEYS = ('q', 'k', 'v', 'o', 'ffn1', 'ffn2',
-                   'skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
 
 
 def _residual_scale(value: Any, learnable: bool) -> nnx.Variable:

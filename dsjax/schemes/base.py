@@ -12,7 +12,12 @@ import dataclasses
 
 import numpy as np
 
-from dsjax.models.transformer import LAYER_INIT_KEYS
+
+# Per-layer arrays (each of shape (depth,)) that the scheme chooses for layer n and the model's scanned
+# stack (dsjax.models.transformer) consumes: initial standard deviations of the six weight matrices
+# and the four residual scales.
+LAYER_INIT_KEYS = ('q', 'k', 'v', 'o', 'ffn1', 'ffn2',
+                   'skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
 
 
 @dataclasses.dataclass(frozen=True)

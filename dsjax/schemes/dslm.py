@@ -58,7 +58,6 @@ import json
 import math
 import numbers
 import os
-from typing import Any
 
 import numpy as np
 
@@ -78,17 +77,14 @@ INPUT_MOMENTS_FILE = 'input_moments.json'
 
 def validate_config(model_config) -> None:
   """One-line ValueErrors for the `model.dslm` keys and the model settings DSLM cannot work with."""
+  from dsjax.validate import one_of  # Deferred: dsjax.validate imports the schemes.
   m, c = model_config, model_config.dslm
   if m.block not in BLOCKS:
     raise ValueError(f"model.block must be one of {list(BLOCKS)} with model.scheme='dslm' (DSLM scales "
                      f'the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}')
-  if c.init not in INITS:
-    raise ValueError(f'model.dslm.init must be one of {list(INITS)}, got {c.init!r}')
-  if c.attention_var not in theory.model.ATTENTION_VARS:
-    raise ValueError(f'model.dslm.attention_var must be one of {list(theory.model.ATTENTION_VARS)}, '
-                     f'got {c.attention_var!r}')
-  if c.output_scale not in OUTPUT_SCALES:
-    raise ValueError(f'model.dslm.output_scale must be one of {list(OUTPUT_SCALES)}, got {c.output_scale!r}')
+  one_of('model.dslm.init', c.init, INITS)
+  one_of('model.dslm.attention_var', c.attention_var, theory.model.ATTENTION_VARS)
+  one_of('model.dslm.output_scale', c.output_scale, OUTPUT_SCALES)
   if not _is_number(c.k) or c.k <= 0:
     raise ValueError(f'model.dslm.k must be a number > 0, got {c.k!r}')
   if not _is_number(c.alpha) or c.alpha < 0:
@@ -195,11 +191,6 @@ def needs_measured_input(model_config) -> bool:
   return model_config.scheme == 'dslm' and model_config.dslm.input_corr == 'measure'
 
 
-def model_inputs(model_name: str, batch: dict[str, Any]):
-  """What the loss functions of `dsjax.train.step` feed the model."""
-  return batch['image'] if model_name == 'vit' else batch['tokens'][:, :-1]
-
-
 def measure_input_moments(config, data_info, batches) -> dict[str, float]:
   """Variance and token correlation r^l of the summed embeddings (before dropout), averaged over batches.
 
@@ -211,6 +202,7 @@ def measure_input_moments(config, data_info, batches) -> dict[str, float]:
   from flax import nnx
   from dsjax import models
   from dsjax.instrument import stats as stats_lib
+  from dsjax.train import step as step_lib
 
   provisional = copy.deepcopy(config)  # Keeps field types (input_corr may hold a string or a number).
   with provisional.unlocked():
@@ -222,7 +214,7 @@ def measure_input_moments(config, data_info, batches) -> dict[str, float]:
     provisional.model.dslm.input_corr = 0.5
   model = models.build_model(provisional, data_info, nnx.Rngs(params=config.seed))
   embed_stats = jax.jit(lambda inputs: stats_lib.forward_stats(model.embed(inputs)))
-  per_batch = [jax.device_get(embed_stats(model_inputs(config.model.name, b))) for b in batches]
+  per_batch = [jax.device_get(embed_stats(step_lib.model_inputs(config.model.name, b))) for b in batches]
   if not per_batch:
     raise ValueError('measure_input_moments needs at least one batch')
   mean = lambda key: float(np.mean([s[key] for s in per_batch]))

@@ -17,7 +17,8 @@ from dsjax.schemes.base import InitPlan, ModelDims, per_layer, xavier_std
 INITS = ('xavier', 'gpt2')
 
 
-def init_plan(model_config, dims: ModelDims) -> InitPlan:
+def init_plan(model_config, dims: ModelDims, input_moments: dict | None = None) -> InitPlan:
+  del input_moments  # Xavier / GPT-2 do not depend on the data.
   n, d, f = dims.depth, dims.width, dims.mlp_hidden
   ones = per_layer(n, 1.0)
   scales = dict(skip_attn=ones, branch_attn=ones, skip_ffn=ones, branch_ffn=ones)

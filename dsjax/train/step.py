@@ -31,9 +31,14 @@ def _softmax_xent_BN(logits_BNC: jax.Array, labels_BN: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits_BNC, labels_BN)
 
 
+def model_inputs(model_name: str, batch: dict[str, Any]) -> jax.Array:
+  """What the model sees of a batch: the images (ViT) or every token but the last (GPT)."""
+  return batch['image'] if model_name == 'vit' else batch['tokens'][:, :-1]
+
+
 def classification_loss(model, batch, dropout_key, probe: Probe = no_probe):
   """Mean cross-entropy over the (masked) batch; sums for exact evaluation averages."""
-  logits_BC = model(batch['image'], dropout_key=dropout_key, probe=probe)
+  logits_BC = model(model_inputs('vit', batch), dropout_key=dropout_key, probe=probe)
   mask_B = batch.get('mask', jnp.ones(logits_BC.shape[:1], jnp.float32))
   xent_B = _softmax_xent_BN(logits_BC, batch['label'])
   correct_B = (jnp.argmax(logits_BC, -1) == batch['label']).astype(jnp.float32)
@@ -45,7 +50,7 @@ def classification_loss(model, batch, dropout_key, probe: Probe = no_probe):
 def lm_loss(model, batch, dropout_key, probe: Probe = no_probe):
   """Next-token cross-entropy in nats per token (= per byte for the byte-level corpora)."""
   tokens_BL = batch['tokens']
-  logits_BLV = model(tokens_BL[:, :-1], dropout_key=dropout_key, probe=probe)
+  logits_BLV = model(model_inputs('gpt', batch), dropout_key=dropout_key, probe=probe)
   xent_BL = _softmax_xent_BN(logits_BLV, tokens_BL[:, 1:])
   mask_B = batch.get('mask', jnp.ones(tokens_BL.shape[:1], jnp.float32))
   mask_BL = jnp.broadcast_to(mask_B[:, None], xent_BL.shape)
