@@ -10,7 +10,7 @@ Expected result: eval loss 1.377 nats/byte (1.987 bits/byte, perplexity 3.96) at
 against a unigram byte entropy of the validation split of 3.144 nats (4.536 bits).
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

@@ -16,7 +16,7 @@ the DSLM paper's deeper-narrower trade (seed 000 Table 4). `model.scheme='dslm'`
 `python -m dsjax.export --workdir=/tmp/gpt_dslm --out=/tmp/gpt_dslm_vanilla`.
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

@@ -27,7 +27,7 @@ DSLM Post-LN model trains too (eval 2.786 at step 300; vanilla Post-LN with that
 experiments/dslm_results.md §2.
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

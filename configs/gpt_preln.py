@@ -10,7 +10,7 @@ against the 3.144-nat unigram entropy of the validation split; the DNT model wit
 (configs/gpt_dnt.py) reaches 1.377.
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

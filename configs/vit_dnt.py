@@ -12,7 +12,7 @@ RMSNorm. DNT's claim is that this placement trains with plain momentum SGD (mSGD
 AdamW; `--config.optimizer.name=adamw` switches (then also set an AdamW learning rate, e.g. 1e-3).
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

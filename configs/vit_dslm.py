@@ -19,7 +19,7 @@ the position embedding is the learned one (sincos2d is rejected). Same parameter
 `configs/vit_preln.py` (6 × 128) spent on 24 layers × width 64.
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

@@ -12,7 +12,7 @@ command; the DNT config reaches 0.957 with mSGDW).
 mSGDW comparison of seed 004, where the standard Pre-LN transformer is expected to fall behind DNT.
 """
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 
 def get_config():

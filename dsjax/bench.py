@@ -17,8 +17,14 @@ import statistics
 import tempfile
 import time
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
+
+from dsjax import data as data_lib
+from dsjax import instrument as instrument_lib
+from dsjax.train import state as state_lib
+from dsjax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
                                           lock_config=True)
@@ -27,19 +33,13 @@ _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each kind (after 2 wa
 
 def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
   """Median seconds per train step, instrumentation off and on every step."""
-  import jax  # Deferred so that `--help` is fast.
-  from dsjax import data as data_lib
-  from dsjax import instrument as instrument_lib
-  from dsjax.train import loop, optimizers
-  from dsjax.train import step as step_lib
-
   data_info = data_lib.dataset_info(config.data)
   batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                       seed=config.seed, process_index=0, process_count=1))
   batch = jax.device_put(batch)
-  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  graphdef, create_state = loop.create_train_state(config, data_info, tx)
-  state = jax.jit(create_state)()
+  setup = state_lib.make_setup(config, data_info)  # (a method's preparation step is not run here)
+  graphdef, tx, schedule = setup.graphdef, setup.tx, setup.schedule
+  state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   # One collector per delivery, so that neither de-duplicates the other's records.

@@ -2,15 +2,16 @@ r"""Fold the residual scales λ, β and the output scale into the weights of a p
 
   python -m dsjax.export --workdir=RUN --out=DIR
 
-DSLM (seed 000 §3.5, "Folding scaling into weights for inference"; SPEC §2) multiplies the two inputs of
+DSLM (Kedia et al. 2024, arXiv:2403.09635, §3.5 "Folding scaling into weights for inference") multiplies the two inputs of
 every residual add, x ← λ·x + β·f(·), and the final hidden state by s. All of it can be absorbed into
-the weights of the same model with λ = β = s = 1, i.e. a `model.scheme='vanilla'` checkpoint that
+the weights of the same model with λ = β = s = 1, i.e. a checkpoint of the plain method
+(`dsjax.schemes.PLAIN`, Xavier with λ = β = 1) that
 inference code without any DSLM knowledge runs. The command restores the latest checkpoint of RUN (the
-model is rebuilt from RUN/config.json), folds, verifies on a real batch that the folded vanilla model
+model is rebuilt from RUN/config.json), folds, verifies on a real batch that the folded plain model
 gives the same logits, and writes
 
-  DIR/checkpoint/   Orbax StandardSave of {'params', 'rest'} of the vanilla model (`load_exported` reads it)
-  DIR/config.json   RUN's config with model.scheme='vanilla'
+  DIR/checkpoint/   Orbax StandardSave of {'params', 'rest'} of the plain model (`load_exported` reads it)
+  DIR/config.json   RUN's config with model.scheme set to the plain method
   DIR/export.json   the verification: max |Δlogits|, the logit scale, the tolerance
 
 The algebra. Number the residual adds a = 0 … 2N−1 (attention add of layer n is 2n, FFN add 2n+1), write
@@ -22,20 +23,20 @@ Norm(z) with eps/c², a relative change of (eps/2)·|1/c² − 1|/Var(z) — bel
 Pre-LN, x_{a+1} = λ_a·x_a + β_a·f_a(Norm(x_a)), final Norm, then ×s before the head.
   Let C_a = Π_{j<a} λ_j (C_0 = 1) and y_a = x_a / C_a. Dividing the add by C_{a+1} = C_a·λ_a:
       y_{a+1} = y_a + (β_a / C_{a+1})·f_a(Norm(C_a·y_a)) = y_a + (β_a / C_{a+1})·f_a(Norm(y_a)),
-  so P_a ← (β_a / C_{a+1})·P_a and λ_a, β_a ← 1 give a vanilla Pre-LN stack whose stream is y = x/C. The
+  so P_a ← (β_a / C_{a+1})·P_a and λ_a, β_a ← 1 give a plain Pre-LN stack whose stream is y = x/C. The
   final Norm removes C_{2N}: FinalNorm(x_{2N}) = FinalNorm(y_{2N}). The output scale goes into its affine
   part, s·(γ⊙ẑ + b) = (s·γ)⊙ẑ + s·b. The embedding is untouched (C_0 = 1).
 
 Post-LN, x_{a+1} = Norm_a(λ_a·x_a + β_a·f_a(x_a)), no final norm.
   Norm_a(λ_a·x_a + β_a·f_a(x_a)) = Norm_a(x_a + (β_a/λ_a)·f_a(x_a)), so P_a ← (β_a/λ_a)·P_a. The output
   scale goes into the gain and bias of the last add's norm (the last layer's post-FFN norm), as above.
-  SPEC §2 states an equivalent fold (the preceding norm's gain and bias ×λ, the block's input
+  The paper states an equivalent fold (the preceding norm's gain and bias ×λ, the block's input
   projections ÷λ, its output projection ×β) that is exact even in eps, but it also has to rescale the
   embedding for the first add — which would change a tied LM head — and touches four matrices per add
   instead of one; the form used here changes only P_a and differs by the eps term above (~1e-8 here).
 
 λ must be positive (DSLM's λ = sqrt(1 − k/N^α) is, and is never learned); β may have any sign (a learned
-β is folded at its trained value and becomes a `Constant` 1 in the vanilla model). A tied LM head reads
+β is folded at its trained value and becomes a `Constant` 1 in the plain model). A tied LM head reads
 the token table, which neither fold changes. Models without the norm to fold s into (Pre-LN with
 `model.final_norm=False` and s ≠ 1) and DNT blocks are rejected.
 """
@@ -48,8 +49,19 @@ import os
 import sys
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from flax import nnx
+
+from dsjax import data as data_lib
+from dsjax import schemes
+from dsjax.models import model_inputs
+from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train.config import base_config
 
 EXPORT_CHECKPOINT = 'checkpoint'
 
@@ -59,7 +71,6 @@ EXPORT_CHECKPOINT = 'checkpoint'
 # ------------------------------------------------------------------------------------------------
 
 def _update(config, raw: dict[str, Any]):
-  import ml_collections
   for key, value in raw.items():
     if key in config and isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
       _update(config[key], value)
@@ -70,8 +81,7 @@ def _update(config, raw: dict[str, Any]):
 
 
 def load_config(path: str):
-  """A run's config.json back as the ConfigDict of `dsjax.config_defaults` (field types preserved)."""
-  from dsjax.config_defaults import base_config
+  """A run's config.json back as the ConfigDict of `dsjax.train.config` (field types preserved)."""
   with open(path) as f:
     raw = json.load(f)
   config = base_config(raw['model']['name'], raw['optimizer']['name'])
@@ -80,11 +90,11 @@ def load_config(path: str):
   return config
 
 
-def vanilla_config(config):
-  """The same model with `model.scheme='vanilla'` (its λ = β = s = 1 and fixed, i.e. Constants)."""
+def plain_config(config):
+  """The same model with the plain method (its λ = β = s = 1 and fixed, i.e. Constants)."""
   out = copy.deepcopy(config)
   with out.unlocked():
-    out.model.scheme = 'vanilla'
+    out.model.scheme = schemes.PLAIN
   return out
 
 
@@ -154,19 +164,14 @@ def _scale_norm(norm: dict[str, np.ndarray], s: float):
 
 
 def fold_model(model, config):
-  """The folded vanilla model (an nnx.Module) and its config, from a scaled model and its config."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from dsjax import data as data_lib
-  from dsjax import models
-  plain_config = vanilla_config(config)
+  """The folded plain model (an nnx.Module) and its config, from a scaled model and its config."""
+  plain = plain_config(config)
   data_info = data_lib.dataset_info(config.data)
   folded = jax.tree.map(jnp.asarray, fold_state(nnx.to_pure_dict(nnx.state(model)), config.model.block))
-  abstract = nnx.eval_shape(lambda: models.build_model(plain_config, data_info, nnx.Rngs(params=0)))
+  abstract = nnx.eval_shape(lambda: schemes.build_model(plain, data_info, nnx.Rngs(params=0)))
   graphdef, state = nnx.split(abstract)
   nnx.replace_by_pure_dict(state, folded)
-  return nnx.merge(graphdef, state), plain_config
+  return nnx.merge(graphdef, state), plain
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,17 +180,12 @@ def fold_model(model, config):
 
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
-  from dsjax import data as data_lib
-  from dsjax.train import checkpoint as checkpoint_lib
-
   config = load_config(os.path.join(workdir, 'config.json'))
   return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir), config
 
 
 def save_exported(model, config, out: str):
   """Orbax StandardSave of {'params', 'rest'} in out/checkpoint, and out/config.json."""
-  import orbax.checkpoint as ocp
-  from flax import nnx
   _, params, rest = nnx.split(model, nnx.Param, ...)
   os.makedirs(out, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
@@ -197,16 +197,11 @@ def save_exported(model, config, out: str):
 
 
 def load_exported(directory: str):
-  """(model, config) of an exported vanilla checkpoint: any code that builds `model.scheme='vanilla'`
-  models from a config can run it."""
-  import jax
-  import orbax.checkpoint as ocp
-  from flax import nnx
-  from dsjax import data as data_lib
-  from dsjax import models
+  """(model, config) of an exported plain checkpoint: any code that builds plain-method models from a
+  config can run it."""
   config = load_config(os.path.join(directory, 'config.json'))
   data_info = data_lib.dataset_info(config.data)
-  abstract = nnx.eval_shape(lambda: models.build_model(config, data_info, nnx.Rngs(params=0)))
+  abstract = nnx.eval_shape(lambda: schemes.build_model(config, data_info, nnx.Rngs(params=0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         {'params': nnx.to_pure_dict(params), 'rest': nnx.to_pure_dict(rest)})
@@ -217,7 +212,6 @@ def load_exported(directory: str):
 
 def logit_error(model_a, model_b, inputs) -> dict[str, float]:
   """max |logits_a − logits_b| and max |logits_a| on `inputs` (deterministic forward passes)."""
-  import jax
   a = np.asarray(jax.jit(lambda x: model_a(x))(inputs), np.float64)
   b = np.asarray(jax.jit(lambda x: model_b(x))(inputs), np.float64)
   scale = float(np.abs(a).max())
@@ -227,17 +221,15 @@ def logit_error(model_a, model_b, inputs) -> dict[str, float]:
 
 def first_eval_inputs(config):
   """Model inputs of the first evaluation batch (real data)."""
-  from dsjax import data as data_lib
-  from dsjax.train import step as step_lib
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size, seed=config.seed,
                                     process_index=0, process_count=1, train=False)
-  return step_lib.model_inputs(config.model.name, next(iter(pipeline)))
+  return model_inputs(config.model.name, next(iter(pipeline)))
 
 
 def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
   """Restore → fold → verify on a real batch → save. Raises ValueError if the logits disagree."""
   model, config = restore_run(workdir)
-  folded, plain_config = fold_model(model, config)
+  folded, plain = fold_model(model, config)
   check = logit_error(model, folded, first_eval_inputs(config))
   check['rtol'] = rtol
   logging.info('Folded vs scaled logits: max |Δ| %.3g (max |logit| %.3g, relative %.3g)',
@@ -245,7 +237,7 @@ def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
   if not check['relative_error'] <= rtol:
     raise ValueError(f'folded model disagrees with the scaled model: max |Δlogits| / max |logits| = '
                      f'{check["relative_error"]:.3g} > {rtol}')
-  save_exported(folded, plain_config, out)
+  save_exported(folded, plain, out)
   with open(os.path.join(out, 'export.json'), 'w') as f:
     json.dump({'workdir': os.path.abspath(workdir), **check}, f, indent=1)
   return check
@@ -255,7 +247,7 @@ def _define_flags():
   # Defined only when run as a program, so that importing dsjax.export (tests, other tools with flags
   # of the same names) defines no absl flags.
   flags.DEFINE_string('workdir', None, 'Training workdir of the scaled (e.g. DSLM) model.')
-  flags.DEFINE_string('out', None, 'Output directory for the folded vanilla checkpoint.')
+  flags.DEFINE_string('out', None, 'Output directory for the folded plain checkpoint.')
   flags.DEFINE_float('rtol', 1e-4, 'Allowed max |Δlogits| relative to max |logits|.')
   flags.mark_flags_as_required(['workdir', 'out'])
 
@@ -270,7 +262,7 @@ def main(argv):
   except ValueError as e:
     print(f'dsjax.export: error: {e}', file=sys.stderr)
     sys.exit(2)
-  print(f'wrote {args.out}: vanilla {load_config(os.path.join(args.out, "config.json")).model.block} '
+  print(f'wrote {args.out}: plain {load_config(os.path.join(args.out, "config.json")).model.block} '
         f'checkpoint; max |Δlogits| {check["max_abs_error"]:.3g} '
         f'(relative {check["relative_error"]:.3g} <= {check["rtol"]})')
 

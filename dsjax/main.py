@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from dsjax.train import loop
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
@@ -22,10 +25,8 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 def main(argv):
   del argv
-  import jax  # Imported here so `--help` and flag errors stay fast.
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from dsjax.train import loop
   logging.set_verbosity(logging.INFO)
   # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)

@@ -30,13 +30,28 @@ the measured one at the last layer by construction and the errors measure the pr
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 from typing import Any
 
+import jax
+import matplotlib
+import numpy as np
 from absl import app, flags, logging
+from flax import nnx
 from ml_collections import config_flags
+
+from dsjax import data as data_lib
+from dsjax import instrument as instrument_lib
+from dsjax import schemes
+from dsjax.instrument import theory_adapter
+from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train import step as step_lib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
@@ -70,15 +85,11 @@ QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual
 def load_model(config, data_info, checkpoint: str | None):
   """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
   if checkpoint is not None:
-    from dsjax.train import checkpoint as checkpoint_lib
     return checkpoint_lib.restore_model(config, data_info, checkpoint)
-  from flax import nnx
-  from dsjax import models
-  from dsjax.schemes import dslm
-  # DSLM with model.dslm.input_corr='measure' initialises from input moments measured afresh on the
+  # A method with a preparation step (e.g. DSLM's measured input correlation) runs it afresh on the
   # first training batches.
-  input_moments = dslm.input_moments_for_run(config, data_info, None, write=False)
-  return models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  return schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
 
 
 def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, float]], dict[str, Any]]:
@@ -86,12 +97,6 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
 
   Returns ({(site, stat): {layer: mean over batches}}, {'loss': mean loss, 'num_batches': n}).
   """
-  import jax
-  import numpy as np
-  from flax import nnx
-  from dsjax import instrument as instrument_lib
-  from dsjax.train import step as step_lib
-
   collector = instrument_lib.Collector(None)
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
@@ -126,11 +131,13 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
 # ------------------------------------------------------------------------------------------------
 
 def layer_rows(measured, predicted, depth: int) -> list[dict[str, Any]]:
+  """Per layer, measured and predicted quantities (predicted None where the theory does not apply)."""
   rows = []
   for n in range(depth):
     row: dict[str, Any] = {'layer': n}
     for name, key in QUANTITIES.items():
-      row[name] = {'measured': measured[key][n], 'predicted': predicted[name][n]}
+      row[name] = {'measured': measured[key][n],
+                   'predicted': None if predicted is None else predicted[name][n]}
     rows.append(row)
   return rows
 
@@ -141,9 +148,10 @@ CORRELATIONS = ('corr_seq', 'grad_corr_seq')
 
 def summarize(rows) -> dict[str, dict[str, float]]:
   """Mean / median / max error and R² of prediction vs measurement, per quantity: relative error
-  |p − m| / |m| for variances, absolute error |p − m| for correlations."""
-  import numpy as np
+  |p − m| / |m| for variances, absolute error |p − m| for correlations. Empty without a prediction."""
   out = {}
+  if rows and rows[0]['forward_var']['predicted'] is None:
+    return out
   for name in QUANTITIES:
     m = np.array([r[name]['measured'] for r in rows])
     p = np.array([r[name]['predicted'] for r in rows])
@@ -159,11 +167,6 @@ def summarize(rows) -> dict[str, dict[str, float]]:
 
 
 def plot(rows, path: str, title: str):
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  import numpy as np
-
   layers = np.array([r['layer'] for r in rows]) + 1
   panels = [('forward_var', 'forward variance (layer output)', True),
             ('grad_var', 'gradient variance (layer output)', True),
@@ -174,9 +177,11 @@ def plot(rows, path: str, title: str):
   fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
   for ax, (name, label, log) in zip(axes.flat, panels):
     measured = np.array([r[name]['measured'] for r in rows])
-    predicted = np.array([r[name]['predicted'] for r in rows])
     ax.plot(layers, measured, 'o', ms=3, label='measured')
-    ax.plot(layers, predicted, '-', lw=1.5, label='predicted (theory)')
+    predicted = measured[:0]
+    if rows[0][name]['predicted'] is not None:
+      predicted = np.array([r[name]['predicted'] for r in rows])
+      ax.plot(layers, predicted, '-', lw=1.5, label='predicted (theory)')
     ax.set_xlabel('layer')
     ax.set_title(label)
     both = np.concatenate([measured, predicted])
@@ -196,28 +201,30 @@ def plot(rows, path: str, title: str):
 
 def describe(config) -> str:
   m = config.model
-  init = m.dslm.init if m.scheme == 'dslm' else m.init
   inputs = f'seq {config.data.seq_len}' if m.name == 'gpt' else f'patch {m.patch_size}'
-  return (f'{m.name} {m.block} {m.scheme}/{init}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
+  return (f'{m.name} {m.block} scheme={m.scheme}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
           f'{m.activation}, {inputs}')
 
 
 def run(config, out: str, num_batches: int, checkpoint: str | None = None,
         input_moments: str = 'measured', theory_form: str = 'exact') -> dict[str, Any]:
-  """Measures, predicts, writes DIR/moments.json and DIR/moments.png; returns the JSON content."""
-  import itertools
-  import jax
-  from dsjax import data as data_lib
-  from dsjax.instrument import theory_adapter
+  """Measures, predicts, writes DIR/moments.json and DIR/moments.png; returns the JSON content.
 
+  Where the theory does not cover the model (`theory_adapter.coverage_gap`: no-norm or DNT blocks,
+  vector or learnable-per-site residual scales of some methods, edited attention, concatenation), only
+  the measurement is written, and `settings.theory` says why."""
   data_info = data_lib.dataset_info(config.data)
   model = load_model(config, data_info, checkpoint)
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                     seed=config.seed, process_index=0, process_count=1, train=True)
   batches = (jax.device_put(b) for b in itertools.islice(pipeline, num_batches))
   measured, info = measure(model, config, batches)
-  predicted, settings = theory_adapter.predict(config, model, data_info, measured,
-                                               input_moments=input_moments, form=theory_form)
+  gap = theory_adapter.coverage_gap(config, model)
+  if gap is None:
+    predicted, settings = theory_adapter.predict(config, model, data_info, measured,
+                                                 input_moments=input_moments, form=theory_form)
+  else:
+    predicted, settings = None, {'theory': f'not covered: {gap}'}
   rows = layer_rows(measured, predicted, config.model.depth)
   summary = summarize(rows)
   result = {
@@ -240,6 +247,8 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
 
 
 def format_summary(result) -> str:
+  if not result['summary']:
+    return f'measured only; the theory does not predict this model ({result["settings"]["theory"]})'
   lines = [f'{"quantity":16s} {"error":>9s} {"mean":>8s} {"median":>8s} {"max":>8s} {"R²":>9s}']
   for name, s in result['summary'].items():
     kind = 'rel' if 'mean_rel_error' in s else 'abs'

@@ -43,7 +43,7 @@ CASES = {
 def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: int, batch_size: int,
                 activation: str, dropout: float = 0.1, input_corr: str = 'zipf',
                 attention_var: str = 'table2'):
-  from dsjax.config_defaults import base_config
+  from dsjax.train.config import base_config
   scheme, block, init = CASES[name]
   c = base_config('gpt')
   c.batch_size = batch_size

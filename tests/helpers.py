@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from dsjax.config_defaults import base_config
+from dsjax.train.config import base_config
 
 IMAGE_INFO = types.SimpleNamespace(kind='image', image_shape=(8, 8, 1), num_classes=10)
 TEXT_INFO = types.SimpleNamespace(kind='text', vocab_size=256)

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax import models, schemes, theory, validate
+from dsjax import models, schemes, theory
+from dsjax.train import config as config_lib
+from dsjax.train import step as step_lib
 from dsjax.models import layers
 from dsjax.schemes import dslm
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
@@ -80,7 +82,7 @@ def test_plan_matches_spec(depth, block, init):
   np.testing.assert_allclose(lay['v'] ** 2, expected_vo, rtol=1e-4)
   np.testing.assert_allclose(lay['o'] ** 2, expected_vo, rtol=1e-4)
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt(d), rtol=1e-6)
-  assert not plan.learnable_skip_scale and not plan.learnable_branch_scale
+  assert not plan.skip.learnable and not plan.branch.learnable
 
 
 @pytest.mark.parametrize('depth', [12, 96])
@@ -114,7 +116,7 @@ def test_built_model_has_the_planned_variances(block, depth):
   d = 64
   config = _dslm_config('gpt', init='full', depth=depth, width=d, block=block, activation='relu')
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   block_ = model.trunk.stack.layers
   kernels = {'q': block_.attn.q, 'k': block_.attn.k, 'v': block_.attn.v, 'o': block_.attn.o,
              'ffn1': block_.ffn.ffn1, 'ffn2': block_.ffn.ffn2}
@@ -148,7 +150,7 @@ def test_vit_embedding_and_head():
   np.testing.assert_allclose(plan.head_std ** 2, (1 - P) / 2, rtol=1e-6)     # classifier: σe², as an LM head
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt(256), rtol=1e-6)
   # The summed embedding of unit-variance pixels has variance 1 − p, i.e. 1 after the dropout.
-  model = models.build_model(config, IMAGE_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, IMAGE_INFO, nnx.Rngs(params=0))
   pixels = jax.random.normal(jax.random.key(1), (64, 8, 8, 1))
   np.testing.assert_allclose(float(model.embed(pixels).var()), 1 - P, rtol=0.1)
 
@@ -164,7 +166,7 @@ def test_gelu_ffn_uses_the_gelu_moments():
                                        w1_var=var_gelu, w2_var=var_gelu, activation='gelu')
   np.testing.assert_allclose(out.var, 1.0, rtol=1e-3)
   # Monte Carlo through the model's FFN and dropout on unit-variance inputs (as after the LayerNorm).
-  model = models.build_model(c_gelu, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(c_gelu, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, state = nnx.split(model.trunk.stack.layers.ffn)
   ffn0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
   x = jax.random.normal(jax.random.key(2), (512, d))
@@ -181,7 +183,7 @@ def test_beta_exponent_learnable_beta_and_output_scales():
   np.testing.assert_allclose(plan.layer['branch_ffn'] ** 2, 4.0 / 16 ** 1.5, rtol=1e-6)
   np.testing.assert_allclose(plan.layer['skip_ffn'] ** 2, 1 - 4.0 / 16 ** 1.5, rtol=1e-6)
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt((1 - P) / 2 * 32), rtol=1e-6)
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   block = model.trunk.stack.layers
   assert isinstance(block.branch_attn, nnx.Param) and isinstance(block.branch_ffn, nnx.Param)
   assert isinstance(block.skip_attn, layers.Constant)
@@ -209,7 +211,7 @@ def test_bad_dslm_configs_fail_in_validate(override, key):
     else:
       config.model[k] = v
   with pytest.raises(ValueError, match=re.escape(key)):
-    validate.validate_config(config, num_devices=1)
+    config_lib.validate_config(config, num_devices=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,11 +223,11 @@ def test_measure_needs_moments_and_uses_the_final_models_embedding():
   config = _dslm_config('gpt', init='full', depth=6, width=32)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)
-  with pytest.raises(ValueError, match='input_moments'):
-    models.build_model(config, info, nnx.Rngs(params=0))
+  with pytest.raises(ValueError, match='measured input moments'):
+    schemes.build_model(config, info, nnx.Rngs(params=0))
   tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 17), 0, 256))
-  moments = dslm.measure_input_moments(config, info, [{'tokens': tokens}])
-  model = models.build_model(config, info, nnx.Rngs(params=config.seed), input_moments=moments)
+  moments = dslm.measure_input_moments(config, info, [tokens[:, :-1]])
+  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed), prepared=moments)
   x = np.asarray(model.embed(tokens[:, :-1]))
   np.testing.assert_allclose(moments['var'], x.var(), rtol=1e-4)   # same weights as the provisional model
   assert 0.0 <= moments['corr_seq'] < 0.2
@@ -243,8 +245,8 @@ def test_training_loop_measures_logs_and_saves_input_moments(tmp_path):
   config.model.dslm.input_corr = 'measure'
   config.total_steps = 2
   final = loop.train_and_evaluate(config, str(tmp_path))
-  with open(os.path.join(tmp_path, dslm.INPUT_MOMENTS_FILE)) as f:
-    moments = json.load(f)
+  with open(os.path.join(tmp_path, schemes.PREPARATION_FILE)) as f:
+    moments = json.load(f)['result']
   # Token + position tables of variance (1−p)/2 each; bytes repeat, so r^l > 0 (Zipf estimate: 0.027).
   np.testing.assert_allclose(moments['var'], 1 - P, rtol=0.1)
   assert 0.0 < moments['corr_seq'] < 0.3
@@ -258,10 +260,10 @@ def test_measured_vit_input_and_full_init_needs_positive_correlation():
   config = _dslm_config('vit', init='full', depth=4, width=64)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)
-  moments = dslm.input_moments_for_run(config, info, num_batches=1)
+  moments = dslm.measure_input_moments(config, info, [next(step_lib.first_model_inputs(config))])
   assert 0.7 < moments['var'] < 1.4 and -0.2 < moments['corr_seq'] < 0.2
   if moments['corr_seq'] <= 0:
     with pytest.raises(ValueError, match="model.dslm.init='full' needs a positive"):
-      models.build_model(config, info, nnx.Rngs(params=0), input_moments=moments)
+      schemes.build_model(config, info, nnx.Rngs(params=0), prepared=moments)
   config.model.dslm.init = 'simple'
-  models.build_model(config, info, nnx.Rngs(params=0), input_moments=moments)
+  schemes.build_model(config, info, nnx.Rngs(params=0), prepared=moments)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax import export, models
+from dsjax import export, models, schemes
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 # float32 forward passes through a few layers: |Δlogits| / max|logits| ~1e-6; 1e-5 leaves room.
@@ -25,7 +25,7 @@ def _perturbed_dslm_model(name, block, **model):
   if name == 'vit':
     config.model.dslm.input_corr = 0.46
   info = IMAGE_INFO if name == 'vit' else TEXT_INFO
-  model_ = models.build_model(config, info, nnx.Rngs(params=0))
+  model_ = schemes.build_model(config, info, nnx.Rngs(params=0))
   graphdef, state = nnx.split(model_)
   leaves, treedef = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(7), len(leaves))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from dsjax import instrument as instrument_lib
-from dsjax import models
+from dsjax import models, schemes
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
@@ -159,7 +159,7 @@ DEPTH = 3
 
 def _train_setup(remat, instrument=False, moments_receiver=None, **overrides):
   config = tiny_config('gpt', depth=DEPTH, remat=remat, dropout=0.1, **overrides)
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = params.to_pure_dict(), rest.to_pure_dict()
   tx = optax.sgd(0.1)
@@ -168,7 +168,11 @@ def _train_setup(remat, instrument=False, moments_receiver=None, **overrides):
                                      use_dropout=True, instrument=instrument,
                                      moments_receiver=moments_receiver)
   tokens = jax.random.randint(jax.random.key(7), (8, 17), 0, 256)
+  _AXES[remat] = sharding_lib.logical_axes(model)
   return step_fn, state, {'tokens': tokens}
+
+
+_AXES = {}  # logical axes of the model of _train_setup (by remat policy), for the sharded runs
 
 
 def _expected_keys(steps):
@@ -194,7 +198,7 @@ def _run_instrumented(remat, num_devices, delivery='return'):
     jitted, mesh_context = jax.jit(step_fn), contextlib.nullcontext()
   else:  # data × fsdp × tensor = 2 × 2 × 2: batch, model width and heads all sharded.
     mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:num_devices])
-    state_sh = sharding_lib.tree_shardings(state, mesh)
+    state_sh = sharding_lib.state_shardings(state, _AXES[remat], mesh)
     jitted = jax.jit(step_fn, in_shardings=(state_sh, sharding_lib.batch_sharding(mesh)),
                      out_shardings=(state_sh, sharding_lib.replicated(mesh)))
     state, mesh_context = jax.device_put(state, state_sh), jax.set_mesh(mesh)
@@ -251,7 +255,7 @@ def test_statistics_match_a_direct_computation():
   """The table that leaves the remat'ed scan through the stats sink equals the statistics of the layer
   outputs computed layer by layer, and of the loss gradient w.r.t. them."""
   config = tiny_config('gpt', depth=DEPTH, remat='full')
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
 
@@ -299,10 +303,12 @@ def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):
     return x
 
   config = tiny_config('gpt', depth=DEPTH, remat=remat)
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
-  params = jax.device_put(params, sharding_lib.tree_shardings(params, mesh))
+  params = params.to_pure_dict()
+  params = jax.device_put(params, sharding_lib.state_shardings(
+      {'params': params}, sharding_lib.logical_axes(model), mesh)['params'])
   tokens = jax.device_put(jnp.zeros((8, 16), jnp.int32), sharding_lib.batch_sharding(mesh))
   loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, probe=callback_probe).mean()  # noqa: E731
   with jax.set_mesh(mesh):
@@ -383,7 +389,7 @@ def test_moments_cli_writes_json_and_png(tmp_path):
 def test_theory_adapter_reads_scales_and_weight_variances_from_the_model():
   from dsjax.instrument import theory_adapter
   config = tiny_config('gpt', depth=4, width=64)
-  model = models.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   model.trunk.stack.layers.branch_ffn[...] = jnp.asarray([1.0, 0.5, 0.25, 0.0])
   desc = theory_adapter.describe(config, model, TEXT_INFO)
   np.testing.assert_allclose(desc.scale['branch_ffn'], [1.0, 0.5, 0.25, 0.0])

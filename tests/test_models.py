@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax import models
+from dsjax import models, schemes
 from dsjax.models import layers
 from dsjax.models.transformer import NormLayout
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 
 def _build(config, info):
-  return models.build_model(config, info, nnx.Rngs(params=0))
+  return schemes.build_model(config, info, nnx.Rngs(params=0))
 
 
 @pytest.mark.parametrize('block', ['preln', 'postln', 'dnt'])

@@ -32,8 +32,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from dsjax.instrument import stats as stats_lib
+from dsjax.models.config import one_of
 from dsjax.models.transformer import Probe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
@@ -44,6 +46,24 @@ SITES = (EMBEDDING_SITE,) + LAYER_SITES
 ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
 # instrument.delivery: the statistics table returned from the step, or jax.debug.callbacks per site.
 DELIVERIES = ('return', 'callback')
+
+
+
+def instrument_config() -> ml_collections.ConfigDict:
+  """The `instrument` config section."""
+  c = ml_collections.ConfigDict()
+  c.every = 0                     # steps between per-layer moment records; 0 = off (nothing compiled)
+  c.delivery = 'return'           # 'return': statistics returned from the jitted step | 'callback':
+                                  # jax.debug.callback per site from inside the layer scan (see
+                                  # dsjax/instrument/README.md for why 'return' is the default)
+  return c
+
+
+def validate_instrument_config(c) -> None:
+  if isinstance(c.every, bool) or not isinstance(c.every, int) or c.every < 0:
+    raise ValueError(f'instrument.every must be an integer >= 0 (0 = off), got {c.every!r}')
+  one_of('instrument.delivery', c.delivery, DELIVERIES)
+
 
 # Moments of one step: {'activations': (depth + 1, len(SITES), len(ACTIVATION_STATS)) table, row 0 the
 # embedding and row n + 1 layer n; 'weights': {weight type: {'grad_norm': (depth,), statistic: ()}}}.

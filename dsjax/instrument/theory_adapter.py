@@ -8,7 +8,7 @@ a restored checkpoint) — into a `ModelDescription`; `predict(...)` calls `prop
 Where the prediction starts:
   * forward: the stream entering the first layer, i.e. the embedding output after its dropout —
     measured at the probe site 'embedding' (`input_moments='measured'`, default) or the theory's
-    Zipf estimate (`'theory'`, SPEC §1.4; a poor model of byte-level text);
+    Zipf estimate (`'theory'`, Kedia et al. 2024 App. A.1; a poor model of byte-level text);
   * backward: the gradient measured at the output of the last layer. The theory's gradient recursion
     is relative (it maps the gradient at the top to every layer), so the predicted gradient variance
     equals the measured one at the last layer by construction and the error measures the propagation.
@@ -25,7 +25,9 @@ import numpy as np
 
 from dsjax.instrument.collector import NO_LAYER
 from dsjax.instrument.probe import EMBEDDING_SITE
+from dsjax.models import model_dims, transformer_config
 from dsjax.theory import components as th
+from dsjax.theory import model as theory_model
 from dsjax.theory.components import GradStats, Stats
 
 
@@ -48,17 +50,36 @@ class ModelDescription:
   embedding_var: float | None         # variance of one embedding table entry (GPT)
 
 
+def coverage_gap(config, model) -> str | None:
+  """Why `dsjax.theory` cannot predict this model's moments, or None when it can.
+
+  The theory covers Pre-LN and Post-LN stacks (`model.block`) whose residual adds scale by one scalar
+  λ and β each, with softmax attention at the 1/sqrt(d_head) logit scale."""
+  if config.model.block not in theory_model.BLOCKS:
+    return f'model.block={config.model.block!r} (the theory covers {list(theory_model.BLOCKS)})'
+  stack = getattr(model.trunk, 'stack', None)
+  if stack is None or not hasattr(stack, 'layers'):
+    return 'the residual is a concatenation, not an addition'
+  layers = stack.layers
+  attn = layers.attn
+  if attn.mix_identity is not None:
+    return 'the attention matrix is α·I + β·A(X)'
+  if not np.isclose(attn.logit_scale, attn.head_dim ** -0.5):
+    return f'attention logit scale {attn.logit_scale:.4g} instead of 1/sqrt(d_head)'
+  if any(np.ndim(v) > 1 for v in layers.scales().values()):
+    return 'the residual scales are vectors'
+  return None
+
+
 def describe(config, model, data_info) -> ModelDescription:
   """Sizes from the config; λ/β and weight variances (mean square of each kernel) from the model."""
-  from dsjax.models import model_dims, transformer_config
   cfg = transformer_config(config.model)
   layers = model.trunk.stack.layers
   kernels = {'q': layers.attn.q, 'k': layers.attn.k, 'v': layers.attn.v, 'o': layers.attn.o,
              'ffn1': layers.ffn.ffn1, 'ffn2': layers.ffn.ffn2}
   weight_var = {name: np.mean(np.square(np.asarray(dense.kernel[...], np.float64)), axis=(1, 2))
                 for name, dense in kernels.items()}
-  scale = {name: np.asarray(getattr(layers, name)[...], np.float64)
-           for name in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')}
+  scale = {name: np.asarray(value, np.float64) for name, value in layers.scales().items()}
   is_gpt = config.model.name == 'gpt'
   return ModelDescription(
       depth=cfg.depth, width=cfg.width, num_heads=cfg.num_heads, mlp_hidden=cfg.mlp_hidden,
@@ -96,7 +117,6 @@ def predict(config, model, data_info, measured, *, input_moments: str = 'measure
   `measured`: {(site, stat): {layer: value}} from `dsjax.moments.measure`. `form`: the theory's
   formulas, 'exact' (default) | 'paper' | 'simple' (see `dsjax.theory.model.propagate`).
   """
-  from dsjax.theory import model as theory_model
   desc = describe(config, model, data_info)
   if desc.block not in theory_model.BLOCKS:
     raise ValueError(f'the theory covers model.block in {list(theory_model.BLOCKS)}, got {desc.block!r}')

@@ -1,59 +1,68 @@
-"""Model construction from an ml_collections config: ViT for image data, GPT for text data."""
+"""Models built from a config and an `InitPlan`: ViT for image data, GPT for text data.
+
+The plan (`dsjax.models.plan`) is the model/method contract: a method decides it, the model builds what
+it says. `dsjax.schemes.build_model` does both steps for a config.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 from flax import nnx
 
-from dsjax import schemes
+from dsjax.models.config import MODEL_NAMES, model_config, validate_against_data, validate_model
 from dsjax.models.gpt import GPT
-from dsjax.models.transformer import NormLayout, TransformerConfig
+from dsjax.models.plan import InitPlan, ModelDims, NormLayout
+from dsjax.models.transformer import TransformerConfig
 from dsjax.models.vit import ViT
 
-MODEL_NAMES = ('vit', 'gpt')
+__all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'build_model', 'model_config', 'model_dims',
+           'model_inputs', 'transformer_config', 'validate_against_data', 'validate_model']
 
 
-def transformer_config(model_config) -> TransformerConfig:
+def transformer_config(model_config, plan: InitPlan | None = None) -> TransformerConfig:
+  """The static stack description of `model_config`, with what the plan decides (when given)."""
   m = model_config
-  return TransformerConfig(
+  cfg = TransformerConfig(
       depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
       activation=m.activation, dropout=m.dropout, attn_dropout=m.attn_dropout, norm=m.norm,
       norm_eps=m.norm_eps,
       layout=NormLayout.for_block(m.block, m.dnt_setting, m.get('final_norm', None)),
       causal=(m.name == 'gpt'), use_bias=m.use_bias, distribution=m.init_distribution,
-      remat=m.remat)
+      remat=m.remat, scan_layers=m.scan_layers)
+  if plan is None:
+    return cfg
+  return dataclasses.replace(
+      cfg, distribution=plan.distribution, layout=plan.layout or cfg.layout, skip_scale=plan.skip,
+      branch_scale=plan.branch, attn_logit_scale=plan.attn_logit_scale, attn_identity=plan.attn_identity,
+      lr_scale=tuple(sorted(plan.lr_scale.items())))
 
 
-def model_dims(config, data_info) -> schemes.ModelDims:
+def model_dims(config, data_info) -> ModelDims:
   """The sizes the init schemes (and the theory) need, from the model config and the dataset."""
   m = config.model
+  common = dict(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
+                num_embedding_tables=2)
   if m.name == 'vit':
     h, w, c = data_info.image_shape
     num_patches = (h // m.patch_size) * (w // m.patch_size)
-    return schemes.ModelDims(
-        kind='vit', depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
-        input_dim=m.patch_size * m.patch_size * c, num_outputs=data_info.num_classes,
-        seq_len=num_patches + (m.pooling == 'cls'), num_embedding_tables=2)
-  return schemes.ModelDims(
-      kind='gpt', depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
-      input_dim=data_info.vocab_size, num_outputs=data_info.vocab_size, seq_len=config.data.seq_len,
-      num_embedding_tables=2)
+    return ModelDims(kind='vit', input_dim=m.patch_size * m.patch_size * c,
+                     num_outputs=data_info.num_classes, seq_len=num_patches + (m.pooling == 'cls'), **common)
+  return ModelDims(kind='gpt', input_dim=data_info.vocab_size, num_outputs=data_info.vocab_size,
+                   seq_len=config.data.seq_len, **common)
 
 
-def build_model(config, data_info, rngs: nnx.Rngs, input_moments: dict | None = None) -> nnx.Module:
-  """Creates the model named by `config.model.name`, initialised by `config.model.scheme`.
+def model_inputs(model_name: str, batch: dict[str, Any]) -> jax.Array:
+  """What the model sees of a batch: the images (ViT) or every token but the last (GPT)."""
+  return batch['image'] if model_name == 'vit' else batch['tokens'][:, :-1]
 
-  `input_moments`: measured {'var', 'corr_seq'} of the embedded input, for schemes that use them
-  (DSLM with `model.dslm.input_corr='measure'`; see `dsjax.schemes.dslm.input_moments_for_run`).
-  """
+
+def build_model(config, data_info, plan: InitPlan, rngs: nnx.Rngs) -> nnx.Module:
+  """Creates the model named by `config.model.name` exactly as `plan` says."""
   m = config.model
-  dims = model_dims(config, data_info)
-  plan = schemes.make_init_plan(m, dims, input_moments)
-  # The scheme, not the raw config, has the last word on how weights are drawn and what is learnable.
-  cfg = dataclasses.replace(transformer_config(m), distribution=plan.distribution,
-                            learnable_skip_scale=plan.learnable_skip_scale,
-                            learnable_branch_scale=plan.learnable_branch_scale)
+  cfg = transformer_config(m, plan)
   if m.name == 'vit':
     return ViT(cfg, plan, image_shape=data_info.image_shape, patch_size=m.patch_size,
                num_classes=data_info.num_classes, pos_embedding=m.pos_embedding, pooling=m.pooling,

@@ -32,6 +32,22 @@ class Constant(nnx.Variable):
   """
 
 
+# Every array of a model carries its logical axes as metadata (`axes=`), declared where it is created;
+# `dsjax.train.sharding` maps them to mesh axes and refuses an array without them. Names: 'embed'
+# (model width), 'heads' (attention width), 'mlp' (FFN hidden), 'vocab' (vocabulary or classes),
+# 'patch' (patch pixels), 'seq' (positions), None (never sharded: norm gains, scalars).
+# `lr_scale=` multiplies the learning rate of a parameter (μP; read by the optimizer builder).
+
+def param(value: jax.Array, axes: tuple[str | None, ...], lr_scale: float = 1.0) -> nnx.Param:
+  if len(axes) != jnp.ndim(value):
+    raise ValueError(f'logical axes {axes} do not match a parameter of shape {jnp.shape(value)}')
+  return nnx.Param(value, axes=axes, lr_scale=lr_scale)
+
+
+def constant(value: jax.Array, axes: tuple[str | None, ...]) -> Constant:
+  return Constant(value, axes=axes)
+
+
 def init_weight(key: jax.Array, shape: tuple[int, ...], std: Any, distribution: str,
                 dtype=jnp.float32) -> jax.Array:
   """Draws a weight with standard deviation `std` (a Python or traced scalar)."""
@@ -58,9 +74,9 @@ class Dense(nnx.Module):
   """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`."""
 
   def __init__(self, d_in: int, d_out: int, *, std: Any, distribution: str, use_bias: bool,
-               rngs: nnx.Rngs):
-    self.kernel = nnx.Param(init_weight(rngs.params(), (d_in, d_out), std, distribution))
-    self.bias = nnx.Param(jnp.zeros((d_out,))) if use_bias else None
+               axes: tuple[str | None, str | None], rngs: nnx.Rngs, lr_scale: float = 1.0):
+    self.kernel = param(init_weight(rngs.params(), (d_in, d_out), std, distribution), axes, lr_scale)
+    self.bias = param(jnp.zeros((d_out,)), axes[1:], lr_scale) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = x @ self.kernel[...]
@@ -79,8 +95,8 @@ class Norm(nnx.Module):
     if kind not in ('layernorm', 'rmsnorm'):
       raise ValueError(f'model.norm must be layernorm|rmsnorm, got {kind!r}')
     self.kind, self.eps = kind, eps
-    self.scale = nnx.Param(jnp.ones((dim,)))
-    self.bias = nnx.Param(jnp.zeros((dim,))) if kind == 'layernorm' else None
+    self.scale = param(jnp.ones((dim,)), (None,))
+    self.bias = param(jnp.zeros((dim,)), (None,)) if kind == 'layernorm' else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)  # Statistics in float32 even when activations are bf16.
@@ -105,49 +121,71 @@ class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v/o projections and optional QKNorm (DNT).
 
   Separate projections (rather than one fused qkv kernel) keep each weight's initial variance a
-  single knob, as the DSLM recipe needs (SPEC §2: q, k at 1/d; v, o from the correlation recurrence).
+  single knob, as the DSLM recipe needs (Kedia et al. 2024 §3.5: q, k at 1/d; v, o per layer).
+  `logit_scale` multiplies q·k (default 1/sqrt(d_head); μP uses 1/d_head, Noci et al. 2022 τ/sqrt(d_head)).
+  `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1) and β (init 0),
+  Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4).
   """
 
   def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,
                use_bias: bool, qk_norm: bool, norm_kind: str, norm_eps: float, causal: bool,
-               attn_dropout: float, rngs: nnx.Rngs):
-    self.num_heads, self.head_dim = num_heads, d // num_heads
+               attn_dropout: float, rngs: nnx.Rngs, logit_scale: float | None = None,
+               identity_mix: bool = False, lr_scale: dict[str, float] | None = None,
+               inner_width: int | None = None, out_width: int | None = None):
+    inner = d if inner_width is None else inner_width
+    out = d if out_width is None else out_width
+    self.num_heads, self.head_dim = num_heads, inner // num_heads
     self.causal, self.attn_dropout = causal, attn_dropout
-    dense = lambda std: Dense(d, d, std=std, distribution=distribution, use_bias=use_bias, rngs=rngs)
-    self.q, self.k, self.v, self.o = dense(stds['q']), dense(stds['k']), dense(stds['v']), dense(stds['o'])
+    self.logit_scale = float(self.head_dim ** -0.5 if logit_scale is None else logit_scale)
+    lr = lr_scale or {}
+
+    def dense(name, d_in, d_out, axes):
+      return Dense(d_in, d_out, std=stds[name], distribution=distribution, use_bias=use_bias,
+                   axes=axes, lr_scale=lr.get(name, 1.0), rngs=rngs)
+    self.q, self.k = dense('q', d, inner, ('embed', 'heads')), dense('k', d, inner, ('embed', 'heads'))
+    self.v, self.o = dense('v', d, inner, ('embed', 'heads')), dense('o', inner, out, ('heads', 'embed'))
     # QKNorm normalises each head's query/key over the head dimension (gain shared across heads).
     self.q_norm = make_norm(qk_norm, self.head_dim, norm_kind, norm_eps)
     self.k_norm = make_norm(qk_norm, self.head_dim, norm_kind, norm_eps)
+    self.mix_identity = param(jnp.ones(()), ()) if identity_mix else None
+    self.mix_attention = param(jnp.zeros(()), ()) if identity_mix else None
 
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
-    b, l, d = x_BLD.shape
+    b, l, _ = x_BLD.shape
     split_heads = lambda t: t.reshape(b, l, self.num_heads, self.head_dim)
     q_BLHK = apply_norm(self.q_norm, split_heads(self.q(x_BLD)))
     k_BLHK = apply_norm(self.k_norm, split_heads(self.k(x_BLD)))
     v_BLHK = split_heads(self.v(x_BLD))
-    logits_BHLL = jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK) / jnp.sqrt(self.head_dim).astype(x_BLD.dtype)
+    logits_BHLL = jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK) * jnp.asarray(self.logit_scale, x_BLD.dtype)
     if self.causal:
       mask_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
       logits_BHLL = jnp.where(mask_LL, logits_BHLL, jnp.finfo(logits_BHLL.dtype).min)
     probs_BHLL = jax.nn.softmax(logits_BHLL.astype(jnp.float32), axis=-1).astype(x_BLD.dtype)
     probs_BHLL = dropout(probs_BHLL, self.attn_dropout, dropout_key)
     out_BLHK = jnp.einsum('bhqt,bthk->bqhk', probs_BHLL, v_BLHK)
-    return self.o(out_BLHK.reshape(b, l, d))
+    if self.mix_identity is not None:  # (α·I + β·A)·V = α·V + β·A·V
+      out_BLHK = self.mix_identity[...] * v_BLHK + self.mix_attention[...] * out_BLHK
+    return self.o(out_BLHK.reshape(b, l, self.num_heads * self.head_dim))
 
 
-_ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': lambda x: jax.nn.gelu(x, approximate=False)}
+ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 class FFN(nnx.Module):
   """Linear d→F, activation, Linear F→d."""
 
   def __init__(self, d: int, hidden: int, *, activation: str, stds: dict[str, Any], distribution: str,
-               use_bias: bool, rngs: nnx.Rngs):
-    if activation not in _ACTIVATIONS:
-      raise ValueError(f'model.activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}')
+               use_bias: bool, rngs: nnx.Rngs, lr_scale: dict[str, float] | None = None,
+               out_width: int | None = None):
+    if activation not in ACTIVATIONS:
+      raise ValueError(f'model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}')
     self.activation = activation
-    self.ffn1 = Dense(d, hidden, std=stds['ffn1'], distribution=distribution, use_bias=use_bias, rngs=rngs)
-    self.ffn2 = Dense(hidden, d, std=stds['ffn2'], distribution=distribution, use_bias=use_bias, rngs=rngs)
+    lr = lr_scale or {}
+    self.ffn1 = Dense(d, hidden, std=stds['ffn1'], distribution=distribution, use_bias=use_bias,
+                      axes=('embed', 'mlp'), lr_scale=lr.get('ffn1', 1.0), rngs=rngs)
+    self.ffn2 = Dense(hidden, d if out_width is None else out_width, std=stds['ffn2'],
+                      distribution=distribution, use_bias=use_bias, axes=('mlp', 'embed'),
+                      lr_scale=lr.get('ffn2', 1.0), rngs=rngs)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    return self.ffn2(_ACTIVATIONS[self.activation](self.ffn1(x_BLD)))
+    return self.ffn2(ACTIVATIONS[self.activation](self.ffn1(x_BLD)))

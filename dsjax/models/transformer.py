@@ -5,16 +5,19 @@ One block covers every architecture the project studies:
     Pre-LN  (block='preln'):  x ← λ·x + β·Drop(f(Norm(x)))                       final Norm after the stack
     Post-LN (block='postln'): x ← Norm(λ·x + β·Drop(f(x)))                       no final Norm
     DNT     (block='dnt'):    x ← λ·x + β·Drop(MidNorm(f(PreNorm(x))))           InputNorm before the stack,
-                              QKNorm in attention; settings S1–S5 (SPEC §3, seed 004 Table 2) pick which.
+                              QKNorm in attention; settings S1–S5 (Qi et al. 2025, Table 2) pick which.
+    no norm (block='nonorm'): x ← λ·x + β·Drop(f(x))                             (T-Fixup, SkipInit, ReZero)
 
 f is attention for the first residual add of a layer and the FFN for the second. λ ("skip scale") and
-β ("branch scale") are per-layer, per-add arrays set by the initialisation scheme (`dsjax.schemes`):
-1 and 1 for vanilla models, sqrt(1−k/N) and sqrt(k/N) for DeepScaleLM. They are stored in the model —
-as `Constant`s, or as `nnx.Param`s when a scheme makes them learnable — so a checkpoint carries them.
+β ("branch scale") are per-layer, per-add values set by the method's `InitPlan` (`dsjax.models.plan`):
+1 and 1 for vanilla models, sqrt(1−k/N) and sqrt(k/N) for DeepScaleLM, a learnable 0 for ReZero. They
+are stored in the model — as `Constant`s, or as `nnx.Param`s when the plan makes them learnable; scalars
+or width-d vectors; one per add or one per layer — so a checkpoint carries them.
 
 The layers are created with `nnx.vmap` (parameters stacked on a leading `depth` axis) and run with
-`jax.lax.scan`, so trace and compile time do not grow with depth; `remat` names a
-`jax.checkpoint_policies` policy to trade compute for memory in deep stacks.
+`jax.lax.scan`, so trace and compile time do not grow with depth (`scan_layers=False` runs the same
+stacked layers in a Python loop); `remat` names a `jax.checkpoint_policies` policy to trade compute for
+memory in deep stacks.
 """
 
 from __future__ import annotations
@@ -27,10 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.models import layers
-from dsjax.schemes.base import LAYER_INIT_KEYS
+from dsjax.models.plan import LAYER_INIT_KEYS, NormLayout, ResidualScale
 
-BLOCKS = ('preln', 'postln', 'dnt')
-DNT_SETTINGS = ('S1', 'S2', 'S3', 'S4', 'S5')
 REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                   'nothing_saveable', 'everything_saveable')
 
@@ -43,42 +44,6 @@ Probe = Callable[[str, jax.Array, jax.Array], jax.Array]
 def no_probe(site: str, x: jax.Array, layer: jax.Array) -> jax.Array:
   del site, layer
   return x
-
-
-@dataclasses.dataclass(frozen=True)
-class NormLayout:
-  """Where the norms sit. Field names follow the DNT paper (seed 004 §3)."""
-  input_norm: bool = False     # after the embedding, before the first block
-  pre_attn: bool = True        # on the attention branch input
-  pre_ffn: bool = True         # on the FFN branch input
-  qk_norm: bool = False        # on each head's queries and keys
-  mid_attn: bool = False       # on the attention branch output (before dropout and β)
-  mid_ffn: bool = False        # on the FFN branch output
-  post: bool = False           # after each residual add (Post-LN)
-  final_norm: bool = True      # after the stack, before the head
-
-  @classmethod
-  def for_block(cls, block: str, dnt_setting: str = 'S5', final_norm: bool | None = None) -> 'NormLayout':
-    """The layout of `model.block` (and `model.dnt_setting` for DNT; table in SPEC §3)."""
-    if block == 'preln':
-      layout = cls()
-    elif block == 'postln':
-      layout = cls(pre_attn=False, pre_ffn=False, post=True, final_norm=False)
-    elif block == 'dnt':
-      #                      input  pre_attn pre_ffn  qk     mid_attn mid_ffn
-      flags = {'S1': (False, True, True, False, False, False),
-               'S2': (False, True, True, True, False, False),
-               'S3': (True, True, True, True, False, False),
-               'S4': (True, True, True, True, True, True),
-               'S5': (True, True, False, True, True, True)}
-      if dnt_setting not in flags:
-        raise ValueError(f'model.dnt_setting must be one of {list(flags)}, got {dnt_setting!r}')
-      layout = cls(*flags[dnt_setting])
-    else:
-      raise ValueError(f'model.block must be one of {list(BLOCKS)}, got {block!r}')
-    if final_norm is not None:
-      layout = dataclasses.replace(layout, final_norm=final_norm)
-    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +62,21 @@ class TransformerConfig:
   causal: bool = False
   use_bias: bool = True
   distribution: str = 'normal'  # of every weight's initial draw
-  learnable_skip_scale: bool = False
-  learnable_branch_scale: bool = False
+  skip_scale: ResidualScale = ResidualScale()
+  branch_scale: ResidualScale = ResidualScale()
+  attn_logit_scale: float | None = None
+  attn_identity: bool = False
+  lr_scale: tuple[tuple[str, float], ...] = ()  # (weight type, learning-rate multiplier) pairs
   remat: str = 'none'
+  scan_layers: bool = True      # False: a Python loop over the layers (per-layer values can leave it)
 
 
-def _residual_scale(value: Any, learnable: bool) -> nnx.Variable:
+def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
   value = jnp.asarray(value, jnp.float32)
-  return nnx.Param(value) if learnable else layers.Constant(value)
+  axes: tuple[str | None, ...] = ()
+  if how.vector:
+    value, axes = jnp.full((width,), value, jnp.float32), (None,)
+  return layers.param(value, axes) if how.learnable else layers.constant(value, axes)
 
 
 class Block(nnx.Module):
@@ -118,32 +90,45 @@ class Block(nnx.Module):
     self.post_attn_norm = norm(lay.post)
     self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn), norm(lay.mid_ffn)
     self.post_ffn_norm = norm(lay.post)
+    lr_scale = dict(cfg.lr_scale)
     self.attn = layers.Attention(
         cfg.width, cfg.num_heads, stds=layer_init, distribution=cfg.distribution,
         use_bias=cfg.use_bias, qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps,
-        causal=cfg.causal, attn_dropout=cfg.attn_dropout, rngs=rngs)
+        causal=cfg.causal, attn_dropout=cfg.attn_dropout, logit_scale=cfg.attn_logit_scale,
+        identity_mix=cfg.attn_identity, lr_scale=lr_scale, rngs=rngs)
     self.ffn = layers.FFN(cfg.width, cfg.mlp_hidden, activation=cfg.activation, stds=layer_init,
-                          distribution=cfg.distribution, use_bias=cfg.use_bias, rngs=rngs)
-    self.skip_attn = _residual_scale(layer_init['skip_attn'], cfg.learnable_skip_scale)
-    self.branch_attn = _residual_scale(layer_init['branch_attn'], cfg.learnable_branch_scale)
-    self.skip_ffn = _residual_scale(layer_init['skip_ffn'], cfg.learnable_skip_scale)
-    self.branch_ffn = _residual_scale(layer_init['branch_ffn'], cfg.learnable_branch_scale)
+                          distribution=cfg.distribution, use_bias=cfg.use_bias, lr_scale=lr_scale,
+                          rngs=rngs)
+    # λ (skip) and β (branch) of both adds; a shared scale is one variable used at both adds.
+    skip, branch = cfg.skip_scale, cfg.branch_scale
+    self.skip_attn = _residual_scale(layer_init['skip_attn'], skip, cfg.width)
+    self.skip_ffn = None if skip.shared else _residual_scale(layer_init['skip_ffn'], skip, cfg.width)
+    self.branch_attn = _residual_scale(layer_init['branch_attn'], branch, cfg.width)
+    self.branch_ffn = None if branch.shared else _residual_scale(layer_init['branch_ffn'], branch, cfg.width)
+
+  def scales(self) -> dict[str, jax.Array]:
+    """The four residual scales λ_attn, β_attn, λ_ffn, β_ffn (a shared one appears twice)."""
+    skip_ffn = self.skip_attn if self.skip_ffn is None else self.skip_ffn
+    branch_ffn = self.branch_attn if self.branch_ffn is None else self.branch_ffn
+    return {'skip_attn': self.skip_attn[...], 'branch_attn': self.branch_attn[...],
+            'skip_ffn': skip_ffn[...], 'branch_ffn': branch_ffn[...]}
 
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, *, layer: jax.Array,
                probe: Probe = no_probe) -> jax.Array:
     p = self.cfg.dropout
     keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
+    scale = self.scales()
 
     h_BLD = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLD), keys[0])
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
     h_BLD = probe('attn_branch', h_BLD, layer)
-    x_BLD = self.skip_attn[...] * x_BLD + self.branch_attn[...] * h_BLD
+    x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
     x_BLD = probe('attn_residual', layers.apply_norm(self.post_attn_norm, x_BLD), layer)
 
     h_BLD = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLD))
     h_BLD = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLD), p, keys[2])
     h_BLD = probe('ffn_branch', h_BLD, layer)
-    x_BLD = self.skip_ffn[...] * x_BLD + self.branch_ffn[...] * h_BLD
+    x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
     return probe('ffn_residual', layers.apply_norm(self.post_ffn_norm, x_BLD), layer)
 
 
@@ -160,7 +145,7 @@ class LayerStack(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, rngs: nnx.Rngs):
     """`layer_init[name]` has shape (depth,): layer n is built from entry n of each array."""
-    self.depth, self.remat = cfg.depth, cfg.remat
+    self.depth, self.remat, self.scan_layers = cfg.depth, cfg.remat, cfg.scan_layers
 
     @nnx.split_rngs(splits=cfg.depth)
     @nnx.vmap(in_axes=(0, 0), out_axes=0)
@@ -178,15 +163,21 @@ class LayerStack(nnx.Module):
       layer_state, key, index = layer_xs
       return nnx.merge(graphdef, layer_state)(x_BLD, key, layer=index, probe=probe), None
 
-    x_BLD, _ = jax.lax.scan(_remat(apply_layer, self.remat), x_BLD,
-                            (stacked_state, layer_keys, jnp.arange(self.depth)))
+    layer_fn = _remat(apply_layer, self.remat)
+    if not self.scan_layers:
+      for n in range(self.depth):
+        layer_xs = jax.tree.map(lambda a: a[n], (stacked_state, layer_keys, jnp.arange(self.depth)))
+        x_BLD, _ = layer_fn(x_BLD, layer_xs)
+      return x_BLD
+    x_BLD, _ = jax.lax.scan(layer_fn, x_BLD, (stacked_state, layer_keys, jnp.arange(self.depth)))
     return x_BLD
 
 
 class Trunk(nnx.Module):
   """Embedded tokens in, final hidden states out: dropout, InputNorm, the stack, final norm, output scale.
 
-  `output_scale` multiplies the final hidden state before the head (DSLM: 1/sqrt(d), SPEC §2).
+  `output_scale` multiplies the final hidden state before the head (DSLM: 1/sqrt(d), Kedia et al. 2024
+  §3.5).
   """
 
   def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, output_scale: float,
@@ -195,7 +186,7 @@ class Trunk(nnx.Module):
     self.input_norm = layers.make_norm(cfg.layout.input_norm, cfg.width, cfg.norm, cfg.norm_eps)
     self.stack = LayerStack(cfg, layer_init, rngs=rngs)
     self.final_norm = layers.make_norm(cfg.layout.final_norm, cfg.width, cfg.norm, cfg.norm_eps)
-    self.output_scale = layers.Constant(jnp.asarray(output_scale, jnp.float32))
+    self.output_scale = layers.constant(jnp.asarray(output_scale, jnp.float32), ())
 
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
                probe: Probe = no_probe) -> jax.Array:

@@ -9,7 +9,7 @@ from flax import nnx
 
 from dsjax.models import layers
 from dsjax.models.transformer import Probe, TransformerConfig, Trunk, no_probe
-from dsjax.schemes.base import InitPlan
+from dsjax.models.plan import InitPlan
 
 POS_EMBEDDINGS = ('sincos2d', 'learned')
 POOLINGS = ('gap', 'cls')
@@ -40,18 +40,21 @@ class ViT(nnx.Module):
     h, w, c = image_shape
     self.patch_size, self.pooling = patch_size, pooling
     grid_h, grid_w = h // patch_size, w // patch_size
-    d = cfg.width
+    d, lr = cfg.width, plan.lr_scale
     self.patch_embed = layers.Dense(patch_size * patch_size * c, d, std=plan.input_std,
-                                    distribution=plan.distribution, use_bias=True, rngs=rngs)
+                                    distribution=plan.distribution, use_bias=True, axes=('patch', 'embed'),
+                                    lr_scale=lr.get('input', 1.0), rngs=rngs)
     if pos_embedding == 'learned':
-      self.pos_embedding = nnx.Param(layers.init_weight(rngs.params(), (grid_h * grid_w, d), plan.pos_std,
-                                                        plan.distribution))
+      self.pos_embedding = layers.param(layers.init_weight(rngs.params(), (grid_h * grid_w, d), plan.pos_std,
+                                                           plan.distribution), (None, 'embed'),
+                                        lr.get('pos', 1.0))
     else:  # Fixed, so not a Param: no gradient, no weight decay.
-      self.pos_embedding = layers.Constant(jnp.asarray(sincos_2d(grid_h, grid_w, d)))
-    self.cls_token = nnx.Param(jnp.zeros((1, 1, d))) if pooling == 'cls' else None
+      self.pos_embedding = layers.constant(jnp.asarray(sincos_2d(grid_h, grid_w, d)), (None, 'embed'))
+    self.cls_token = layers.param(jnp.zeros((1, 1, d)), (None, None, 'embed')) if pooling == 'cls' else None
     self.trunk = Trunk(cfg, plan.layer, output_scale=plan.output_scale, rngs=rngs)
-    self.head = layers.Dense(d, num_classes, std=plan.head_std, distribution=plan.distribution,
-                             use_bias=True, rngs=rngs)
+    self.head = layers.Dense(d, num_classes, std=0.0 if plan.zero_head else plan.head_std,
+                             distribution=plan.distribution, use_bias=True, axes=('embed', 'vocab'),
+                             lr_scale=lr.get('head', 1.0), rngs=rngs)
 
   def embed(self, images_BHWC: jax.Array) -> jax.Array:
     x_BLD = self.patch_embed(patchify(images_BHWC, self.patch_size)) + self.pos_embedding[...]

@@ -1,62 +1,59 @@
-"""What an initialisation scheme decides, and the model dimensions it decides it from.
+"""The interface every method (`model.scheme`) implements.
 
-A scheme (`model.scheme`) turns the model config into an `InitPlan`: the initial standard deviation of
-every weight (per layer for the six block matrices), the residual scales λ/β of both adds of every
-layer, the scale of the final hidden state, and whether λ/β are learnable. The model code never
-hard-codes an initialiser, so DSLM and the prior deep-transformer methods (SPEC §5) only add a scheme.
+A method is one module of `dsjax/schemes/` that defines `SCHEME = <a Scheme subclass instance>`:
+
+  name, paper, summary   its `model.scheme` value, the citation, what it changes (the README table)
+  blocks                 the `model.block` values it is defined for (its first is the natural one)
+  config(model_name)     its config section `model.<name>`: the method's constants with their published
+                         defaults and a citation each (None: the method has no constants)
+  validate(m)            one-line ValueErrors for its section and the model settings it cannot work with
+  init_plan(m, dims, prepared)
+                         the `InitPlan` (`dsjax.models.plan`): weight scales, residual scales, norms, ...
+  needs_preparation(m), prepare(config, data_info, inputs)
+                         an optional data-dependent step before the model is built (DSLM's measured
+                         input correlation, ADMIN's profiling pass). `inputs` iterates over model inputs
+                         of real training batches; the result is a flat JSON-able dict that the trainer
+                         saves in the workdir and hands back to `init_plan` as `prepared` (also when
+                         resuming, exporting or measuring moments of that run).
+
+The trainer and the CLIs call these through `dsjax.schemes` without knowing which method it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any, Iterable
 
-import numpy as np
+import ml_collections
 
+from dsjax.models.config import one_of
+from dsjax.models.plan import InitPlan, ModelDims
 
-# Per-layer arrays (each of shape (depth,)) that the scheme chooses for layer n and the model's scanned
-# stack (dsjax.models.transformer) consumes: initial standard deviations of the six weight matrices
-# and the four residual scales.
-LAYER_INIT_KEYS = ('q', 'k', 'v', 'o', 'ffn1', 'ffn2',
-                   'skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
+Prepared = dict[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-  """Sizes a scheme needs. `input_dim`: patch size²·channels (ViT) or vocabulary size (GPT)."""
-  kind: str            # 'vit' | 'gpt'
-  depth: int
-  width: int
-  num_heads: int
-  mlp_hidden: int
-  input_dim: int
-  num_outputs: int     # classes (ViT) or vocabulary (GPT)
-  seq_len: int
-  num_embedding_tables: int  # K of SPEC §1.4: GPT token + position = 2; ViT patch (+ position) counts 2
+class Scheme:
+  name: str = ''
+  paper: str = ''
+  summary: str = ''
+  blocks: tuple[str, ...] = ('preln', 'postln')
 
+  def config(self, model_name: str) -> ml_collections.ConfigDict | None:
+    del model_name
+    return None
 
-@dataclasses.dataclass(frozen=True)
-class InitPlan:
-  distribution: str                 # 'normal' | 'truncated_normal' | 'uniform'
-  layer: dict[str, np.ndarray]      # LAYER_INIT_KEYS -> (depth,) float arrays
-  input_std: float                  # patch-embedding kernel (ViT) or token embedding table (GPT)
-  pos_std: float                    # learned position embedding (and CLS token)
-  head_std: float                   # classifier / LM head kernel (ignored when tied)
-  output_scale: float = 1.0         # multiplies the final hidden state before the head
-  learnable_skip_scale: bool = False
-  learnable_branch_scale: bool = False
+  def validate(self, m) -> None:
+    one_of(f"model.block (with model.scheme='{self.name}')", m.block, self.blocks)
 
-  def __post_init__(self):
-    missing = set(LAYER_INIT_KEYS) - set(self.layer)
-    if missing:
-      raise ValueError(f'InitPlan.layer is missing {sorted(missing)}')
+  def init_plan(self, m, dims: ModelDims, prepared: Prepared | None = None) -> InitPlan:
+    raise NotImplementedError
 
+  def needs_preparation(self, m) -> bool:
+    del m
+    return False
 
-def per_layer(depth: int, value) -> np.ndarray:
-  """Broadcasts a scalar (or checks an array) to one float per layer."""
-  arr = np.broadcast_to(np.asarray(value, np.float64), (depth,)).astype(np.float32)
-  return np.array(arr)
+  def prepare(self, config, data_info, inputs: Iterable[Any]) -> Prepared:
+    raise NotImplementedError(f'model.scheme={self.name!r} has no preparation step')
 
-
-def xavier_std(fan_in: int, fan_out: int) -> float:
-  """Glorot/Xavier: Var = 2 / (fan_in + fan_out)."""
-  return float(np.sqrt(2.0 / (fan_in + fan_out)))
+  def section(self, m):
+    """This method's config section of `m` (the `model` config)."""
+    return m[self.name]

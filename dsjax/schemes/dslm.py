@@ -1,7 +1,8 @@
 r"""DeepScaleLM (DSLM): theory-derived initialisation and λ/β residual scaling.
 
-Seed 000 (Kedia et al. 2024) §3.5, Appendices E and M; the recipe is SPEC.md §2. Every number below
-comes from `dsjax.theory`; this module only decides which number goes into which weight.
+Kedia et al. 2024, "Transformers Get Stable: An End-to-End Signal Propagation Theory for Language
+Models" (ICML 2024, arXiv:2403.09635), §3.5, Appendices E and M. Every number below comes from
+`dsjax.theory`; this module only decides which number goes into which weight.
 
 For a stack of N layers (one layer = attention add + FFN add), width d, dropout p, K embedding tables:
 
@@ -29,7 +30,7 @@ For a stack of N layers (one layer = attention add + FFN add), width d, dropout 
 The weight variances are `theory.model.dslm_weight_vars` and λ, β `theory.model.dslm_residual_scales`.
 r_n is the correlation of the residual stream *entering* layer n (`theory.model.dslm_layer_correlations`),
 starting from the token correlation of the embedded input times (1−p) (the embedding dropout). The
-reference code uses this value; the paper's pseudocode (Fig. 15) may read one layer later — SPEC §2.
+reference code uses this value; the paper's pseudocode (Fig. 15) may read one layer later.
 
 The embedded input, per model:
   * GPT: token table + learned position table, K = 2. Token correlation: Zipf's law over the vocabulary
@@ -42,59 +43,83 @@ The embedded input, per model:
     form: measure it (the paper measured 0.46 on ImageNet, Appendix H) or give a number. A CLS token
     (zero-initialised by the model) is one zero row among L+1; 'measure' sees it.
 
-`input_corr='measure'`: `measure_input_moments` embeds a few real batches with a provisional model and
-returns the variance and token correlation of the summed embeddings (before the embedding dropout),
-with the statistics of `dsjax.instrument.stats` (the theory's `Stats` convention). The provisional model
+`input_corr='measure'`: the preparation step (`measure_input_moments`) embeds a few real batches with a
+provisional model and returns the variance and token correlation of the summed embeddings (before the
+embedding dropout), pooled as in `dsjax.instrument.stats` (the theory's `Stats` convention). The
+provisional model
 has depth 1 and the same seed: its embedding weights are drawn before the trunk and with stds that do not
 depend on depth, so they are exactly the final model's. The measured variance is logged and saved
-(`input_moments.json`) as a check of the embedding init; the recurrence of `dsjax.theory` starts from
+(the run's `scheme_preparation.json`) as a check of the embedding init; the recurrence of `dsjax.theory` starts from
 variance 1 (the design value, λ² + β² = 1 keeps it there) and takes only the correlation.
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import itertools
 import math
-import numbers
-import os
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
+from flax import nnx
+from ml_collections import config_dict
 
-from dsjax import theory
-from dsjax.schemes.base import InitPlan, ModelDims, per_layer
+from dsjax import models, theory
+from dsjax.models.config import boolean, is_number, number, one_of
+from dsjax.models.plan import InitPlan, ModelDims, ResidualScale, per_layer
+from dsjax.schemes.base import Scheme
 
 INITS = ('full', 'simple')
 OUTPUT_SCALES = ('sqrt_d', 'sqrt_embed_var_d')
 INPUT_CORR_MODES = ('zipf', 'measure')
-BLOCKS = theory.model.BLOCKS  # the blocks whose residual adds DSLM scales
-INPUT_MOMENTS_FILE = 'input_moments.json'
+MEASURE_BATCHES = 4  # training batches the input correlation is measured on
+
+
+def config(model_name: str) -> ml_collections.ConfigDict:
+  """`model.dslm`: the method's constants with the paper's defaults (§3.5, Appendix M)."""
+  d = ml_collections.ConfigDict()
+  d.init = 'simple'               # 'simple': V/O like the FFN (all of the paper's §4 runs) | 'full': V/O per
+                                  # layer from the correlation recurrence (paper §3.5 item 3, Fig. 15)
+  d.attention_var = 'table2'      # full init only. 'table2': the paper's V/O, C1·r_n = 1 (Table 2;
+                                  # assumes bidirectional attention over long sequences) | 'exact': V/O
+                                  # give attention-block output variance 1 by dsjax.theory's attention
+                                  # moments (causal mask, L, heads); 4.3× smaller V·O at layer 0 of a
+                                  # causal byte-level GPT (theory.model.dslm_weight_vars,
+                                  # experiments/dslm_results.md for the measured trade-off)
+  d.k = 2.0                       # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)
+  d.alpha = 1.0                   # α = 1: gradient change and sensitivity independent of depth (Appendix G)
+  d.learnable_beta = False        # paper Table 13: a learnable β is worse than the fixed one
+  d.output_scale = 'sqrt_d'       # final hidden state × 1/sqrt(d) (paper) | 'sqrt_embed_var_d':
+                                  # × 1/sqrt(σe²·d) (reference code: 1/sqrt(0.3·d), σe² = 0.3 for BERT)
+  # Token correlation of the embedded input, start of the recurrence: 'zipf' (paper's estimate for
+  # text, Appendix A.1), 'measure' (on real batches, the paper's way for vision/speech, Appendix H) or
+  # a number. A FieldReference of type object so that both a string and a number can be set.
+  d.input_corr = config_dict.FieldReference('measure' if model_name == 'vit' else 'zipf', field_type=object)
+  d.input_var = 1.0               # variance of the model input after the embedding dropout (paper: 1)
+  return d
 
 
 # ------------------------------------------------------------------------------------------------
-# Config checks (also called by dsjax.validate, so a bad key fails before anything is built).
+# Config checks (run by dsjax.schemes.validate before anything is built).
 # ------------------------------------------------------------------------------------------------
 
 def validate_config(model_config) -> None:
   """One-line ValueErrors for the `model.dslm` keys and the model settings DSLM cannot work with."""
-  from dsjax.validate import one_of  # Deferred: dsjax.validate imports the schemes.
   m, c = model_config, model_config.dslm
-  if m.block not in BLOCKS:
-    raise ValueError(f"model.block must be one of {list(BLOCKS)} with model.scheme='dslm' (DSLM scales "
-                     f'the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}')
+  if m.block not in theory.model.BLOCKS:
+    raise ValueError(f"model.block must be one of {list(theory.model.BLOCKS)} with model.scheme='dslm' "
+                     f'(DSLM scales the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}')
   one_of('model.dslm.init', c.init, INITS)
   one_of('model.dslm.attention_var', c.attention_var, theory.model.ATTENTION_VARS)
   one_of('model.dslm.output_scale', c.output_scale, OUTPUT_SCALES)
-  if not _is_number(c.k) or c.k <= 0:
-    raise ValueError(f'model.dslm.k must be a number > 0, got {c.k!r}')
-  if not _is_number(c.alpha) or c.alpha < 0:
-    raise ValueError(f'model.dslm.alpha must be a number >= 0, got {c.alpha!r}')
-  if not isinstance(c.learnable_beta, bool):
-    raise ValueError(f'model.dslm.learnable_beta must be True or False, got {c.learnable_beta!r}')
-  if not _is_number(c.input_var) or c.input_var <= 0:
-    raise ValueError(f'model.dslm.input_var must be a number > 0, got {c.input_var!r}')
+  number('model.dslm.k', c.k, low=0, low_open=True)
+  number('model.dslm.alpha', c.alpha, low=0)
+  boolean('model.dslm.learnable_beta', c.learnable_beta)
+  number('model.dslm.input_var', c.input_var, low=0, low_open=True)
   corr = c.input_corr
-  if not (corr in INPUT_CORR_MODES or (_is_number(corr) and 0 < corr <= 1)):
+  if not (corr in INPUT_CORR_MODES or (is_number(corr) and 0 < corr <= 1)):
     raise ValueError(f'model.dslm.input_corr must be one of {list(INPUT_CORR_MODES)} or a number in '
                      f'(0, 1], got {corr!r}')
   if m.name == 'vit' and corr == 'zipf':
@@ -107,10 +132,6 @@ def validate_config(model_config) -> None:
   if not beta2 < 1:
     raise ValueError(f'model.dslm.k / model.depth**model.dslm.alpha must be < 1 (β² = k/N^α, λ² = 1 − β²), '
                      f'got {beta2:.4g} with k={c.k}, alpha={c.alpha}, depth={m.depth}')
-
-
-def _is_number(x) -> bool:
-  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,8 +153,8 @@ def input_corr(model_config, dims: ModelDims, input_moments: dict[str, float] | 
   if c.input_corr == 'measure':
     if input_moments is None:
       raise ValueError("model.dslm.input_corr='measure' needs the measured input moments: pass "
-                       'input_moments= to build_model (the training loop measures them with '
-                       'dsjax.schemes.dslm.input_moments_for_run and saves input_moments.json in the workdir)')
+                       'prepared= to dsjax.schemes.build_model (the training loop measures them with '
+                       'dsjax.schemes.preparation_for_run and saves them in the workdir)')
     return float(input_moments['corr_seq'])
   if c.input_corr == 'zipf':
     # Word table with Zipf-distributed tokens, position table uncorrelated; the sum averages (App. A.1).
@@ -142,8 +163,7 @@ def input_corr(model_config, dims: ModelDims, input_moments: dict[str, float] | 
 
 
 def init_plan(model_config, dims: ModelDims, input_moments: dict[str, float] | None = None) -> InitPlan:
-  """The DSLM InitPlan (module docstring; SPEC §2)."""
-  validate_config(model_config)
+  """The DSLM InitPlan (module docstring)."""
   c, p = model_config.dslm, model_config.dropout
   n, d = dims.depth, dims.width
   if dims.mlp_hidden % d:
@@ -180,30 +200,37 @@ def init_plan(model_config, dims: ModelDims, input_moments: dict[str, float] | N
   return InitPlan(distribution=model_config.init_distribution, layer=layer,
                   input_std=math.sqrt(input_var), pos_std=math.sqrt(table_var),
                   head_std=math.sqrt(table_var), output_scale=output_scale,
-                  learnable_skip_scale=False, learnable_branch_scale=c.learnable_beta)
+                  branch=ResidualScale(learnable=c.learnable_beta))
+
+
 
 
 # ------------------------------------------------------------------------------------------------
-# input_corr='measure': moments of the embedded input on real batches.
+# input_corr='measure': moments of the embedded input on real batches (the preparation step).
 # ------------------------------------------------------------------------------------------------
 
 def needs_measured_input(model_config) -> bool:
-  return model_config.scheme == 'dslm' and model_config.dslm.input_corr == 'measure'
+  return model_config.dslm.input_corr == 'measure'
 
 
-def measure_input_moments(config, data_info, batches) -> dict[str, float]:
+def embedding_moments(x_BLD: jax.Array) -> dict[str, jax.Array]:
+  """Pooled mean, variance and token correlation r^l (same hidden index, tokens t ≠ t') of x_BLD.
+
+  Σ_{t≠t'} c_t·c_t' = (Σ_t c_t)² − Σ_t c_t² for centred values c, so no L×L matrix is formed."""
+  x_BLD = x_BLD.astype(jnp.float32)
+  c_BLD = x_BLD - x_BLD.mean()
+  var = (c_BLD ** 2).mean()
+  pair_sum = (c_BLD.sum(1) ** 2).sum() - (c_BLD ** 2).sum()
+  corr_seq = pair_sum / (c_BLD.size * (x_BLD.shape[1] - 1)) / jnp.maximum(var, 1e-30)
+  return {'mean': x_BLD.mean(), 'var': var, 'corr_seq': corr_seq}
+
+
+def measure_input_moments(config, data_info, inputs) -> dict[str, float]:
   """Variance and token correlation r^l of the summed embeddings (before dropout), averaged over batches.
 
-  Uses a provisional model with the run's seed and depth 1, whose embedding weights are the final
-  model's (they are drawn first, with depth-independent stds), and the statistics of
-  `dsjax.instrument.stats.forward_stats` (pooled mean; r^l = same hidden index, different tokens).
+  `inputs`: model inputs of real batches. Uses a provisional model with the run's seed and depth 1, whose
+  embedding weights are the final model's (they are drawn first, with depth-independent stds).
   """
-  import jax
-  from flax import nnx
-  from dsjax import models
-  from dsjax.instrument import stats as stats_lib
-  from dsjax.train import step as step_lib
-
   provisional = copy.deepcopy(config)  # Keeps field types (input_corr may hold a string or a number).
   with provisional.unlocked():
     # One layer (with β² = k < 1 so that it is a valid DSLM stack), simple init, a fixed correlation:
@@ -212,9 +239,10 @@ def measure_input_moments(config, data_info, batches) -> dict[str, float]:
     provisional.model.dslm.k, provisional.model.dslm.alpha = 0.5, 1.0
     provisional.model.dslm.init = 'simple'
     provisional.model.dslm.input_corr = 0.5
-  model = models.build_model(provisional, data_info, nnx.Rngs(params=config.seed))
-  embed_stats = jax.jit(lambda inputs: stats_lib.forward_stats(model.embed(inputs)))
-  per_batch = [jax.device_get(embed_stats(step_lib.model_inputs(config.model.name, b))) for b in batches]
+  plan = init_plan(provisional.model, models.model_dims(provisional, data_info))
+  model = models.build_model(provisional, data_info, plan, nnx.Rngs(params=config.seed))
+  embed_stats = jax.jit(lambda x: embedding_moments(model.embed(x)))
+  per_batch = [jax.device_get(embed_stats(x)) for x in inputs]
   if not per_batch:
     raise ValueError('measure_input_moments needs at least one batch')
   mean = lambda key: float(np.mean([s[key] for s in per_batch]))
@@ -222,27 +250,27 @@ def measure_input_moments(config, data_info, batches) -> dict[str, float]:
           'num_batches': len(per_batch)}
 
 
-def input_moments_for_run(config, data_info, workdir: str | None = None, *, write: bool = True,
-                          num_batches: int = 4) -> dict[str, float] | None:
-  """The measured input moments a run needs (None unless model.dslm.input_corr='measure').
+class DSLM(Scheme):
+  name = 'dslm'
+  paper = 'Kedia et al. 2024, Transformers Get Stable (ICML 2024, arXiv:2403.09635), §3.5, App. E, M'
+  summary = ('theory-derived weight variances (embeddings, FFN, V/O per layer); λ² = 1 − k/N, β² = k/N at '
+             'both adds; output × 1/sqrt(d)')
+  blocks = theory.model.BLOCKS
 
-  Reads `workdir/input_moments.json` when it exists (a resumed run, `dsjax.export`, `dsjax.moments`),
-  else measures on the first `num_batches` training batches — the same rows on every host — and
-  writes the file (when `write`).
-  """
-  if not needs_measured_input(config.model):
-    return None
-  path = None if workdir is None else os.path.join(workdir, INPUT_MOMENTS_FILE)
-  if path is not None and os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  import itertools
-  from dsjax import data as data_lib
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
-                                    process_index=0, process_count=1, train=True)
-  moments = measure_input_moments(config, data_info, itertools.islice(pipeline, num_batches))
-  if path is not None and write:
-    os.makedirs(workdir, exist_ok=True)
-    with open(path, 'w') as f:
-      json.dump(moments, f, indent=1)
-  return moments
+  def config(self, model_name):
+    return config(model_name)
+
+  def validate(self, m):
+    validate_config(m)
+
+  def init_plan(self, m, dims, prepared=None):
+    return init_plan(m, dims, prepared)
+
+  def needs_preparation(self, m):
+    return needs_measured_input(m)
+
+  def prepare(self, config, data_info, inputs):
+    return measure_input_moments(config, data_info, itertools.islice(inputs, MEASURE_BATCHES))
+
+
+SCHEME = DSLM()

@@ -12,6 +12,12 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+from dsjax import schemes
+from dsjax.train import state as state_lib
+from dsjax.train import step as step_lib
 
 
 class Checkpointer:
@@ -49,22 +55,18 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
 def restore_model(config, data_info, workdir: str):
   """The NNX model of a training run at the latest checkpoint in `workdir` (for `dsjax.export`,
   `dsjax.moments --checkpoint`): the train state is restored onto one device and merged into a model
-  built from `config`, with the measured input moments the run saved (DSLM, input_corr='measure')."""
-  from absl import logging
-  from flax import nnx
-  from dsjax.train import loop, optimizers  # Deferred: loop imports this module (and dsjax.models).
-  from dsjax.schemes import dslm
+  built from `config`, with the result of its method's preparation step that the run saved."""
   no_checkpoint = ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/checkpoints)')
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # Checked first: creates nothing.
     raise no_checkpoint
-  input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=False)
-  tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  graphdef, create_state = loop.create_train_state(config, data_info, tx, input_moments)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config), workdir,
+                                          write=False)
+  setup = state_lib.make_setup(config, data_info, prepared)
   checkpointer = Checkpointer(workdir, save_every=1, keep=1)
   if checkpointer.latest_step() is None:
     checkpointer.close()
     raise no_checkpoint
-  state, _ = checkpointer.restore(jax.eval_shape(create_state))
+  state, _ = checkpointer.restore(jax.eval_shape(setup.create_state))
   checkpointer.close()
   logging.info('Restored step %d from %s', int(state['step']), workdir)
-  return nnx.merge(graphdef, state['params'], state['rest'])
+  return nnx.merge(setup.graphdef, state['params'], state['rest'])

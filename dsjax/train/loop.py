@@ -11,36 +11,18 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import nnx
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
-from dsjax import models
-from dsjax import validate
-from dsjax.schemes import dslm
+from dsjax import schemes
 from dsjax.train import checkpoint as checkpoint_lib
-from dsjax.train import optimizers
+from dsjax.train import config as config_lib
 from dsjax.train import sharding as sharding_lib
+from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 from dsjax.train.metrics import MetricWriter
-
-
-def create_train_state(config, data_info, tx, input_moments=None) -> tuple[nnx.GraphDef, Any]:
-  """Returns the model's static graphdef and a function creating the initial train state.
-
-  `input_moments`: measured moments of the embedded input, for `model.dslm.input_corr='measure'`."""
-  build = lambda: models.build_model(config, data_info, nnx.Rngs(params=config.seed), input_moments)
-
-  def create():
-    _, params, rest = nnx.split(build(), nnx.Param, ...)
-    params, rest = params.to_pure_dict(), rest.to_pure_dict()
-    return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
-            'step': jnp.zeros((), jnp.int32)}
-  graphdef = nnx.graphdef(nnx.eval_shape(build))
-  return graphdef, create
 
 
 def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
@@ -64,11 +46,11 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   # Setup: every check runs before anything is compiled or written.
   # ----------------------------------------------------------------------------------------------
   devices = jax.devices() if devices is None else list(devices)
-  validate.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
+  config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
   mesh = sharding_lib.make_mesh(config.mesh.shape, devices)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   data_info = data_lib.dataset_info(config.data)  # Fails with a clear message if the data is missing.
-  validate.validate_against_data(config, data_info)
+  config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   if is_chief:
@@ -85,15 +67,17 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   # Model, optimizer and the sharded train state (created directly on its shardings).
   # ----------------------------------------------------------------------------------------------
-  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  # DSLM with input_corr='measure' initialises from the moments of the embedded data (measured on a
-  # few batches, or read back from the workdir when resuming).
-  input_moments = dslm.input_moments_for_run(config, data_info, workdir, write=is_chief)
-  if input_moments is not None:
-    logging.info('Input moments of the embedded data (model.dslm.input_corr=measure): %s', input_moments)
-  graphdef, create_state = create_train_state(config, data_info, tx, input_moments)
+  # A method with a data-dependent step (DSLM's measured input correlation, ADMIN's profiling pass)
+  # runs it on the first training batches, or reads its result back from the workdir when resuming.
+  prepared = schemes.preparation_for_run(
+      config, data_info, lambda: step_lib.first_model_inputs(config), workdir, write=is_chief)
+  if prepared is not None:
+    logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
+  setup = state_lib.make_setup(config, data_info, prepared)
+  graphdef, create_state, tx, schedule = setup.graphdef, setup.create_state, setup.tx, setup.schedule
   abstract_state = jax.eval_shape(create_state)
-  state_shardings = sharding_lib.tree_shardings(abstract_state, mesh)
+  state_shardings = sharding_lib.state_shardings(
+      abstract_state, sharding_lib.logical_axes(setup.abstract_model), mesh)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 

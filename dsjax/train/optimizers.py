@@ -1,6 +1,6 @@
 """Optimizers of dsjax: AdamW and mSGDW, learning-rate schedule, weight-decay mask.
 
-See SPEC.md §4 (optimizers) and §3 (DNT hyperparameters). Entry points:
+Qi et al. 2025 (DNT) §4 and Tables 3–5 for the settings; Loshchilov & Hutter 2019 for AdamW. Entry points:
 
   validate_optimizer_config(opt_config)          -> None, raises ValueError
   make_schedule(opt_config, total_steps)         -> optax.Schedule
@@ -424,8 +424,16 @@ def msgdw(
   )
 
 
+def scale_by_tree(factors: Any) -> optax.GradientTransformation:
+  """Multiplies each update leaf by its factor (a tree shaped like the params)."""
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, f: u * f, updates, factors), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(
-    opt_config: ml_collections.ConfigDict, total_steps: int,
+    opt_config: ml_collections.ConfigDict, total_steps: int, lr_scale: Any | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the optimizer named by opt_config and its learning-rate schedule.
 
@@ -433,6 +441,11 @@ def make_optimizer(
   acts on the raw gradient, before the momentum or Adam moments see it
   (clip_norm 0 or None: no clipping). The weight-decay mask is
   `weight_decay_mask`, passed as a callable.
+
+  `lr_scale`: per-parameter learning-rate multipliers (a tree shaped like
+  the params, e.g. μP's 1/width_mult for matrix-like parameters; None = 1).
+  They multiply the whole update of a parameter, its decoupled decay
+  included, exactly as a per-parameter learning rate does.
 
   Returns:
     (tx, schedule): the optax transformation and the schedule it uses, which
@@ -460,4 +473,6 @@ def make_optimizer(
         nesterov=bool(_get(opt_config, 'nesterov')),
         mask=weight_decay_mask)
   tx = optax.chain(_clip_or_identity(_get(opt_config, 'clip_norm')), optimizer)
+  if lr_scale is not None:
+    tx = optax.chain(tx, scale_by_tree(lr_scale))
   return tx, schedule

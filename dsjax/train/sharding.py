@@ -1,11 +1,13 @@
 """Device mesh and parameter/batch shardings (the `jax.jit`-with-shardings form of pjit).
 
 Mesh axes are ('data', 'fsdp', 'tensor'), shape from `config.mesh.shape` (-1 = all remaining
-devices). The batch is split over data × fsdp. Parameters are sharded by *logical* axis names that
-each parameter gets from its place in the model (table below), mapped to mesh axes by `AXIS_RULES`:
-the model width ('embed') is split over fsdp (ZeRO-3 style), heads / FFN hidden / vocabulary over
-tensor (Megatron style). A dimension that does not divide evenly is replicated instead.
-Stacked block parameters carry a leading layer axis, which is never sharded.
+devices). The batch is split over data × fsdp. Every model array declares its *logical* axes where it is
+created (`axes=` metadata, `dsjax.models.layers.param`); `AXIS_RULES` maps them to mesh axes: the model
+width ('embed') over fsdp (ZeRO-3 style), attention width / FFN hidden / vocabulary over tensor
+(Megatron style); 'patch', 'seq' and None are replicated by decision. A dimension that does not divide
+evenly is replicated. Stacked block parameters carry a leading layer axis, which is never sharded.
+An array without logical axes, or an optimizer-state leaf that matches no parameter, is an error, never
+a silent replication.
 """
 
 from __future__ import annotations
@@ -14,28 +16,30 @@ import math
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
-AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor'}
+AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor',
+              'patch': None, 'seq': None, None: None}
 
-# (parent name, leaf name) -> logical axes of the parameter without the stacked layer axis.
-LOGICAL_AXES = {
-    ('q', 'kernel'): ('embed', 'heads'), ('k', 'kernel'): ('embed', 'heads'),
-    ('v', 'kernel'): ('embed', 'heads'), ('o', 'kernel'): ('heads', 'embed'),
-    ('q', 'bias'): ('heads',), ('k', 'bias'): ('heads',), ('v', 'bias'): ('heads',),
-    ('ffn1', 'kernel'): ('embed', 'mlp'), ('ffn2', 'kernel'): ('mlp', 'embed'), ('ffn1', 'bias'): ('mlp',),
-    ('patch_embed', 'kernel'): (None, 'embed'),
-    (None, 'token_embed'): ('vocab', 'embed'),
-    ('head', 'kernel'): ('embed', 'vocab'), ('head', 'bias'): ('vocab',),
-}
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """The `mesh` config section (checked by `resolve_mesh_shape`)."""
+  c = ml_collections.ConfigDict()
+  c.shape = (-1, 1, 1)            # (data, fsdp, tensor); -1 = all remaining devices
+  return c
 
 
 def resolve_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
   """Fills a single -1 and checks the product; errors name `mesh.shape`."""
-  shape = tuple(int(s) for s in shape)
+  try:
+    shape = tuple(int(s) for s in shape)
+  except (TypeError, ValueError):
+    raise ValueError(f'mesh.shape must be {len(MESH_AXES)} integers {MESH_AXES}, got {shape!r}') from None
   if len(shape) != len(MESH_AXES):
     raise ValueError(f'mesh.shape must have {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
@@ -64,30 +68,63 @@ def _key_name(entry) -> str | None:
   return None
 
 
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-  """PartitionSpec of the parameter at `path` (names from the root) with `shape`."""
-  logical = LOGICAL_AXES.get(tuple(path[-2:])) or LOGICAL_AXES.get((None, path[-1]))
-  stacked = 'layers' in path
-  if logical is None or len(logical) + stacked != len(shape):
-    return P()
+def _names(path) -> tuple[str, ...]:
+  return tuple(n for n in (_key_name(e) for e in path) if n is not None)
+
+
+def logical_axes(abstract_model: nnx.Module) -> dict[tuple[str, ...], tuple[str | None, ...]]:
+  """{path of every model array (as in the pure-dict state): its logical axes}; an error for any array
+  that does not declare them."""
+  axes = {}
+  state = nnx.state(abstract_model)
+  leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  for path, variable in leaves:
+    names = _names(path)
+    declared = variable.get_metadata().get('axes') if isinstance(variable, nnx.Variable) else None
+    if declared is None:
+      raise ValueError(f'model array {"/".join(names)} declares no logical axes (create it with '
+                       'dsjax.models.layers.param or .constant and axes=...)')
+    axes[names] = tuple(declared)
+  return axes
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+  """PartitionSpec of an array with `shape` whose trailing dimensions have logical `axes` (a leading
+  extra dimension is the stacked layer axis, never sharded)."""
+  stacked = len(shape) - len(axes)
+  if stacked not in (0, 1):
+    raise ValueError(f'logical axes {axes} do not fit an array of shape {shape}')
   spec = [None] * stacked
-  for dim, name in zip(shape[stacked:], logical):
-    axis = AXIS_RULES.get(name) if name else None
+  for dim, name in zip(shape[stacked:], axes):
+    if name not in AXIS_RULES:
+      raise ValueError(f'logical axis {name!r} has no rule in dsjax.train.sharding.AXIS_RULES')
+    axis = AXIS_RULES[name]
     spec.append(axis if axis and dim % mesh.shape[axis] == 0 else None)
   return P(*spec)
 
 
-def tree_shardings(abstract_tree: Any, mesh: Mesh) -> Any:
-  """NamedShardings for a tree of arrays (parameters, or anything holding parameter-shaped leaves).
+def state_shardings(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple], mesh: Mesh) -> Any:
+  """NamedShardings for the train state {'params', 'rest', 'opt_state', 'step'}.
 
-  Leaves are matched by their path: optimizer moments live at paths that end with the parameter's
-  path (e.g. ('opt_state', '0', 'mu', 'trunk', ..., 'kernel')), so they get the parameter's sharding.
+  Model arrays get the sharding of their logical axes. Optimizer-state leaves live at paths that end
+  with a parameter's path (e.g. ('opt_state', '1', '0', 'mu', 'trunk', ..., 'kernel')) and get that
+  parameter's sharding; scalar leaves (counts, the step) are replicated by decision.
   """
+  by_length = sorted({len(p) for p in model_axes}, reverse=True)
+
   def sharding(path, leaf):
-    names = tuple(n for n in (_key_name(e) for e in path) if n is not None)
-    shape = tuple(getattr(leaf, 'shape', ()))
-    return NamedSharding(mesh, param_spec(names, shape, mesh))
-  return jax.tree_util.tree_map_with_path(sharding, abstract_tree)
+    names, shape = _names(path), tuple(getattr(leaf, 'shape', ()))
+    if names[:1] in (('params',), ('rest',)) and names[1:] in model_axes:
+      return NamedSharding(mesh, spec_for(model_axes[names[1:]], shape, mesh))
+    if names[:1] == ('opt_state',):
+      for n in by_length:
+        if len(names) > n and names[-n:] in model_axes:
+          return NamedSharding(mesh, spec_for(model_axes[names[-n:]], shape, mesh))
+    if shape == ():
+      return NamedSharding(mesh, P())
+    raise ValueError(f'train-state array {"/".join(names)} of shape {shape} matches no model array; '
+                     'give it a sharding rule in dsjax.train.sharding')
+  return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

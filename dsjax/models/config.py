@@ -1,0 +1,119 @@
+"""The `model` config section: its keys with defaults, their allowed values and their checks, in one place.
+
+The method keys (`model.scheme` and its own section, e.g. `model.dslm`) are added and checked by
+`dsjax.schemes`; everything else about the architecture is here.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import ml_collections
+from ml_collections import config_dict
+
+from dsjax.models.layers import ACTIVATIONS
+from dsjax.models.plan import BLOCKS, DNT_SETTINGS
+from dsjax.models.transformer import REMAT_POLICIES
+from dsjax.models.vit import POOLINGS, POS_EMBEDDINGS
+
+MODEL_NAMES = ('vit', 'gpt')
+NORMS = ('layernorm', 'rmsnorm')
+INIT_DISTRIBUTIONS = ('normal', 'truncated_normal', 'uniform')
+
+
+def model_config(model_name: str) -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  m.name = model_name             # 'vit' | 'gpt'
+  m.depth = 6                     # N layers; a layer = attention add + FFN add
+  m.width = 128                   # d
+  m.num_heads = 4
+  m.mlp_ratio = 4                 # FFN hidden = mlp_ratio · d
+  m.block = 'preln'               # 'preln' | 'postln' | 'dnt' | 'nonorm' (no norm anywhere)
+  m.dnt_setting = 'S5'            # DNT norm placement S1–S5 (Qi et al. 2025, §3 and Table 2); block='dnt'
+  m.final_norm = config_dict.placeholder(bool)  # None: the block's default (preln/dnt on, postln off)
+  m.norm = 'layernorm'            # 'layernorm' | 'rmsnorm'
+  m.norm_eps = 1e-6
+  m.activation = 'gelu'           # 'gelu' (exact, x·Φ(x)) | 'relu'
+  m.dropout = 0.0                 # embedding and every branch output
+  m.attn_dropout = 0.0            # attention probabilities
+  m.use_bias = True
+  m.init_distribution = 'normal'  # 'normal' | 'truncated_normal' | 'uniform' (every weight's draw)
+  m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name
+  m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
+  # ViT only.
+  m.patch_size = 2
+  m.pos_embedding = 'learned'     # 'learned' | 'sincos2d'
+  m.pooling = 'gap'               # 'gap' | 'cls'
+  # GPT only.
+  m.tie_embeddings = False
+  return m
+
+
+def one_of(key: str, value, allowed):
+  if value not in allowed:
+    raise ValueError(f'{key} must be one of {list(allowed)}, got {value!r}')
+
+
+def positive_int(key: str, value):
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f'{key} must be a positive integer, got {value!r}')
+
+
+def is_number(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x and abs(x) != float('inf')
+
+
+def number(key: str, value, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False, high_open: bool = False) -> None:
+  """Checks that `value` is a finite number in the interval [low, high] (ends open where asked)."""
+  ok = is_number(value)
+  if ok and low is not None:
+    ok = value > low if low_open else value >= low
+  if ok and high is not None:
+    ok = value < high if high_open else value <= high
+  if not ok:
+    lo = '' if low is None else f'{"(" if low_open else "["}{low}'
+    hi = '' if high is None else f'{high}{")" if high_open else "]"}'
+    where = f' in {lo}, {hi}' if lo and hi else (f' {">" if low_open else ">="} {low}' if lo else
+                                                  (f' {"<" if high_open else "<="} {high}' if hi else ''))
+    raise ValueError(f'{key} must be a number{where}, got {value!r}')
+
+
+def boolean(key: str, value):
+  if not isinstance(value, bool):
+    raise ValueError(f'{key} must be True or False, got {value!r}')
+
+
+def validate_model(m) -> None:
+  """One-line ValueErrors for the architecture keys of the `model` section."""
+  one_of('model.name', m.name, MODEL_NAMES)
+  for key in ('depth', 'width', 'num_heads', 'mlp_ratio', 'patch_size'):
+    positive_int(f'model.{key}', m[key])
+  if m.width % m.num_heads:
+    raise ValueError(f'model.width ({m.width}) must be divisible by model.num_heads ({m.num_heads})')
+  one_of('model.block', m.block, BLOCKS)
+  one_of('model.dnt_setting', m.dnt_setting, DNT_SETTINGS)
+  one_of('model.norm', m.norm, NORMS)
+  number('model.norm_eps', m.norm_eps, low=0, low_open=True)
+  one_of('model.activation', m.activation, sorted(ACTIVATIONS))
+  number('model.dropout', m.dropout, low=0, high=1, high_open=True)
+  number('model.attn_dropout', m.attn_dropout, low=0, high=1, high_open=True)
+  one_of('model.init_distribution', m.init_distribution, INIT_DISTRIBUTIONS)
+  one_of('model.remat', m.remat, REMAT_POLICIES)
+  boolean('model.scan_layers', m.scan_layers)
+  one_of('model.pos_embedding', m.pos_embedding, POS_EMBEDDINGS)
+  one_of('model.pooling', m.pooling, POOLINGS)
+  if m.name == 'vit' and m.pos_embedding == 'sincos2d' and m.width % 4:
+    raise ValueError(f'model.width must be divisible by 4 with model.pos_embedding=sincos2d, got {m.width}')
+
+
+def validate_against_data(m, data_name: str, data_info) -> None:
+  """Checks that need the dataset's shapes (known before compilation, after the dataset is found)."""
+  if m.name == 'vit':
+    if data_info.kind != 'image':
+      raise ValueError(f'model.name=vit needs an image dataset, but data.name={data_name!r} is {data_info.kind}')
+    h, w, _ = data_info.image_shape
+    if h % m.patch_size or w % m.patch_size:
+      raise ValueError(f'model.patch_size ({m.patch_size}) must divide the image size {h}x{w}')
+  elif data_info.kind != 'text':
+    raise ValueError(f'model.name=gpt needs a text dataset, but data.name={data_name!r} is {data_info.kind}')

@@ -1,0 +1,76 @@
+"""The full run config that `configs/*.py` start from, assembled from each section's own definition.
+
+Each section is described once, next to its validation:
+
+  run keys (seed, steps, batch sizes, intervals)  here
+  model (architecture)                            dsjax/models/config.py
+  model.scheme and model.<scheme>                 dsjax/schemes/<scheme>.py (registered in dsjax.schemes)
+  optimizer                                       dsjax/train/optimizers.py
+  data                                            dsjax/data/config.py
+  mesh                                            dsjax/train/sharding.py
+  instrument                                      dsjax/instrument/probe.py
+
+Config files override what they need and document the command, runtime and result; a run locks the
+config (`lock_config=True`) so that a mistyped override (`--config.model.detph=4`) fails at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from dsjax import instrument, models, schemes
+from dsjax.data import config as data_config
+from dsjax.models.config import positive_int
+from dsjax.train import optimizers
+from dsjax.train import sharding as sharding_lib
+
+RUN_INTS = ('total_steps', 'batch_size', 'eval_batch_size', 'eval_every', 'checkpoint_every', 'log_every',
+            'keep_checkpoints')
+
+
+def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = 1000
+  c.batch_size = 128              # global, over all processes and devices
+  c.eval_every = 200              # steps; the final step is always evaluated
+  c.eval_batch_size = 256
+  c.checkpoint_every = 500        # steps; the final step is always saved
+  c.keep_checkpoints = 2
+  c.log_every = 50
+
+  c.model = models.model_config(model_name)
+  schemes.add_config_sections(c.model)
+  c.optimizer = optimizers.default_optimizer_config(optimizer_name, family=model_name)
+  # Embedded offline defaults: 8×8 handwritten digits (ViT), Python's documentation as bytes (GPT).
+  c.data = data_config.get_config('sklearn_digits' if model_name == 'vit' else 'python_docs_bytes')
+  c.mesh = sharding_lib.mesh_config()
+  c.instrument = instrument.instrument_config()
+  return c
+
+
+def validate_config(config, num_devices: int, process_count: int = 1):
+  """Every check that needs no data: one-line ValueErrors naming the key, the allowed values and the value."""
+  for key in RUN_INTS:
+    positive_int(key, config[key])
+  if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
+    raise ValueError(f'seed must be a non-negative integer, got {config.seed!r}')
+  models.validate_model(config.model)
+  schemes.validate(config.model)
+  optimizers.validate_optimizer_config(config.optimizer)
+  data_config.parse_config(config.data)
+  instrument.validate_instrument_config(config.instrument)
+
+  shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
+  batch_shards = math.prod(shape[:2])
+  for key in ('batch_size', 'eval_batch_size'):
+    if config[key] % batch_shards or config[key] % process_count:
+      raise ValueError(f'{key} ({config[key]}) must be divisible by the data×fsdp mesh size '
+                       f'({batch_shards}) and the process count ({process_count})')
+
+
+def validate_against_data(config, data_info):
+  """Checks that need the dataset's shapes (known before compilation, after the dataset is found)."""
+  models.validate_against_data(config.model, config.data.name, data_info)

@@ -1,0 +1,60 @@
+"""The train state of a run: the model its method builds, the optimizer, and their initial values.
+
+The state is a plain dict of arrays
+
+    {'params': trainable nnx.Param values, 'rest': non-trainable model values (fixed λ/β, sincos
+     position table, output scale), 'opt_state': optax state, 'step': int32 scalar}
+
+and the model is rebuilt from its static `graphdef` inside the jitted steps (`dsjax.train.step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsjax import schemes
+from dsjax.train import optimizers
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+  graphdef: nnx.GraphDef
+  create_state: Callable[[], dict[str, Any]]   # the initial train state (jit it with out_shardings)
+  abstract_model: nnx.Module                   # shapes, dtypes and metadata (logical axes, lr scales)
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+
+
+def param_lr_scales(abstract_model: nnx.Module) -> dict | None:
+  """Learning-rate multipliers of the parameters (their `lr_scale` metadata, set by the method's plan,
+  e.g. μP) as a pure dict shaped like the params, or None when every multiplier is 1."""
+  params = nnx.state(abstract_model, nnx.Param)
+  scales = jax.tree.map(lambda v: float(v.get_metadata().get('lr_scale', 1.0)), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  scales = nnx.to_pure_dict(scales) if isinstance(scales, nnx.State) else scales
+  if all(s == 1.0 for s in jax.tree.leaves(scales)):
+    return None
+  return scales
+
+
+def make_setup(config, data_info, prepared: dict | None = None) -> TrainSetup:
+  """Model (by `config.model.scheme`, with its preparation result `prepared`), optimizer and the
+  function creating the initial state."""
+  build = lambda: schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
+  abstract_model = nnx.eval_shape(build)
+  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps,
+                                           lr_scale=param_lr_scales(abstract_model))
+
+  def create():
+    _, params, rest = nnx.split(build(), nnx.Param, ...)
+    params, rest = params.to_pure_dict(), rest.to_pure_dict()
+    return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
+            'step': jnp.zeros((), jnp.int32)}
+  return TrainSetup(graphdef=nnx.graphdef(abstract_model), create_state=create,
+                    abstract_model=abstract_model, tx=tx, schedule=schedule)

@@ -1,0 +1,55 @@
+"""The architecture rules that import-linter (pyproject.toml, run by CI) does not check by itself.
+
+* No function-level import of a dsjax module: imports inside functions hide cycles.
+* No module outside `dsjax/schemes/` names a particular method: the trainer and the CLIs reach every
+  method through `dsjax.schemes`, so adding a method never touches them.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from dsjax import schemes
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'dsjax'
+
+
+def _modules():
+  return sorted(p for p in PACKAGE.rglob('*.py'))
+
+
+def test_no_function_level_imports_of_dsjax():
+  found = []
+  for path in _modules():
+    tree = ast.parse(path.read_text())
+    for func in ast.walk(tree):
+      if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        continue
+      for node in ast.walk(func):
+        names = []
+        if isinstance(node, ast.Import):
+          names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+          names = [node.module or '']
+        if any(n == 'dsjax' or n.startswith('dsjax.') for n in names):
+          found.append(f'{path.relative_to(PACKAGE.parent)}:{node.lineno} in {func.name}()')
+  assert not found, f'function-level imports of dsjax modules: {found}'
+
+
+def test_no_module_outside_schemes_names_a_method():
+  """String literals and attribute chains outside dsjax/schemes/ never name a registered method."""
+  names = set(schemes.SCHEMES)
+  found = []
+  for path in _modules():
+    rel = path.relative_to(PACKAGE)
+    if rel.parts[0] == 'schemes':
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+        found.append(f'{rel}:{node.lineno} {node.value!r}')
+      if isinstance(node, ast.Attribute) and node.attr in names:
+        found.append(f'{rel}:{node.lineno} .{node.attr}')
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith('dsjax.schemes.'):
+        found.append(f'{rel}:{node.lineno} import {node.module}')
+  assert not found, f'modules outside dsjax/schemes name a method: {found}'
