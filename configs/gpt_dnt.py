@@ -1,4 +1,4 @@
-r"""L-DNT (seed 004) byte-level language model on the embedded Python-documentation corpus, mSGDW.
+r"""L-DNT (Qi et al. 2025) byte-level language model on the embedded Python-documentation corpus, mSGDW.
 
 Command (2-core CPU, no network):
 
@@ -29,7 +29,8 @@ def get_config():
   c.model.dnt_setting = 'S5'
   c.model.norm = 'rmsnorm'
 
-  c.optimizer.lr = 1.0                # DNT mSGDW GPT: lr 1.0, wd 1e-4, momentum 0.9 (seed 004 Table 3)
+  # DNT mSGDW GPT: lr 1.0, wd 1e-4, momentum 0.9 (Qi et al. 2025, Tables 3, 5).
+  c.optimizer.lr = 1.0
   c.optimizer.weight_decay = 1e-4
   c.optimizer.warmup_steps = 0
   c.optimizer.clip_norm = 1.0

@@ -27,7 +27,8 @@ def get_config():
   c.model.num_heads = 4
   c.model.block = 'preln'
 
-  c.optimizer.lr = 6e-4               # DNT AdamW GPT: lr 6e-4, wd 0.1, betas (0.9, 0.95) (seed 004 Table 3)
+  # DNT AdamW GPT: lr 6e-4, wd 0.1, betas (0.9, 0.95) (Qi et al. 2025, Tables 3, 5).
+  c.optimizer.lr = 6e-4
   c.optimizer.weight_decay = 0.1
   c.optimizer.warmup_steps = 100
   c.optimizer.clip_norm = 1.0

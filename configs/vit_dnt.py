@@ -1,4 +1,4 @@
-r"""V-DNT (Deeply Normalized Transformer, seed 004) on the embedded 8×8 handwritten digits, trained with mSGDW.
+r"""V-DNT (Deeply Normalized Transformer, Qi et al. 2025) on the embedded 8×8 digits, trained with mSGDW.
 
 Command (2-core CPU, no network; the dataset is built from scikit-learn's copy on first use):
 
@@ -7,9 +7,10 @@ Command (2-core CPU, no network; the dataset is built from scikit-learn's copy o
 Expected runtime: about 4 minutes on a 2-core CPU (measured 3m44s wall, with other jobs sharing the CPU).
 Expected result: test accuracy 0.957 (287/300) at step 600, eval loss 0.177 (measured with this command).
 
-DNT setting S5 (SPEC §3): InputNorm, PreNorm on attention only, QKNorm, MidNorm on both branches,
-RMSNorm. DNT's claim is that this placement trains with plain momentum SGD (mSGDW) as well as with
-AdamW; `--config.optimizer.name=adamw` switches (then also set an AdamW learning rate, e.g. 1e-3).
+DNT setting S5 (Qi et al. 2025, §4.4 and Appendix C): InputNorm, PreNorm on attention only, QKNorm,
+MidNorm on both branches, RMSNorm. DNT's claim is that this placement trains with plain momentum SGD
+(mSGDW) as well as with AdamW; `--config.optimizer.name=adamw` switches (then also set an AdamW
+learning rate, e.g. 1e-3).
 """
 
 from dsjax.train.config import base_config
@@ -30,10 +31,10 @@ def get_config():
   c.model.block = 'dnt'
   c.model.dnt_setting = 'S5'
   c.model.norm = 'rmsnorm'
-  c.model.init_distribution = 'truncated_normal'  # truncated Xavier (seed 004 Tables 4–5)
+  c.model.init_distribution = 'truncated_normal'  # truncated Xavier (Qi et al. 2025, Table 4)
 
-  # DNT mSGDW ViT-L uses lr 0.5, wd 2e-4, momentum 0.9 at batch 4096 (seed 004 Table 5). At batch 128
-  # lr 0.5 and 0.1 do not train this model (NaN / stuck at 20% in 300 steps); 0.03 does.
+  # DNT mSGDW ViT-L uses lr 0.5, wd 2e-4, momentum 0.9 at batch 4096 (Qi et al. 2025, Tables 3–4).
+  # At batch 128 lr 0.5 and 0.1 do not train this model (NaN / stuck at 20% in 300 steps); 0.03 does.
   c.optimizer.lr = 0.03
   c.optimizer.weight_decay = 2e-4
   c.optimizer.warmup_steps = 0

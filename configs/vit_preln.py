@@ -9,7 +9,8 @@ Expected result: test accuracy 0.950 (285/300) at step 600, eval loss 0.192 (mea
 command; the DNT config reaches 0.957 with mSGDW).
 
 `--config.optimizer.name=msgdw --config.optimizer.lr=0.5 --config.optimizer.weight_decay=2e-4` gives the
-mSGDW comparison of seed 004, where the standard Pre-LN transformer is expected to fall behind DNT.
+mSGDW comparison of Qi et al. 2025 (Table 1), where the standard Pre-LN transformer is expected to fall
+behind DNT.
 """
 
 from dsjax.train.config import base_config
@@ -30,7 +31,8 @@ def get_config():
   c.model.block = 'preln'
   c.model.init_distribution = 'truncated_normal'
 
-  c.optimizer.lr = 1e-3               # DNT AdamW ViT: lr 1e-3, wd 0.1, betas (0.9, 0.99) (seed 004 Table 4)
+  # DNT AdamW ViT: lr 1e-3, wd 0.1, betas (0.9, 0.99) (Qi et al. 2025, Tables 3–4).
+  c.optimizer.lr = 1e-3
   c.optimizer.weight_decay = 0.1
   c.optimizer.warmup_steps = 100
   return c

@@ -6,12 +6,12 @@ r"""Per-layer moments of a model, measured on real batches and predicted by `dsj
 
 Commands and results of the DSLM-figure reproduction (192 layers): dsjax/instrument/README.md.
 
-The analogue of the DSLM paper's Figures 1–4 (seed 000): the model at initialisation (or restored from
-the latest checkpoint of a training workdir) runs forward and backward on `--batches` real training
-batches with dropout active, as at train time (the theory includes dropout), under the
-`dsjax.instrument` probe. Per layer, the statistics of the layer output (the residual stream after the
-layer, site 'ffn_residual') are averaged over the batches and compared with
-`dsjax.theory.model.propagate` for the same configuration (see `dsjax.instrument.theory_adapter`).
+The analogue of the DSLM paper's Figures 1–4 (Kedia et al. 2024): the model at initialisation (or restored
+from the latest checkpoint of a training workdir) runs forward and backward on `--batches` real training
+batches with dropout active, as at train time (the theory includes dropout), under the `dsjax.instrument`
+probe. Per layer, the statistics of the layer output (the residual stream after the layer, site
+'ffn_residual') are averaged over the batches and compared with `dsjax.theory.model.propagate` for the
+same configuration (see `dsjax.instrument.theory_adapter`).
 
 Writes
   DIR/moments.json  {"config", "settings", "summary", "input", "layers": [{"layer", "forward_var":
@@ -62,7 +62,7 @@ _CHECKPOINT = flags.DEFINE_string('checkpoint', None,
 _INPUT_MOMENTS = flags.DEFINE_enum(
     'input_moments', 'measured', ['measured', 'theory'],
     'Moments entering the first layer for the prediction: measured at the embedding output, or the '
-    'theory\'s embedding formula (Zipf-distributed tokens, SPEC §1.4).')
+    'theory\'s embedding formula (Zipf-distributed tokens, DSLM paper Appendix A.1).')
 _THEORY_FORM = flags.DEFINE_enum(
     'theory_form', 'exact', ['exact', 'paper', 'simple'],
     "Formulas of `dsjax.theory.model.propagate`: 'exact' (finite-d LayerNorm, exact softmax and "

@@ -13,7 +13,7 @@ the real loop (`dsjax.train.loop.train_and_evaluate`) in OUT/<name>/. Writes
   OUT/curves.png     train loss of both models against step (eval loss marked)
   OUT/summary.json   final train/eval losses, whether a run diverged (non-finite or rising loss)
 
-and prints the summary. Claim checked (seed 000 Table 4, SPEC §6): at this depth DSLM trains where
+and prints the summary. Claim checked (Kedia et al. 2024, Table 4): at this depth DSLM trains where
 vanilla Post-LN diverges or trains clearly worse. Runtime: 4m48s with --with_vanilla_preln on an
 idle 2-core CPU (measured; about twice that on a shared one).
 """

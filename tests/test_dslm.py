@@ -1,7 +1,8 @@
-"""DeepScaleLM scheme: every init variance and scale against SPEC §2, config checks, measured input moments.
+"""DeepScaleLM scheme: every init variance and scale against the paper, config checks, input moments.
 
-The expected values are written out here from SPEC §2 (not taken from `dsjax.schemes.dslm`), including
-an independent transcription of the SPEC's correlation recurrence for the full init.
+The expected values are written out here from Kedia et al. 2024, §3.5 and Appendix M (not taken from
+`dsjax.schemes.dslm`), including an independent transcription of the paper's correlation recurrence for
+the full init.
 """
 
 import math
@@ -36,7 +37,10 @@ def _dims(config, info):
 
 
 def _spec_recurrence(depth, p, r_embed):
-  """SPEC §2 verbatim: r_n = correlation entering layer n (λ² = 1 − 2/N, β² = 2/N, var starts at 1)."""
+  """Kedia et al. 2024, App. M: r_n = correlation entering layer n.
+
+  λ² = 1 − 2/N, β² = 2/N, var starts at 1.
+  """
   lam2, beta2 = 1 - 2 / depth, 2 / depth
   r, var, out = r_embed * (1 - p), 1.0, []
   for _ in range(depth):
@@ -50,7 +54,7 @@ def _spec_recurrence(depth, p, r_embed):
 
 
 # ------------------------------------------------------------------------------------------------
-# The plan against SPEC §2: two depths, both blocks, both inits (ReLU, hidden 4d, the SPEC's case).
+# The plan against Kedia et al. 2024 (§3.5, App. M): two depths, both blocks, both inits (ReLU, hidden 4d).
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('depth', [12, 96])
@@ -59,7 +63,7 @@ def _spec_recurrence(depth, p, r_embed):
 def test_plan_matches_spec(depth, block, init):
   d = 64
   config = _dslm_config('gpt', init=init, depth=depth, width=d, block=block, activation='relu')
-  config.model.dslm.attention_var = 'table2'   # the SPEC's (paper's) V/O formula
+  config.model.dslm.attention_var = 'table2'   # the paper's V/O formula
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
   lay = {k: np.asarray(v, np.float64) for k, v in plan.layer.items()}
 
@@ -77,7 +81,7 @@ def test_plan_matches_spec(depth, block, init):
   if init == 'simple':
     expected_vo = np.full(depth, sf2)
   else:
-    r_word = math.pi ** 2 / (6 * math.log(256) ** 2)  # Zipf over the 256 byte values, SPEC §1.4
+    r_word = math.pi ** 2 / (6 * math.log(256) ** 2)  # Zipf over the 256 byte values, paper App. A.1
     expected_vo = (1 / d) * np.sqrt((1 - P) / _spec_recurrence(depth, P, r_word / 2))
   np.testing.assert_allclose(lay['v'] ** 2, expected_vo, rtol=1e-4)
   np.testing.assert_allclose(lay['o'] ** 2, expected_vo, rtol=1e-4)

@@ -74,7 +74,7 @@ def test_grad_stats_match_numpy():
 
 
 def test_layernorm_output_has_hidden_correlation_minus_one_over_d_minus_one():
-  """SPEC §1.1: after LayerNorm r^d = −1/(d−1) exactly (per-token mean is removed)."""
+  """Kedia et al. 2024, Table 19: after LayerNorm r^d = −1/(d−1) exactly (per-token mean is removed)."""
   x = jax.random.normal(jax.random.key(3), (4, 8, 16))
   y = (x - x.mean(-1, keepdims=True)) / x.std(-1, keepdims=True)
   np.testing.assert_allclose(stats_lib.forward_stats(y)['corr_hidden'], -1 / 15, rtol=1e-4)

@@ -43,7 +43,7 @@ def test_gpt_is_causal():
 
 
 def test_dnt_settings_table():
-  """SPEC §3 table: (input, pre_attn, pre_ffn, qk, mid_attn, mid_ffn)."""
+  """DNT S1–S5 (Qi et al. 2025, §4.4, Fig. 7): (input, pre_attn, pre_ffn, qk, mid_attn, mid_ffn)."""
   expected = {'S1': (0, 1, 1, 0, 0, 0), 'S2': (0, 1, 1, 1, 0, 0), 'S3': (1, 1, 1, 1, 0, 0),
               'S4': (1, 1, 1, 1, 1, 1), 'S5': (1, 1, 0, 1, 1, 1)}
   for setting, flags in expected.items():

@@ -1,4 +1,4 @@
-"""Known values, identities and argument checks of dsjax.theory.components (SPEC §1.1–§1.4)."""
+"""Known values, identities and argument checks of dsjax.theory.components (Kedia et al. 2024, App. A–B)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Whole-model moment propagation (SPEC §1.5, §1.6, §2): vanilla Pre-LN/Post-LN shapes, DSLM flatness."""
+"""Whole-model moments (Kedia et al. 2024, Apps. E, F, M): vanilla Pre-LN/Post-LN shapes, DSLM flatness."""
 
 import math
 

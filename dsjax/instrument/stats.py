@@ -1,7 +1,7 @@
 """Per-layer moment statistics, reduced to scalars on device (pure `jnp`, safe under jit/scan/grad).
 
-Definitions follow the signal-propagation theory (SPEC §1 notation, DSLM paper Appendix A/O): every
-element of an activation tensor x_BLD is treated as a draw from one distribution with mean μ and
+Definitions follow the signal-propagation theory (notation of Kedia et al. 2024, Appendices A and O):
+every element of an activation tensor x_BLD is treated as a draw from one distribution with mean μ and
 variance σ², and correlations are Pearson correlations *about that mean*:
 
     corr_seq    (r^l)  corr(x[b, t, i], x[b, t', i])   same example, same hidden index, tokens t ≠ t'
@@ -150,7 +150,7 @@ def abs_quantiles(g: jax.Array, probs: tuple[float, ...]) -> jax.Array:
 
 
 def distribution_stats(g: jax.Array) -> dict[str, jax.Array]:
-  """Heavy-tail summary of one weight type's gradient entries (DNT, seed 004 Fig. 1).
+  """Heavy-tail summary of one weight type's gradient entries (DNT, Qi et al. 2025, Fig. 1).
 
   Quantiles of |g| (`abs_quantiles`), the kurtosis E[(g−μ)⁴]/σ⁴ (3 for a Gaussian, not the excess)
   and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian).

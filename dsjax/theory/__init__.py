@@ -1,4 +1,4 @@
-"""Signal-propagation theory of transformers (DSLM, Kedia et al. 2024, Appendices A–G; SPEC.md §1–§2).
+"""Signal-propagation theory of transformers (DSLM, Kedia et al. 2024, §3.5 and Appendices A–G, M).
 
     from dsjax.theory import Stats, GradStats, components, model
 

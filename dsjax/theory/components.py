@@ -9,7 +9,7 @@ same hidden index `corr_seq`, correlation between two hidden units of the same t
 `g` describes one element of the gradient arriving at the output (variance and token correlation; its
 mean is 0). Tensors are laid out (tokens, hidden); the statistics are expectations over inputs, weights,
 dropout masks and injected gradients, all Gaussian (weights zero-mean, biases zero, norm gains one), as in
-Appendix L.2. SPEC.md §1 restates the formulas.
+Appendix L.2.
 
 Forms. Where the paper gives a full and a simplified formula both are available (`exact=` / `form=`).
 Where the paper's "full" formula is itself an approximation that simulation shows to be visibly off, a
@@ -38,7 +38,7 @@ of the paper's Table 21 is beaten, e.g. single-head attention gradient variance 
 50/90/99th percentile against the paper's [2.2, 13.3, 44.5]%; the paper's own formula gives
 [0.6, 6.0, 46.7]% on the same simulations, so no cell is exempted.
 
-Two corrections to the paper's attention-block summary (Table 2 / Appendix B.1, SPEC §1.3), both visible
+Two corrections to the paper's attention-block summary (Table 2 / Appendix B.1), both visible
 in simulation (`python -m dsjax.theory.verify`): the output dropout of the block decorrelates the
 incoming gradient (rg → (1−p)·rg) before it reaches the value path, so the block's gradient variance is
 ≈ C1·(1−p)·rg·g2, not C1·rg·g2; and the input-gradient token correlation of the block is ≈ 1 (the value

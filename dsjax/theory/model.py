@@ -1,4 +1,4 @@
-"""Moments through a whole transformer stack (DSLM Appendices E–G, M; SPEC §1.5, §1.6, §2).
+"""Moments through a whole transformer stack (Kedia et al. 2024, §3.5 and Appendices E–G, M).
 
 `propagate` chains the component formulas of `dsjax.theory.components` through the stack a dsjax model
 config describes (`dsjax.models.transformer`): per layer an attention residual add and an FFN residual
@@ -13,7 +13,7 @@ correlation of the residual stream and the variance and token correlation of the
 after every residual add. Skip and branch are uncorrelated at initialisation (the branch ends in a
 zero-mean projection), so variances and covariances add (Appendix E).
 
-The other helpers are the DSLM recipe (SPEC §2): residual scales, the correlation of the stream entering
+The other helpers are the DSLM recipe (§3.5): residual scales, the correlation of the stream entering
 each layer (the recurrence of Appendix M), the FFN weight variance giving a unit-variance FFN output
 (for GeLU from Appendix A.5, not the ReLU constant), and the rank-collapse fixed point of Appendix F.
 """
@@ -135,7 +135,7 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
       'ffn2'} -> scalar or (depth,) array; None: Xavier (`xavier_weight_vars`).
     final_norm: LayerNorm after the stack; None: True for Pre-LN, False for Post-LN.
     input: statistics of the embedding output (before the embedding dropout), e.g.
-      `components.embedding(...)`, or measured (ViT: corr ≈ 0.46, SPEC §1.4).
+      `components.embedding(...)`, or measured (ViT: corr ≈ 0.46, Appendix H).
     output_grad: statistics of the gradient arriving at the top (the final norm's output if any).
     form: 'exact' (default), 'paper' (Appendix A.8 attention, the paper's LayerNorm) or 'simple'
       (Tables 1–2: attention var r·s2, ReLU polynomial fit).
@@ -256,7 +256,7 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
 
 
 # ----------------------------------------------------------------------------------------------------
-# DeepScaleLM (SPEC §2, Appendix M).
+# DeepScaleLM (paper §3.5, Appendix M).
 
 
 def dslm_beta2(depth: int, k: float = 2.0, alpha: float = 1.0) -> float:
@@ -291,7 +291,7 @@ def _pre_activation_var(activation: str, p: float, mlp_ratio: float, input_var: 
 
 def ffn_unit_weight_var(d: int, hidden: int, p: float, activation: str = 'relu',
                         input_var: float = 1.0) -> float:
-  """Variance of both FFN matrices that makes the FFN block output variance 1 (SPEC §2).
+  """Variance of both FFN matrices that makes the FFN block output variance 1 (§3.5, Appendix M).
 
   The block is Linear(d→hidden) → act → Linear(hidden→d) → Dropout(p) applied to an input of variance
   `input_var` (1 after a LayerNorm). ReLU: (1/sqrt(d·hidden))·sqrt(2(1−p)/input_var), i.e.
@@ -315,7 +315,7 @@ def _ffn_output_corr(r: float, s1: float, p: float, activation: str, exact: bool
 def dslm_layer_correlations(depth: int, dropout: float, input_corr: float, *, k: float = 2.0,
                             alpha: float = 1.0, activation: str = 'relu', mlp_ratio: int = 4,
                             exact: bool = True, embedding_dropout: bool = True) -> np.ndarray:
-  """r_n: token correlation of the stream entering layer n (n = 0..depth−1) in a DSLM model (SPEC §2).
+  """r_n: token correlation of the stream entering layer n (n = 0..depth−1) in a DSLM model (Appendix M).
 
   Every block output has variance 1 and the stream keeps variance 1 (λ² + β² = 1). The attention block
   outputs correlation (1−p) (tokens averaged, then dropout); the FFN block outputs
@@ -356,7 +356,7 @@ def dslm_weight_vars(depth: int, width: int, dropout: float, input_corr: float, 
                      attention_var: str = 'table2', num_heads: int | None = None,
                      seq_len: int | None = None, causal: bool = False,
                      attn_dropout: float | None = None) -> dict[str, np.ndarray]:
-  """DSLM weight variances per layer (SPEC §2): q = k = 1/d; ffn1 = ffn2 = `ffn_unit_weight_var`;
+  """DSLM weight variances per layer (§3.5, App. M): q = k = 1/d; ffn1 = ffn2 = `ffn_unit_weight_var`;
   v = o per layer for a unit attention-block output (full init) or the FFN variance (simple init).
 
   Full init, `attention_var`:

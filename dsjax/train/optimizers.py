@@ -77,7 +77,7 @@ def _get(opt_config: ml_collections.ConfigDict, key: str) -> Any:
 
 
 # --------------------------------------------------------------------------
-# Default configurations (DNT paper, seed 004, Tables 3-5; SPEC.md §3).
+# Default configurations (DNT paper, Qi et al. 2025, Tables 3-5).
 # --------------------------------------------------------------------------
 
 def default_optimizer_config(
@@ -111,26 +111,26 @@ def default_optimizer_config(
                                   # timm 'sgdw' factory would turn it on).
   config.b1 = 0.9                 # DNT Tables 3-5: AdamW beta1 = 0.9.
   if family == 'gpt':
-    config.b2 = 0.95              # DNT Table 4 (GPT-2): AdamW beta2 = 0.95.
-    config.clip_norm = 1.0        # DNT Table 4 (GPT-2): gradient clipping 1.0.
+    config.b2 = 0.95              # DNT Table 5 (GPT-2): AdamW beta2 = 0.95.
+    config.clip_norm = 1.0        # DNT Table 5 (GPT-2): gradient clipping 1.0.
     if name == 'adamw':
-      config.lr = 6e-4            # DNT Table 4: AdamW lr 6e-4.
-      config.weight_decay = 0.1   # DNT Table 4: AdamW weight decay 0.1.
-      config.warmup_steps = 2000  # DNT Table 4: AdamW warmup 2000 iterations.
+      config.lr = 6e-4            # DNT Table 5: AdamW lr 6e-4.
+      config.weight_decay = 0.1   # DNT Table 5: AdamW weight decay 0.1.
+      config.warmup_steps = 2000  # DNT Table 5: AdamW warmup 2000 iterations.
     else:
-      config.lr = 1.0             # DNT Table 4: mSGDW lr 1.0.
-      config.weight_decay = 1e-4  # DNT Table 4: mSGDW weight decay 1e-4.
-      config.warmup_steps = 0     # DNT Table 4 says 0 for mSGDW (the text
-                                  # contradicts it; SPEC §3 keeps the table).
+      config.lr = 1.0             # DNT Table 5: mSGDW lr 1.0.
+      config.weight_decay = 1e-4  # DNT Table 5: mSGDW weight decay 1e-4.
+      config.warmup_steps = 0     # DNT Table 5 says 0 for mSGDW (App. B's
+                                  # text says 2000 for all; we keep the table).
   else:
-    config.b2 = 0.99              # DNT Table 3 (ViT): AdamW beta2 = 0.99.
+    config.b2 = 0.99              # DNT Table 4 (ViT): AdamW beta2 = 0.99.
     config.clip_norm = None       # DNT ViT runs: no gradient clipping.
-    # DNT Table 3 warms up for 60 of 150 epochs; how many steps that is depends
+    # DNT Table 4 warms up for 60 of 150 epochs; how many steps that is depends
     # on the dataset and batch size, so the caller sets warmup_steps from it.
     config.warmup_steps = 0
     if name == 'adamw':
-      config.lr = 1e-3            # DNT Table 3: AdamW lr 1e-3.
-      config.weight_decay = 0.1   # DNT Table 3: AdamW weight decay 0.1.
+      config.lr = 1e-3            # DNT Tables 3-4: AdamW lr 1e-3.
+      config.weight_decay = 0.1   # DNT Tables 3-4: AdamW weight decay 0.1.
     else:
       config.lr = 0.5             # DNT Table 3 (V-DNT-Large): mSGDW lr 0.5
       config.weight_decay = 2e-4  # and weight decay 2e-4 (Huge: 0.1 / 1e-3).
@@ -338,7 +338,7 @@ def weight_decay_mask(
   embeddings (`pos_embedding`, also when it is an nnx.Embed whose table is
   called `embedding`) and `cls_token`. See `is_decayed_path` for the rule.
 
-  Why names rather than `ndim >= 2` (SPEC §4's wording): the models stack the
+  Why names rather than the usual `ndim >= 2` rule: the models stack the
   per-layer parameters along a leading layer axis for `jax.lax.scan`, so a norm
   gain has shape (depth, d) and a per-layer scalar shape (depth,); the number
   of dimensions no longer tells a matrix from a gain.
