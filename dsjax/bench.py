@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
+from dsjax import schemes
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
@@ -37,7 +38,8 @@ def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
   batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                       seed=config.seed, process_index=0, process_count=1))
   batch = jax.device_put(batch)
-  setup = state_lib.make_setup(config, data_info)  # (a method's preparation step is not run here)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  setup = state_lib.make_setup(config, data_info, prepared)
   graphdef, tx, schedule = setup.graphdef, setup.tx, setup.schedule
   state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
