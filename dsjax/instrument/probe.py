@@ -122,14 +122,21 @@ def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
 _stats_tap.defvjp(_stats_tap_fwd, _stats_tap_bwd)
 
 
-def _layer_stack(tree: Any) -> Any:
-  for name in LAYER_STACK_PATH:
-    tree = tree[name]
-  return tree
+def _layer_trees(tree: Any) -> tuple[Any, bool]:
+  """The block parameters (or their gradients) of a model's trunk, and whether they are stacked: the
+  scanned stack at LAYER_STACK_PATH, or one subtree per layer at ('trunk', 'layers', n) when the layers
+  differ in width (a concatenation residual)."""
+  if 'stack' in tree['trunk']:
+    for name in LAYER_STACK_PATH:
+      tree = tree[name]
+    return tree, True
+  layers = tree['trunk']['layers']
+  return [layers[k] for k in sorted(layers, key=int)], False
 
 
 def stack_depth(params: Any) -> int:
-  return jax.tree.leaves(_layer_stack(params))[0].shape[0]
+  layers, stacked = _layer_trees(params)
+  return jax.tree.leaves(layers)[0].shape[0] if stacked else len(layers)
 
 
 def _sink_probe(sink: jax.Array) -> Probe:
@@ -203,7 +210,7 @@ def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, w
         lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
     moments = {}
   if weights:
-    moments['weights'] = stats_lib.weight_grad_stats(_layer_stack(grads))
+    moments['weights'] = stats_lib.weight_grad_stats(*_layer_trees(grads))
   return loss, grads, moments
 
 

@@ -165,16 +165,22 @@ def distribution_stats(g: jax.Array) -> dict[str, jax.Array]:
   return out
 
 
-def weight_grad_stats(layer_grads: Any) -> dict[str, dict[str, jax.Array]]:
-  """Gradient statistics of the stacked block parameters, per weight type.
+def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[str, jax.Array]]:
+  """Gradient statistics of the block parameters, per weight type.
 
-  `layer_grads` is the gradient of the layer stack (leaves of shape (depth, ...)). Returns
-  {weight_type: {'grad_norm': (depth,) per-layer norms, **distribution_stats (scalars)}}.
+  `layer_grads` is the gradient of the layer stack (leaves of shape (depth, ...)), or with
+  `stacked=False` a sequence of per-layer gradient trees (layers of different widths, e.g. a
+  concatenation residual). Returns {weight_type: {'grad_norm': (depth,) per-layer norms,
+  **distribution_stats (scalars)}}.
   """
+  per_layer = [layer_grads] if stacked else [jax.tree.map(lambda x: x[None], t) for t in layer_grads]
+  groups = [group_layer_grads(tree) for tree in per_layer]
   out = {}
-  for kind, leaves in group_layer_grads(layer_grads).items():
-    sq_norm_N = sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1)
-                    for leaf in leaves)
+  for kind in groups[0]:
+    leaves = [leaf for g in groups for leaf in g[kind]]
+    sq_norm_N = jnp.concatenate([
+        sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1) for leaf in g[kind])
+        for g in groups])
     flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
     out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(flat)}
   return out

@@ -1,4 +1,8 @@
-"""Decoder-only language model: token + learned position embedding, causal trunk, LM head."""
+"""Decoder-only language model: token + learned position embedding, causal trunk, LM head.
+
+The trunk is the additive stack, or the concatenation stream of `dsjax.models.concat` when the plan asks
+for one (then the embeddings have the stream's first width and the head reads its last).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,31 @@ import jax
 from flax import nnx
 
 from dsjax.models import layers
-from dsjax.models.transformer import Probe, TransformerConfig, Trunk, no_probe
+from dsjax.models.concat import embedding_and_head_widths, make_trunk
 from dsjax.models.plan import InitPlan
+from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
 
 class GPT(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, plan: InitPlan, *, vocab_size: int, max_len: int,
                tie_embeddings: bool, rngs: nnx.Rngs):
-    d, lr = cfg.width, plan.lr_scale
+    d, head_width = embedding_and_head_widths(cfg, plan)
+    lr = plan.lr_scale
+    if tie_embeddings and head_width != d:
+      raise ValueError(f'model.tie_embeddings needs the head to read the embedding width ({d}), but the '
+                       f'residual stream ends at width {head_width}')
     self.token_embed = layers.param(layers.init_weight(rngs.params(), (vocab_size, d), plan.input_std,
                                                        plan.distribution), ('vocab', 'embed'),
                                     lr.get('input', 1.0))
     self.pos_embedding = layers.param(layers.init_weight(rngs.params(), (max_len, d), plan.pos_std,
                                                          plan.distribution), (None, 'embed'),
                                       lr.get('pos', 1.0))
-    self.trunk = Trunk(cfg, plan.layer, output_scale=plan.output_scale, rngs=rngs)
+    self.trunk = make_trunk(cfg, plan, rngs=rngs)
     self.head = None if tie_embeddings else layers.Dense(
-        d, vocab_size, std=0.0 if plan.zero_head else plan.head_std, distribution=plan.distribution,
-        use_bias=False, axes=('embed', 'vocab'), lr_scale=lr.get('head', 1.0), rngs=rngs)
+        head_width, vocab_size, std=0.0 if plan.zero_head else plan.head_std,
+        distribution=plan.distribution, use_bias=False, axes=('embed', 'vocab'),
+        lr_scale=lr.get('head', 1.0), rngs=rngs)
 
   def embed(self, tokens_BL: jax.Array) -> jax.Array:
     return self.token_embed[...][tokens_BL] + self.pos_embedding[...][:tokens_BL.shape[1]]

@@ -71,12 +71,16 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 class Dense(nnx.Module):
-  """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`."""
+  """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`.
+
+  `lr_scale` multiplies the kernel's learning rate only: a bias is a vector-like parameter, whose Adam
+  learning rate μP leaves unscaled (Yang et al. 2021, Tensor Programs V, Table 3: "all biases").
+  """
 
   def __init__(self, d_in: int, d_out: int, *, std: Any, distribution: str, use_bias: bool,
                axes: tuple[str | None, str | None], rngs: nnx.Rngs, lr_scale: float = 1.0):
     self.kernel = param(init_weight(rngs.params(), (d_in, d_out), std, distribution), axes, lr_scale)
-    self.bias = param(jnp.zeros((d_out,)), axes[1:], lr_scale) if use_bias else None
+    self.bias = param(jnp.zeros((d_out,)), axes[1:]) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = x @ self.kernel[...]

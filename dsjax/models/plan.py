@@ -116,7 +116,9 @@ class ConcatPlan:
   `growth` new features appended to it; module order is attention, FFN, attention, FFN, ...
 
   `stream_widths` has 2·depth + 1 entries (the last is the width the head sees); `attn_width` is the
-  width of q/k/v inside every attention module and `ffn_hidden` the FFN hidden width."""
+  width of q/k/v inside every attention module and `ffn_hidden` the FFN hidden width. Built by
+  `dsjax.models.concat.ConcatTrunk`, which reads the plan's per-layer weight stds (for these shapes) but
+  not its residual scales (there is no addition)."""
   growth: int
   attn_width: int
   ffn_hidden: int

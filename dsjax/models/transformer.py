@@ -17,7 +17,8 @@ or width-d vectors; one per add or one per layer — so a checkpoint carries the
 The layers are created with `nnx.vmap` (parameters stacked on a leading `depth` axis) and run with
 `jax.lax.scan`, so trace and compile time do not grow with depth (`scan_layers=False` runs the same
 stacked layers in a Python loop); `remat` names a `jax.checkpoint_policies` policy to trade compute for
-memory in deep stacks.
+memory in deep stacks. A concatenation residual (`InitPlan.concat`) replaces the stack by
+`dsjax.models.concat.ConcatTrunk`, whose modules have distinct widths and are not scanned.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class Block(nnx.Module):
     return probe('ffn_residual', layers.apply_norm(self.post_ffn_norm, x_BLD), layer)
 
 
-def _remat(fn: Callable, policy: str) -> Callable:
+def apply_remat(fn: Callable, policy: str) -> Callable:
+  """`fn` under `jax.checkpoint` with the named policy ('none': `fn` itself)."""
   if policy == 'none':
     return fn
   if policy == 'full':
@@ -163,7 +165,7 @@ class LayerStack(nnx.Module):
       layer_state, key, index = layer_xs
       return nnx.merge(graphdef, layer_state)(x_BLD, key, layer=index, probe=probe), None
 
-    layer_fn = _remat(apply_layer, self.remat)
+    layer_fn = apply_remat(apply_layer, self.remat)
     if not self.scan_layers:
       for n in range(self.depth):
         layer_xs = jax.tree.map(lambda a: a[n], (stacked_state, layer_keys, jnp.arange(self.depth)))

@@ -1,4 +1,8 @@
-"""Vision transformer: patch embedding, position embedding, transformer trunk, pooling, classifier."""
+"""Vision transformer: patch embedding, position embedding, transformer trunk, pooling, classifier.
+
+The trunk is the additive stack, or the concatenation stream of `dsjax.models.concat` when the plan asks
+for one (then the embeddings have the stream's first width and the classifier reads its last).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ import numpy as np
 from flax import nnx
 
 from dsjax.models import layers
-from dsjax.models.transformer import Probe, TransformerConfig, Trunk, no_probe
+from dsjax.models.concat import embedding_and_head_widths, make_trunk
 from dsjax.models.plan import InitPlan
+from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
 POS_EMBEDDINGS = ('sincos2d', 'learned')
 POOLINGS = ('gap', 'cls')
@@ -40,7 +45,8 @@ class ViT(nnx.Module):
     h, w, c = image_shape
     self.patch_size, self.pooling = patch_size, pooling
     grid_h, grid_w = h // patch_size, w // patch_size
-    d, lr = cfg.width, plan.lr_scale
+    d, head_width = embedding_and_head_widths(cfg, plan)
+    lr = plan.lr_scale
     self.patch_embed = layers.Dense(patch_size * patch_size * c, d, std=plan.input_std,
                                     distribution=plan.distribution, use_bias=True, axes=('patch', 'embed'),
                                     lr_scale=lr.get('input', 1.0), rngs=rngs)
@@ -51,8 +57,8 @@ class ViT(nnx.Module):
     else:  # Fixed, so not a Param: no gradient, no weight decay.
       self.pos_embedding = layers.constant(jnp.asarray(sincos_2d(grid_h, grid_w, d)), (None, 'embed'))
     self.cls_token = layers.param(jnp.zeros((1, 1, d)), (None, None, 'embed')) if pooling == 'cls' else None
-    self.trunk = Trunk(cfg, plan.layer, output_scale=plan.output_scale, rngs=rngs)
-    self.head = layers.Dense(d, num_classes, std=0.0 if plan.zero_head else plan.head_std,
+    self.trunk = make_trunk(cfg, plan, rngs=rngs)
+    self.head = layers.Dense(head_width, num_classes, std=0.0 if plan.zero_head else plan.head_std,
                              distribution=plan.distribution, use_bias=True, axes=('embed', 'vocab'),
                              lr_scale=lr.get('head', 1.0), rngs=rngs)
 
