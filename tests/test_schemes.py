@@ -48,9 +48,10 @@ def _moment_records(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.parametrize('model_name', ['gpt', 'vit'])
 @pytest.mark.parametrize('name', NAMES)
-def test_every_method_trains_vit_three_instrumented_steps(name, tmp_path):
-  config = _config(name, 'vit')
+def test_every_method_trains_three_instrumented_steps(name, model_name, tmp_path):
+  config = _config(name, model_name)
   config.instrument.every = 2  # Steps 1 and 2 instrumented, step 3 plain: both steps compiled.
   final = loop.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(final['eval/loss'])
@@ -59,23 +60,32 @@ def test_every_method_trains_vit_three_instrumented_steps(name, tmp_path):
   assert all(np.isfinite(r['value']) for r in records if r['stat'] in ('var', 'grad_var'))
 
 
-@pytest.mark.parametrize('name', NAMES)
-def test_every_method_trains_gpt_resumes_and_is_measured(name, tmp_path):
-  """3 instrumented GPT steps in two runs (the second resumes from the checkpoint of step 2), then the
-  moments CLI's measurement of the checkpoint against the theory (or its word that it cannot predict)."""
+@pytest.mark.slow  # ~30 s a method; the default run resumes and measures vanilla, DSLM, ADMIN and Catformer
+@pytest.mark.parametrize('name', NAMES)  # in tests/test_train.py, test_instrument.py and the method tests.
+def test_every_method_resumes_and_is_measured(name, tmp_path):
+  """Two GPT runs (the second resumes from the checkpoint of step 2), then the moments CLI's measurement
+  of the checkpoint against the theory (or its word that it cannot predict this method)."""
   workdir, out = str(tmp_path / 'run'), str(tmp_path / 'moments')
   config = _config(name, 'gpt', total_steps=2)
-  config.instrument.every = 2
   config.eval_every = config.checkpoint_every = 2
   loop.train_and_evaluate(config, workdir)
   config.total_steps = 3
-  final = loop.train_and_evaluate(config, workdir)  # Resumes from step 2; step 3 is not instrumented.
+  final = loop.train_and_evaluate(config, workdir)  # Resumes from step 2.
   assert np.isfinite(final['eval/loss'])
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     assert [json.loads(line)['step'] for line in f][-1] == 3
-  assert {r['step'] for r in _moment_records(workdir)} == {1, 2}
   result = moments.run(config, out, num_batches=1, checkpoint=workdir)
   assert len(result['layers']) == config.model.depth
   assert os.path.exists(os.path.join(out, 'moments.png'))
   # Either the theory predicts this method (an error summary) or the output says why not.
   assert result['summary'] or result['settings']['theory'].startswith('not covered')
+
+
+@pytest.mark.parametrize('name', ['vanilla', 'catformer'])
+def test_moments_cli_measures_a_method_the_theory_does_not_cover(name, tmp_path):
+  config = _config(name, 'gpt')
+  result = moments.run(config, str(tmp_path), num_batches=1)
+  assert len(result['layers']) == config.model.depth
+  assert bool(result['summary']) == (name == 'vanilla')
+  if name != 'vanilla':
+    assert result['settings']['theory'].startswith('not covered')

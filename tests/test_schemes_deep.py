@@ -423,6 +423,7 @@ def _train(config, workdir):
   return loop.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1])
 
 
+@pytest.mark.slow  # The default run trains every method in tests/test_schemes.py.
 @pytest.mark.parametrize('name', ['gpt', 'vit'])
 @pytest.mark.parametrize('scheme', ['deepnorm', 'noci', 'value_skipinit'])
 def test_three_training_steps(tmp_path, scheme, name):
@@ -452,6 +453,7 @@ def test_admin_training_profiles_saves_and_resumes_from_the_saved_profile(tmp_pa
   assert 5 in steps
 
 
+@pytest.mark.slow  # The default run trains every method in tests/test_schemes.py.
 def test_admin_training_on_vit(tmp_path):
   final = _train(_smoke_config('admin', 'vit'), tmp_path)
   assert np.isfinite(final['eval/loss'])

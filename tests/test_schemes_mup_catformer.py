@@ -172,6 +172,7 @@ def test_mup_lr_scaling_reaches_the_optimizer():
     np.testing.assert_array_equal(mup_leaf, plain_leaf, err_msg='/'.join(path))
 
 
+@pytest.mark.slow  # The default run trains every method in tests/test_schemes.py.
 @pytest.mark.parametrize('model_name', ['gpt', 'vit'])
 def test_mup_trains_three_steps(model_name, tmp_path):
   _smoke(_mup_config(model_name, depth=2, width=32, base=16), tmp_path)
@@ -316,5 +317,6 @@ def test_catformer_gpt_trains_and_resumes_from_its_checkpoint(tmp_path):
   assert _train_steps(tmp_path) == [1, 2, 3]
 
 
+@pytest.mark.slow  # The default run trains every method in tests/test_schemes.py.
 def test_catformer_vit_trains_three_steps(tmp_path):
   _smoke(_cat_config('vit', depth=2, width=32, pos_embedding='sincos2d', pooling='cls'), tmp_path)

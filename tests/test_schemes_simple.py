@@ -375,6 +375,7 @@ def _train_3_steps(config, name):
   return initial, state, losses
 
 
+@pytest.mark.slow  # The default run trains every method in tests/test_schemes.py.
 @pytest.mark.parametrize('name', ['gpt', 'vit'])
 @pytest.mark.parametrize('scheme', METHODS)
 def test_three_training_steps(scheme, name):
