@@ -47,9 +47,10 @@ sensitivity 1 + 1 = 2 (the parameters of different functions of a composition ad
 the branches' own-parameter sensitivities measured on the same draws (branch output F before its β,
 perturbing only that branch). Idealised S_layer = 4; measured 4.1–4.4: V, O and FFN2 give exactly 1
 each, Q and K add what the softmax makes of a logit change (attention 2.0–2.3), FFN1 gives
-E[φ'(h)²]E[h²]/E[φ(h)²] (1 for ReLU, slightly above for GeLU: FFN 2.05–2.1). ŝ_n is then the average
-over a layer's two adds of N·ρ, ρ = β²V[F]/V[λx + βF], which for the idealised layer is the DSLM
-paper's N·β²/σ²_skip.
+E[φ'(h)²]E[h²]/E[φ(h)²] (1 for ReLU, slightly above for GeLU: FFN 2.05–2.1). Without amplification
+along the stream, ŝ_n is then the average over a layer's two adds of N·ρ, ρ = β²V[F]/V[λx + βF]
+(exactly so for equal branch sensitivities), which for the idealised layer is the DSLM paper's
+N·β²/σ²_skip.
 
 Predictions, normalised the same way:
   * composition (the exact expectation from the rules): the chain rule along the stream (Catformer

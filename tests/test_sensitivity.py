@@ -205,7 +205,7 @@ def _agrees_with_composition(summary, stat):
 @pytest.mark.slow
 @pytest.mark.parametrize('case', list(CASES))
 def test_measured_against_composition_and_closed_forms(case, tmp_path):
-  """The table of the module docstring: ~1 min (Pre-LN, DSLM) to ~4 min (Post-LN, weighted) per case."""
+  """The table of the module docstring (5–9 min per case on a busy 2-core CPU, 27 min for all four)."""
   summaries, ideal = {}, {}
   for depth, draws in SLOW_DRAWS[case].items():
     result = sensitivity.run(_cli_config(depth, **CASES[case]), str(tmp_path / str(depth)), draws)
