@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
+from dsjax import data as data_lib
 from dsjax import moments, schemes
 from dsjax.train import config as config_lib
 from dsjax.train import loop
+from dsjax.train import state as state_lib
+from dsjax.train import step as step_lib
 from tests.helpers import tiny_config
 
 NAMES = sorted(schemes.SCHEMES)
@@ -50,18 +54,38 @@ def _moment_records(workdir):
 
 @pytest.mark.parametrize('model_name', ['gpt', 'vit'])
 @pytest.mark.parametrize('name', NAMES)
-def test_every_method_trains_three_instrumented_steps(name, model_name, tmp_path):
+def test_every_method_trains_three_steps(name, model_name):
+  """The trainer's own pieces (config checks, the method's preparation step on real batches, the train
+  state, the jitted step) for 3 steps, instrumented on GPT (its compilation dominates, so ViT runs the
+  plain step); the full loop with evaluation, checkpoints and resume runs for every method in the slow
+  test below."""
+  instrument = model_name == 'gpt'
   config = _config(name, model_name)
-  config.instrument.every = 2  # Steps 1 and 2 instrumented, step 3 plain: both steps compiled.
-  final = loop.train_and_evaluate(config, str(tmp_path))
-  assert np.isfinite(final['eval/loss'])
-  records = _moment_records(tmp_path)
-  assert {r['step'] for r in records} == {1, 2}
-  assert all(np.isfinite(r['value']) for r in records if r['stat'] in ('var', 'grad_var'))
+  config_lib.validate_config(config, num_devices=1)
+  info = data_lib.dataset_info(config.data)
+  config_lib.validate_against_data(config, info)
+  prepared = schemes.preparation_for_run(config, info, lambda: step_lib.first_model_inputs(config))
+  setup = state_lib.make_setup(config, info, prepared)
+  train_step = jax.jit(step_lib.make_train_step(
+      setup.graphdef, setup.tx, step_lib.LOSSES[model_name], config.seed, setup.schedule,
+      use_dropout=False, instrument=instrument))
+  state = jax.jit(setup.create_state)()
+  batches = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
+                                   process_index=0, process_count=1, train=True)
+  losses = []
+  for _, batch in zip(range(3), batches):
+    state, metrics = train_step(state, jax.device_put(batch))
+    losses.append(float(metrics['train/loss']))
+    if instrument:
+      table = np.asarray(metrics['moments']['activations'])  # (depth + 1, sites, statistics)
+      assert table.shape[0] == config.model.depth + 1 and np.isfinite(table).all()
+  assert np.isfinite(losses).all() and int(state['step']) == 3
 
 
-@pytest.mark.slow  # ~30 s a method; the default run resumes and measures vanilla, DSLM, ADMIN and Catformer
-@pytest.mark.parametrize('name', NAMES)  # in tests/test_train.py, test_instrument.py and the method tests.
+# ~40 s a method. The default run covers the loop (evaluation, checkpoints, resume, moments files) for
+# vanilla, DSLM, ADMIN and Catformer in tests/test_train.py, test_instrument.py and the method tests.
+@pytest.mark.slow
+@pytest.mark.parametrize('name', NAMES)
 def test_every_method_resumes_and_is_measured(name, tmp_path):
   """Two GPT runs (the second resumes from the checkpoint of step 2), then the moments CLI's measurement
   of the checkpoint against the theory (or its word that it cannot predict this method)."""
