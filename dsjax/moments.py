@@ -52,6 +52,7 @@ from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+import matplotlib.ticker  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
@@ -185,10 +186,14 @@ def plot(rows, path: str, title: str):
     ax.set_xlabel('layer')
     ax.set_title(label)
     both = np.concatenate([measured, predicted])
+    both = both[np.isfinite(both)]
+    if not both.size:
+      continue
     if log and both.min() > 0 and both.max() / both.min() > 3:  # Log scale for wide ranges.
       ax.set_yscale('log')
     else:
-      ax.ticklabel_format(axis='y', useOffset=False)
+      # Short tick labels (no offset, 4 significant digits): long ones can break the layout engine.
+      ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter('%.4g'))
       centre, spread = np.median(both), both.max() - both.min()
       if centre > 0 and spread < 0.1 * centre:  # A flat quantity: show ±10%, not float noise.
         ax.set_ylim(0.9 * centre, 1.1 * centre)
