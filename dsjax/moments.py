@@ -191,6 +191,9 @@ def plot(rows, path: str, title: str):
       continue
     if log and both.min() > 0 and both.max() / both.min() > 3:  # Log scale for wide ranges.
       ax.set_yscale('log')
+      # Plain '1e-06' tick labels: the default mathtext ones have hit pyparsing's recursion limit.
+      ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
+      ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     else:
       # Short tick labels (no offset, 4 significant digits): long ones can break the layout engine.
       ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter('%.4g'))
