@@ -172,8 +172,8 @@ def plot(rows, path: str, title: str):
   panels = [('forward_var', 'forward variance (layer output)', True),
             ('grad_var', 'gradient variance (layer output)', True),
             ('attn_branch_var', 'attention branch output variance', True),
-            ('corr_seq', 'token correlation $r^l$ (forward)', False),
-            ('grad_corr_seq', 'token correlation $r^l_g$ (gradient)', False),
+            ('corr_seq', 'token correlation rˡ (forward)', False),
+            ('grad_corr_seq', 'token correlation rˡ of the gradient', False),
             ('ffn_branch_var', 'FFN branch output variance', True)]
   fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
   for ax, (name, label, log) in zip(axes.flat, panels):

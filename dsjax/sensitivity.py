@@ -142,6 +142,7 @@ from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+import matplotlib.ticker  # noqa: E402
 
 
 
@@ -520,6 +521,9 @@ def plot(rows, path: str, title: str):
   both = both[np.isfinite(both) & (both > 0)]
   if both.size and both.max() / both.min() > 10:
     ax.set_yscale('log')
+    # Plain '1e-06' tick labels: the default mathtext ones have hit pyparsing's recursion limit.
+    ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   ax.set_xlabel('layer n')
   ax.set_ylabel('ŝ_n = N·S[f; θ_n] / S_layer' if normalised else 's_n = N·S[f; θ_n]')
   ax.set_title('per-layer sensitivity')
