@@ -59,7 +59,7 @@ from flax import nnx
 
 from dsjax import data as data_lib
 from dsjax import schemes
-from dsjax.models import model_inputs
+from dsjax.models import model_inputs, nonstandard_residual
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train.config import base_config
 
@@ -163,25 +163,9 @@ def _scale_norm(norm: dict[str, np.ndarray], s: float):
     norm[key] = (norm[key].astype(np.float64) * s).astype(norm[key].dtype)
 
 
-def unfoldable(model) -> str | None:
-  """Why `model` cannot be folded into a plain model, or None: folding needs the scanned stack with one
-  scalar λ and β per add and plain softmax attention at the 1/sqrt(d_head) logit scale."""
-  stack = getattr(model.trunk, 'stack', None)
-  if stack is None:
-    return 'its residual is a concatenation'
-  attn = stack.layers.attn
-  if attn.mix_identity is not None:
-    return 'its attention matrix is α·I + β·A(X)'
-  if not np.isclose(attn.logit_scale, attn.head_dim ** -0.5):
-    return f'its attention logit scale is {attn.logit_scale:.4g}, not 1/sqrt(d_head)'
-  if any(np.ndim(v) > 1 for v in stack.layers.scales().values()):
-    return 'its residual scales are vectors'
-  return None
-
-
 def fold_model(model, config):
   """The folded plain model (an nnx.Module) and its config, from a scaled model and its config."""
-  reason = unfoldable(model)
+  reason = nonstandard_residual(model)
   if reason is not None:
     raise ValueError(f'model.scheme={config.model.scheme!r} cannot be folded into a plain model: {reason}')
   plain = plain_config(config)

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsjax.instrument.collector import NO_LAYER
 from dsjax.instrument.probe import EMBEDDING_SITE
-from dsjax.models import model_dims, transformer_config
+from dsjax.models import model_dims, nonstandard_residual, transformer_config
 from dsjax.theory import components as th
 from dsjax.theory import model as theory_model
 from dsjax.theory.components import GradStats, Stats
@@ -57,18 +57,7 @@ def coverage_gap(config, model) -> str | None:
   λ and β each, with softmax attention at the 1/sqrt(d_head) logit scale."""
   if config.model.block not in theory_model.BLOCKS:
     return f'model.block={config.model.block!r} (the theory covers {list(theory_model.BLOCKS)})'
-  stack = getattr(model.trunk, 'stack', None)
-  if stack is None or not hasattr(stack, 'layers'):
-    return 'the residual is a concatenation, not an addition'
-  layers = stack.layers
-  attn = layers.attn
-  if attn.mix_identity is not None:
-    return 'the attention matrix is α·I + β·A(X)'
-  if not np.isclose(attn.logit_scale, attn.head_dim ** -0.5):
-    return f'attention logit scale {attn.logit_scale:.4g} instead of 1/sqrt(d_head)'
-  if any(np.ndim(v) > 1 for v in layers.scales().values()):
-    return 'the residual scales are vectors'
-  return None
+  return nonstandard_residual(model)
 
 
 def describe(config, model, data_info) -> ModelDescription:

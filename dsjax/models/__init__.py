@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from dsjax.models.config import MODEL_NAMES, model_config, validate_against_data, validate_model
@@ -19,7 +20,7 @@ from dsjax.models.transformer import TransformerConfig
 from dsjax.models.vit import ViT
 
 __all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'build_model', 'model_config', 'model_dims',
-           'model_inputs', 'transformer_config', 'validate_against_data', 'validate_model']
+           'model_inputs', 'nonstandard_residual', 'transformer_config', 'validate_against_data', 'validate_model']
 
 
 def transformer_config(model_config, plan: InitPlan | None = None) -> TransformerConfig:
@@ -71,3 +72,20 @@ def build_model(config, data_info, plan: InitPlan, rngs: nnx.Rngs) -> nnx.Module
     return GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=config.data.seq_len,
                tie_embeddings=m.tie_embeddings, rngs=rngs)
   raise ValueError(f'model.name must be one of {list(MODEL_NAMES)}, got {m.name!r}')
+
+
+def nonstandard_residual(model: nnx.Module) -> str | None:
+  """What keeps `model` from being a plain residual stack — scanned layers of one width, one scalar λ
+  and β per add, softmax attention at the 1/sqrt(d_head) logit scale — or None. Both the theory's
+  prediction (`dsjax.instrument.theory_adapter`) and folding (`dsjax.export`) need a plain stack."""
+  stack = getattr(model.trunk, 'stack', None)
+  if stack is None:
+    return 'the residual is a concatenation, not an addition'
+  attn = stack.layers.attn
+  if attn.mix_identity is not None:
+    return 'the attention matrix is α·I + β·A(X)'
+  if not np.isclose(attn.logit_scale, attn.head_dim ** -0.5):
+    return f'the attention logit scale is {attn.logit_scale:.4g}, not 1/sqrt(d_head)'
+  if any(np.ndim(v) > 1 for v in stack.layers.scales().values()):
+    return 'the residual scales are vectors'
+  return None
