@@ -7,13 +7,11 @@ checkpoint in DIR. On a multi-host TPU pod / GPU cluster, run the same command o
 
 from __future__ import annotations
 
-import sys
-
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from dsjax.train import loop
+from dsjax.train import cli, loop
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
@@ -30,14 +28,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
-  try:
-    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except ValueError as e:  # Config and data errors: one line, no traceback.
-    if getattr(e, 'dsjax_user_error', True) and not logging.vlog_is_on(1):
-      print(f'dsjax: error: {e}', file=sys.stderr)
-      sys.exit(2)
-    raise
+  loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

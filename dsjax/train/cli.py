@@ -1,0 +1,120 @@
+"""What every command-line tool shares: flag parsing, and user errors reported as one line.
+
+`run(main)` replaces `absl.app.run(main)`. A mistake of the user's — a flag or config override that does
+not parse, a config file that is missing or broken, a value a check rejects (`ValueError`), a path that
+cannot be read or written (`OSError`), the device running out of memory — ends the program with one line
+on stderr, `<program>: error: <what and where>`, and exit status 2, without a traceback (pass `-v 1` to
+see it). Anything else is a bug and keeps its traceback. `--help` prints the flags and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Callable, NoReturn
+
+from absl import app, flags, logging
+
+USAGE_ERROR = 2
+HELP_FLAGS = ('--help', '-h', '-?', '--helpshort', '--helpfull')
+
+
+def program_name() -> str:
+  """`dsjax.main` for `python -m dsjax.main`, else the script's name."""
+  main = sys.modules.get('__main__')
+  spec = getattr(main, '__spec__', None)
+  return spec.name if spec is not None and spec.name else os.path.basename(sys.argv[0])
+
+
+def fail(message: str, status: int = USAGE_ERROR) -> NoReturn:
+  """Prints `<program>: error: <message>` (one line) to stderr and exits."""
+  one_line = ' '.join(part.strip() for part in str(message).splitlines() if part.strip())
+  print(f'{program_name()}: error: {one_line}', file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def _config_override_error(error: BaseException, argv: list[str]) -> str:
+  """ml_collections reports a mistyped `--config.a.b=v` as a KeyError/AttributeError naming only the
+  last key ('b', "Did you mean ..."); name the whole flag instead."""
+  text = ' '.join(str(error).replace('\\n', '\n').replace("\\'", "'").strip('\'"').split())
+  missing = re.match(r"'?([\w-]+)'?", text)
+  suggestion = re.search(r'Did you mean "([^"]+)"', text)
+  flag = next((a for a in argv if missing and re.match(rf'--\w+(\.\w+)*\.{missing.group(1)}(=|$)', a)),
+              None)
+  where = flag.split('=')[0] if flag else 'a config override'
+  hint = f' (did you mean "{suggestion.group(1)}"?)' if suggestion else ''
+  name = missing.group(1) if missing else text
+  return f'{where}: the config has no key {name!r}{hint}'
+
+
+def _config_path(argv: list[str]) -> str:
+  paths = [a.split('=', 1)[1] for a in argv if re.match(r'--\w+=.*\.py$', a)]
+  return paths[0] if paths else 'the config file'
+
+
+def _parse_error_message(error: BaseException, argv: list[str]) -> str:
+  if isinstance(error, AttributeError) and 'get_config' in str(error):
+    return f'--config: {_config_path(argv)} defines no get_config()'
+  if isinstance(error, (KeyError, AttributeError)):
+    return _config_override_error(error, argv)
+  if isinstance(error, OSError) and 'Failed loading config file' in str(error):
+    reason = str(error).strip().splitlines()[-1].strip()
+    return f'--config: cannot load {_config_path(argv)}: {reason}'
+  if isinstance(error, SyntaxError):
+    return f'--config: {error.filename}, line {error.lineno}: {error.msg}'
+  if isinstance(error, (flags.Error, ValueError, TypeError)):
+    return str(error)
+  return f'--config: get_config() of {_config_path(argv)} raised {type(error).__name__}: {error}'
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with its failures turned into one line (and `--help` exiting 0)."""
+  if any(a in HELP_FLAGS for a in argv[1:]):
+    app.usage(shorthelp='--helpfull' not in argv, writeto_stdout=True)
+    sys.exit(0)
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    # A flag that does not parse, or an error while loading a config file or applying an override.
+    if logging.vlog_is_on(1):
+      raise
+    fail(_parse_error_message(e, argv))
+
+
+def _out_of_memory(error: BaseException) -> bool:
+  return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
+
+
+def user_error_message(error: BaseException) -> str | None:
+  """The one-line message of a user error, or None for a bug (which keeps its traceback)."""
+  if isinstance(error, ValueError) and getattr(error, 'dsjax_user_error', True):
+    return str(error)
+  if isinstance(error, OSError) and 'Failed loading config file' in str(error):
+    return _parse_error_message(error, sys.argv)  # config_flags defers the failure to `.value`.
+  if isinstance(error, OSError):
+    if error.filename and error.strerror:
+      return f'{error.filename}: {error.strerror}'
+    return str(error)
+  if _out_of_memory(error):
+    first = str(error).strip().splitlines()[0]
+    return (f'out of device memory ({first[:300]}); lower batch_size or data.seq_len, set '
+            'model.remat, or use more devices (dsjax.bench prints the compiled step\'s memory)')
+  return None
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """`absl.app.run(main)` with one-line user errors (see the module docstring)."""
+
+  def guarded_main(argv):
+    try:
+      main(argv)
+    except KeyboardInterrupt:
+      fail('interrupted', status=130)
+    except Exception as e:  # pylint: disable=broad-except
+      message = user_error_message(e)
+      if message is None or logging.vlog_is_on(1):
+        raise
+      fail(message)
+
+  app.run(guarded_main, flags_parser=parse_flags)
