@@ -163,7 +163,8 @@ def _train_setup(remat, instrument=False, moments_receiver=None, **overrides):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = params.to_pure_dict(), rest.to_pure_dict()
   tx = optax.sgd(0.1)
-  state = {'params': params, 'rest': rest, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
+  state = {'params': params, 'rest': rest, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32),
+           'nonfinite_steps': jnp.zeros((), jnp.int32)}
   step_fn = step_lib.make_train_step(graphdef, tx, step_lib.lm_loss, 0, optax.constant_schedule(0.1),
                                      use_dropout=True, instrument=instrument,
                                      moments_receiver=moments_receiver)

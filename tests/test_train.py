@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsjax.train import loop
+from dsjax.train.checkpoint import Checkpointer
 from tests.helpers import tiny_config
 
 
@@ -52,11 +53,10 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
   shutil.copytree(straight / 'checkpoints' / '2', resumed / 'checkpoints' / '2')
   loop.train_and_evaluate(config, str(resumed))
 
-  from dsjax.train.checkpoint import Checkpointer
   states = []
   for d in (straight, resumed):
-    ckpt = Checkpointer(str(d), save_every=2, keep=5)
-    state, data_state = ckpt.restore(None, step=4)
+    ckpt = Checkpointer(str(d), keep=5)
+    state, data_state = ckpt.restore_step(4)
     states.append((jax.tree.leaves(state), data_state))
     ckpt.close()
   (leaves_a, data_a), (leaves_b, data_b) = states
@@ -105,7 +105,7 @@ def test_cli_rejects_bad_values_and_mistyped_keys_in_one_line(tmp_path):
   base = [sys.executable, '-m', 'dsjax.main', '--config=configs/vit_dnt.py', f'--workdir={tmp_path}/w']
   bad_value = subprocess.run(base + ['--config.model.num_heads=5'], cwd=root, capture_output=True, text=True)
   assert bad_value.returncode == 2
-  error_lines = [l for l in bad_value.stderr.splitlines() if l.startswith('dsjax: error:')]
+  error_lines = [l for l in bad_value.stderr.splitlines() if l.startswith('dsjax.main: error:')]
   assert len(error_lines) == 1 and 'model.width' in error_lines[0] and 'model.num_heads' in error_lines[0]
   typo = subprocess.run(base + ['--config.model.detph=4'], cwd=root, capture_output=True, text=True)
   assert typo.returncode != 0 and 'detph' in typo.stderr

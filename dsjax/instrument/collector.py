@@ -26,6 +26,32 @@ from dsjax.instrument.probe import ACTIVATION_STATS, EMBEDDING_SITE, LAYER_SITES
 Key = tuple[int, int, str, str]  # (step, layer, site, statistic)
 
 NO_LAYER = -1
+MOMENTS_FILE = 'moments.jsonl'
+
+
+def json_value(value: float) -> float | None:
+  """JSON has no NaN/Inf: a non-finite statistic is written as null (valid JSON for every reader)."""
+  value = float(value)
+  return value if np.isfinite(value) else None
+
+
+def first_nonfinite(moments: Moments) -> tuple[str, str, str] | None:
+  """Where a non-finite value first appears, as (layer, site, statistic): the first NaN/Inf forward
+  statistic in forward order (the embedding, then each layer's sites), else the first NaN/Inf gradient
+  statistic in backward order (the last layer's last site first); None if all are finite."""
+  site_order = {site: i for i, site in enumerate(SITES)}
+  bad = [key for key, value in moments_to_records(0, moments)
+         if not key[2].startswith('weight/') and not np.isfinite(value)]
+  forward = [k for k in bad if k[3] in stats_lib.FORWARD_STATS]
+  order = lambda k: (k[1], site_order.get(k[2], len(site_order)))
+  if forward:
+    key = min(forward, key=order)
+  elif bad:
+    key = max(bad, key=order)
+  else:
+    return None
+  _, layer, site, stat = key
+  return ('embedding' if layer == NO_LAYER else str(layer)), site, stat
 
 
 def moments_to_records(step: int, moments: Moments) -> Iterable[tuple[Key, float]]:
@@ -67,7 +93,7 @@ class Collector:
     self._jsonl = self._tensorboard = None
     if workdir is not None and enabled:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'moments.jsonl'), 'a')
+      self._jsonl = open(os.path.join(workdir, MOMENTS_FILE), 'a')
       if tensorboard:
         from tensorboardX import SummaryWriter  # Event files without TensorFlow.
         self._tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
@@ -113,10 +139,12 @@ class Collector:
     if self.keep_records:
       self.records.extend(new)
     if self._jsonl is not None and new:
-      self._jsonl.writelines(json.dumps(r) + '\n' for r in new)
+      self._jsonl.writelines(json.dumps({**r, 'value': json_value(r['value'])}) + '\n' for r in new)
       self._jsonl.flush()
     if self._tensorboard is not None and new:
       for r in new:
+        if not np.isfinite(r['value']):
+          continue
         where = 'all' if r['layer'] == NO_LAYER else f'layer_{r["layer"]:03d}'
         self._tensorboard.add_scalar(f'moments/{r["site"]}/{r["stat"]}/{where}', r['value'], r['step'])
       self._tensorboard.flush()

@@ -49,6 +49,12 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   return m
 
 
+# Model keys that a resumed run may change: they alter how a step is computed (regularisation,
+# rematerialisation), not the parameters or what they mean. Every other model key is part of the
+# architecture that a checkpoint was trained with.
+RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat')
+
+
 def one_of(key: str, value, allowed):
   if value not in allowed:
     raise ValueError(f'{key} must be one of {list(allowed)}, got {value!r}')

@@ -1,47 +1,208 @@
-"""Orbax checkpoints of the train state plus the input pipeline's position.
+"""Orbax checkpoints of a run, the workdir's lock, and the checks that make a resume safe.
 
-A checkpoint at step t holds everything a run needs to continue bit-for-bit: the train state (params,
-non-trainable model values, optimizer state, step) and the JSON state of the training input pipeline.
-Dropout keys are derived from (seed, step), so no RNG state needs saving beyond the step.
+A checkpoint at step t holds everything a run needs to continue bit-for-bit, as three Orbax items:
+
+  state  the train state (params, non-trainable model values, optimizer state, step, non-finite count)
+  data   the JSON state of the training input pipeline
+  run    JSON: the architecture it was trained with (`run_identity`) and a fingerprint of the state
+
+Dropout keys are derived from (seed, step), so no RNG state needs saving beyond the step. Orbax writes
+each step into a temporary directory and renames it when complete, so a killed save never leaves a
+half-written step behind; a step that is nevertheless unreadable (a truncated or overwritten file, a
+removed `_METADATA`) is reported in one line, moved to `WORKDIR/corrupt_checkpoints/`, and the run
+resumes from the newest intact step. A checkpoint of another architecture is an error that names the
+differing keys, before the workdir is touched.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
+import socket
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
 from dsjax import schemes
+from dsjax.models.config import RESUMABLE_KEYS
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
+CHECKPOINT_DIR = 'checkpoints'
+CORRUPT_DIR = 'corrupt_checkpoints'
+LOCK_FILE = '.dsjax.lock'
+_FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order.
+
+
+# ------------------------------------------------------------------------------------------------
+# What a checkpoint must match, and how to tell that it is intact.
+# ------------------------------------------------------------------------------------------------
+
+def run_identity(config) -> dict[str, Any]:
+  """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, the
+  dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state)."""
+  model = {k: v for k, v in config.model.to_dict().items() if k not in RESUMABLE_KEYS}
+  return json.loads(json.dumps({'model': model, 'data.name': config.data.name,
+                                'data.seq_len': config.data.get('seq_len'),
+                                'optimizer.name': config.optimizer.name}))
+
+
+def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f'{name}.'))
+    else:
+      flat[name] = value
+  return flat
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+  """'key: saved → current' for every key whose value differs (missing keys included)."""
+  saved, current = _flatten(saved), _flatten(current)
+  return [f'{k}: {saved.get(k, "(absent)")!r} → {current.get(k, "(absent)")!r}'
+          for k in sorted(set(saved) | set(current)) if saved.get(k, '(absent)') != current.get(k, '(absent)')]
+
+
+@jax.jit
+def state_fingerprint(state) -> jax.Array:
+  """Σ|x| over every array of the state, in float32: restored bits that differ from the saved ones
+  (a zero-filled or overwritten file that still decodes) change it."""
+  return sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(state))
+
+
+# ------------------------------------------------------------------------------------------------
+# The workdir's single owner.
+# ------------------------------------------------------------------------------------------------
+
+class WorkdirLock:
+  """An exclusive `flock` on WORKDIR/.dsjax.lock held for the life of a run: a second run on the same
+  workdir fails at once, naming the owner. The kernel drops the lock when the process dies, so a killed
+  run never leaves a stale lock (file systems without `flock`, e.g. some network mounts, are not
+  protected)."""
+
+  def __init__(self, workdir: str):
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+      raise ValueError(f'--workdir {workdir} is a file, not a directory')
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.file = open(self.path, 'a+')
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.file.seek(0)
+      owner = self.file.read().strip() or 'another process'
+      self.file.close()
+      raise ValueError(f'--workdir {workdir} is in use by a running dsjax run ({owner}); wait for it '
+                       'to finish or choose another --workdir') from None
+
+  def record_owner(self):
+    """Writes who holds the lock (for the message of a second run); called once every check has
+    passed, so that a run which fails its checks leaves the workdir as it was."""
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(f'pid {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}')
+    self.file.flush()
+
+  def release(self):
+    if not self.file.closed:
+      fcntl.flock(self.file, fcntl.LOCK_UN)
+      self.file.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints.
+# ------------------------------------------------------------------------------------------------
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, *, save_every: int, keep: int):
-    self.manager = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), 'checkpoints'),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
-                                             create=True))
+  def __init__(self, workdir: str, *, keep: int, create: bool = True):
+    self.workdir = os.path.abspath(workdir)
+    self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    self.manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(os.path.join(self.workdir, CHECKPOINT_DIR), options=self._options)
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps(), reverse=True)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-    """Restores onto the shardings carried by `abstract_state` (a tree of ShapeDtypeStructs)."""
-    step = self.latest_step() if step is None else step
+  def _read_run_item(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
+
+  def check_compatible(self, config) -> int | None:
+    """Before anything is written: the newest step whose run record can be read must be of this
+    architecture (else a ValueError naming the differing keys) and not beyond `total_steps`. Returns
+    that step, or None for a fresh workdir."""
+    for step in self.steps():
+      try:
+        saved = self._read_run_item(step)['identity']
+      except Exception:  # pylint: disable=broad-except
+        continue  # Unreadable: `restore` reports it and falls back.
+      differences = identity_differences(saved, run_identity(config))
+      if differences:
+        raise ValueError(f'{self.workdir} holds a checkpoint (step {step}) of another architecture; '
+                         f'differing keys: {"; ".join(differences)}. Use a new --workdir or the '
+                         'checkpoint\'s settings')
+      if step > config.total_steps:
+        raise ValueError(f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
+                         f'{self.workdir} ({step}); raise total_steps or use a new --workdir')
+      return step
+    return None
+
+  def restore_step(self, step: int, abstract_state: Any = None) -> tuple[Any, dict]:
+    """(train state, input-pipeline state) of `step`, checked against its saved fingerprint; without
+    `abstract_state` the arrays come back as saved."""
     restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        run=ocp.args.JsonRestore()))
+    fingerprint, saved = float(state_fingerprint(restored['state'])), restored['run']['fingerprint']
+    if not np.isclose(fingerprint, saved, rtol=_FINGERPRINT_RTOL, atol=0.0):
+      raise ValueError(f'restored values differ from the saved ones (fingerprint {fingerprint:.6g}, '
+                       f'saved {saved:.6g})')
     return restored['state'], restored['data']
 
-  def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
-    """Saves asynchronously when `step` is on the interval (or `force`); returns whether it saved."""
-    return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+  def _set_aside(self, step: int) -> str:
+    target_dir = os.path.join(self.workdir, CORRUPT_DIR)
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
+    shutil.move(os.path.join(self.workdir, CHECKPOINT_DIR, str(step)), target)
+    self.manager.close()
+    self.manager = self._open()
+    return target
+
+  def restore(self, abstract_state: Any, *, set_aside: bool = True) -> tuple[Any, dict] | None:
+    """Restores the newest intact step onto the shardings carried by `abstract_state` (a tree of
+    ShapeDtypeStructs); unreadable steps are reported in one line each and moved aside (by the chief,
+    `set_aside`). None when no step is intact."""
+    for step in self.steps():
+      try:
+        return self.restore_step(step, abstract_state)
+      except Exception as e:  # pylint: disable=broad-except
+        reason = ' '.join(str(e).split())[:200] or type(e).__name__
+        where = self._set_aside(step) if set_aside else 'left in place'
+        logging.warning('Checkpoint step %d of %s is unreadable (%s: %s); moved to %s, trying the '
+                        'previous step', step, self.workdir, type(e).__name__, reason, where)
+    return None
+
+  def save(self, step: int, state: Any, data_state: dict, identity: dict):
+    """Saves step `step` asynchronously (the caller decides when: `loop.py`)."""
+    run = {'identity': identity, 'fingerprint': float(state_fingerprint(state))}
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        run=ocp.args.JsonSave(run)), force=True)
 
   def close(self):
     self.manager.wait_until_finished()
@@ -53,20 +214,24 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
 
 
 def restore_model(config, data_info, workdir: str):
-  """The NNX model of a training run at the latest checkpoint in `workdir` (for `dsjax.export`,
+  """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export`,
   `dsjax.moments --checkpoint`): the train state is restored onto one device and merged into a model
   built from `config`, with the result of its method's preparation step that the run saved."""
-  no_checkpoint = ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/checkpoints)')
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # Checked first: creates nothing.
+  no_checkpoint = ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
+  if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
     raise no_checkpoint
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config), workdir,
-                                          write=False)
-  setup = state_lib.make_setup(config, data_info, prepared)
-  checkpointer = Checkpointer(workdir, save_every=1, keep=1)
+  checkpointer = Checkpointer(workdir, keep=1, create=False)
   if checkpointer.latest_step() is None:
     checkpointer.close()
     raise no_checkpoint
-  state, _ = checkpointer.restore(jax.eval_shape(setup.create_state))
+  checkpointer.check_compatible(config)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config), workdir,
+                                          write=False)
+  setup = state_lib.make_setup(config, data_info, prepared)
+  restored = checkpointer.restore(jax.eval_shape(setup.create_state), set_aside=False)
   checkpointer.close()
+  if restored is None:
+    raise ValueError(f'{workdir} holds no intact checkpoint (see the warnings above)')
+  state, _ = restored
   logging.info('Restored step %d from %s', int(state['step']), workdir)
   return nnx.merge(setup.graphdef, state['params'], state['rest'])

@@ -20,6 +20,15 @@ USAGE_ERROR = 2
 HELP_FLAGS = ('--help', '-h', '-?', '--helpshort', '--helpfull')
 
 
+class Exit(Exception):
+  """A run that ends early on purpose (a non-finite loss, a signal): `message` is printed as one line
+  `<program>: <message>` and the program exits with `status`."""
+
+  def __init__(self, message: str, status: int):
+    super().__init__(message)
+    self.status = status
+
+
 def program_name() -> str:
   """`dsjax.main` for `python -m dsjax.main`, else the script's name."""
   main = sys.modules.get('__main__')
@@ -82,7 +91,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(_parse_error_message(e, argv))
 
 
-def _out_of_memory(error: BaseException) -> bool:
+def out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
 
 
@@ -96,7 +105,7 @@ def user_error_message(error: BaseException) -> str | None:
     if error.filename and error.strerror:
       return f'{error.filename}: {error.strerror}'
     return str(error)
-  if _out_of_memory(error):
+  if out_of_memory(error):
     first = str(error).strip().splitlines()[0]
     return (f'out of device memory ({first[:300]}); lower batch_size or data.seq_len, set '
             'model.remat, or use more devices (dsjax.bench prints the compiled step\'s memory)')
@@ -109,6 +118,9 @@ def run(main: Callable[[list[str]], None]) -> None:
   def guarded_main(argv):
     try:
       main(argv)
+    except Exit as e:
+      print(f'{program_name()}: {e}', file=sys.stderr, flush=True)
+      sys.exit(e.status)
     except KeyboardInterrupt:
       fail('interrupted', status=130)
     except Exception as e:  # pylint: disable=broad-except

@@ -25,6 +25,7 @@ from dsjax.data import config as data_config
 from dsjax.models.config import positive_int
 from dsjax.train import optimizers
 from dsjax.train import sharding as sharding_lib
+from dsjax.train import step as step_lib
 
 RUN_INTS = ('total_steps', 'batch_size', 'eval_batch_size', 'eval_every', 'checkpoint_every', 'log_every',
             'keep_checkpoints')
@@ -39,7 +40,11 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   c.eval_batch_size = 256
   c.checkpoint_every = 500        # steps; the final step is always saved
   c.keep_checkpoints = 2
-  c.log_every = 50
+  c.log_every = 50               # steps; progress is also logged at least every ~10 s
+  # A step whose loss or gradient norm is NaN/Inf never updates the state. 'stop': the run stops with
+  # one line naming the step (exit status 3); 'skip': the update is skipped, counted in
+  # train/nonfinite_steps, and the run goes on.
+  c.on_nonfinite = 'stop'
 
   c.model = models.model_config(model_name)
   schemes.add_config_sections(c.model)
@@ -57,9 +62,12 @@ def validate_config(config, num_devices: int, process_count: int = 1):
     positive_int(key, config[key])
   if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
     raise ValueError(f'seed must be a non-negative integer, got {config.seed!r}')
+  if config.on_nonfinite not in step_lib.NONFINITE_POLICIES:
+    raise ValueError(f'on_nonfinite must be one of {step_lib.NONFINITE_POLICIES}, got {config.on_nonfinite!r}')
   models.validate_model(config.model)
   schemes.validate(config.model)
   optimizers.validate_optimizer_config(config.optimizer)
+  optimizers.make_schedule(config.optimizer, config.total_steps)  # Checks warmup against total_steps.
   data_config.parse_config(config.data)
   instrument.validate_instrument_config(config.instrument)
 

@@ -18,7 +18,9 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
 from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train import cli, interrupts
 from dsjax.train import config as config_lib
+from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
@@ -37,13 +39,51 @@ def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
   return step_lib.summarize_eval(config.model.name, totals)
 
 
+def _memory_summary(compiled) -> str:
+  """The compiled step's device memory per device, from XLA (empty where the backend does not say)."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return ''
+  gib = lambda n: n / 2**30
+  total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+           + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+  return (f'{gib(total):.2f} GiB per device (arguments {gib(analysis.argument_size_in_bytes):.2f}, '
+          f'temporaries {gib(analysis.temp_size_in_bytes):.2f})')
+
+
+def _compile(name: str, step_fn, state, batch):
+  """Ahead-of-time compilation with a progress line before and after (compiling a deep model can take
+  minutes, which should not look like a hang); returns the compiled step and its memory summary."""
+  logging.info('Compiling the %s…', name)
+  t0 = time.perf_counter()
+  compiled = step_fn.lower(state, batch).compile()
+  memory = _memory_summary(compiled)
+  logging.info('Compiled the %s in %.1fs%s', name, time.perf_counter() - t0, f'; it needs {memory}' if memory else '')
+  return compiled, memory
+
+
+def _out_of_memory(error: Exception, memory: str) -> ValueError:
+  return ValueError(f'out of device memory running the train step (compiled estimate: {memory or "unknown"}); '
+                    'lower batch_size or data.seq_len, set model.remat=full, or use more devices')
+
+
+def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None, last_saved) -> str:
+  quantity = 'loss' if not np.isfinite(metrics['train/loss']) else 'gradient norm'
+  value = metrics['train/loss'] if quantity == 'loss' else metrics['train/grad_norm']
+  site = f' (first non-finite statistic: layer {where[0]}, site {where[1]}, {where[2]})' if where else ''
+  saved = f'the last checkpoint is step {last_saved}' if last_saved else 'no checkpoint was written'
+  return (f'step {step}: the {quantity} is {value}{site}; stopped without saving this state '
+          f'(on_nonfinite=\'stop\'; \'skip\' skips such steps), {saved}')
+
+
 def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process.
   """
   # ----------------------------------------------------------------------------------------------
-  # Setup: every check runs before anything is compiled or written.
+  # Setup: every check runs before anything is compiled or written — the config, the data, the
+  # workdir's lock and the architecture of a checkpoint it holds.
   # ----------------------------------------------------------------------------------------------
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
@@ -52,10 +92,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   data_info = data_lib.dataset_info(config.data)  # Fails with a clear message if the data is missing.
   config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if is_chief:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
+  lock = checkpoint_lib.WorkdirLock(workdir) if is_chief else None
+  checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+  checkpointer.check_compatible(config)
+  identity = checkpoint_lib.run_identity(config)
   logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
 
   # ----------------------------------------------------------------------------------------------
@@ -65,7 +105,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
                                       seed=config.seed, train=True, **process)
 
   # ----------------------------------------------------------------------------------------------
-  # Model, optimizer and the sharded train state (created directly on its shardings).
+  # Model, optimizer and the sharded train state (created directly on its shardings, or restored from
+  # the newest intact checkpoint).
   # ----------------------------------------------------------------------------------------------
   # A method with a data-dependent step (DSLM's measured input correlation, ADMIN's profiling pass)
   # runs it on the first training batches, or reads its result back from the workdir when resuming.
@@ -81,84 +122,133 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 
-  checkpointer = checkpoint_lib.Checkpointer(workdir, save_every=config.checkpoint_every,
-                                             keep=config.keep_checkpoints)
-  if checkpointer.latest_step() is not None:
-    state, data_state = checkpointer.restore(
-        checkpoint_lib.abstract_with_shardings(abstract_state, state_shardings))
+  restored = checkpointer.restore(checkpoint_lib.abstract_with_shardings(abstract_state, state_shardings),
+                                  set_aside=is_chief)
+  if restored is not None:
+    state, data_state = restored
     train_data.set_state(data_state)
     logging.info('Resumed from step %d', int(state['step']))
   else:
     state = jax.jit(create_state, out_shardings=state_shardings)()
+  first_step = int(state['step'])
+  if is_chief:  # Every check has passed: now the workdir may change.
+    lock.record_owner()
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+    for name in (MetricWriter.FILE, instrument_lib.MOMENTS_FILE):  # Rows a resumed run logs again.
+      metrics_lib.drop_rows_after(os.path.join(workdir, name), first_step)
 
   # ----------------------------------------------------------------------------------------------
-  # Compile: one jitted train step with explicit shardings and a donated state.
+  # Compile: one jitted train step with explicit shardings and a donated state, compiled ahead of time
+  # on the first batch (with its time and memory in the log).
   # ----------------------------------------------------------------------------------------------
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  jit_train_step = lambda step_fn: jax.jit(
+  jit_train_step = lambda step_fn, donate=True: jax.jit(
       step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-      out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
-  train_step = jit_train_step(
-      step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout))
+      out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0 if donate else ())
+  make_step = lambda **kw: step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout,
+                                                   on_nonfinite=config.on_nonfinite, **kw)
+  next_batch = lambda: sharding_lib.global_batch(next(train_data), mesh)
+  batch = next_batch() if first_step < config.total_steps else None
+  with jax.set_mesh(mesh):
+    if batch is not None:
+      train_step, step_memory = _compile('train step', jit_train_step(make_step()), state, batch)
   # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
   # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
     moments = instrument_lib.Collector(workdir, enabled=is_chief, keep_records=False)  # Files only.
     receiver = moments.receive if config.instrument.delivery == 'callback' else None
-    instrumented_train_step = jit_train_step(step_lib.make_train_step(
-        graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument=True,
-        moments_receiver=receiver))
+    instrumented_train_step = jit_train_step(make_step(instrument=True, moments_receiver=receiver))
+    if batch is not None:
+      with jax.set_mesh(mesh):
+        instrumented_train_step, _ = _compile('instrumented train step', instrumented_train_step, state, batch)
   eval_step = jax.jit(step_lib.make_eval_step(graphdef, loss_fn),
                       in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
                       out_shardings=sharding_lib.replicated(mesh))
 
+  def first_nonfinite_site(state, batch):
+    """Replays a non-finite step with the instrumentation (with on_nonfinite='stop' the state is still
+    the one before that step) and names the first layer and site whose statistics are NaN/Inf."""
+    if not instrument_every:
+      return None
+    # The instrumented step returns the statistics unless they go to a callback; then compile one
+    # that returns them. Either may consume the state: the run ends here.
+    replay = (instrumented_train_step if config.instrument.delivery == 'return'
+              else jit_train_step(make_step(instrument=True)))
+    _, replayed = jax.device_get(replay(state, batch))
+    return instrument_lib.first_nonfinite(replayed['moments'])
+
   # ----------------------------------------------------------------------------------------------
-  # Train. Metrics of step t are fetched after step t+1 is dispatched, so logging never stalls the
-  # device; evaluation and checkpoints happen at their intervals and always at the last step.
+  # Train. Metrics of step t are fetched after step t+1 is dispatched, so the host never stalls the
+  # device; that is where a non-finite loss is caught, one step late (the state never takes the
+  # non-finite update, see `step.guard_nonfinite`). Before a checkpoint the step's metrics are checked
+  # first, so no checkpoint holds a non-finite step. Evaluation and checkpoints happen at their
+  # intervals and always at the last step; SIGTERM/SIGINT save the current step and stop.
   # ----------------------------------------------------------------------------------------------
   writer = MetricWriter(workdir, enabled=is_chief)
-  first_step = int(state['step'])
-  pending: dict[str, Any] | None = None  # {'step', 'train' (device arrays), 'eval' (floats)}
+  progress = metrics_lib.Progress(first_step, config.total_steps)
+  pending: dict[str, Any] | None = None  # {'step', 'train' (device arrays), 'eval' (floats), 'batch'}
   last_eval: dict[str, float] = {}
-  t_start, t_last, step_last = time.time(), time.time(), first_step
+  last_saved = checkpointer.latest_step()
+  t_start = time.time()
 
-  def log(record):
-    nonlocal t_last, step_last
+  def finish(record):
+    """Fetches step `record['step']`'s metrics: stops on a non-finite step (or counts it), logs."""
     step = record['step']
-    if step % config.log_every and step != config.total_steps and not record['eval']:
-      return
-    now = time.time()
-    steps_per_sec = (step - step_last) / max(now - t_last, 1e-9)
-    t_last, step_last = now, step
     metrics = {k: float(v) for k, v in jax.device_get(record['train']).items()}
+    if metrics['train/nonfinite']:
+      if config.on_nonfinite == 'stop':
+        where = first_nonfinite_site(state, record['batch'])
+        raise cli.Exit(_nonfinite_message(step, metrics, where, last_saved), status=3)
+      logging.warning('step %d: non-finite loss or gradient; update skipped (%d so far)', step,
+                      int(metrics['train/nonfinite_steps']))
+    if not (progress.due(step, config.log_every) or record['eval']):
+      return
+    steps_per_sec, eta_s = progress.mark(step)
     metrics['train/steps_per_sec'] = steps_per_sec
     writer.write(step, {**metrics, **record['eval']})
-    eta_s = int((config.total_steps - step) / max(steps_per_sec, 1e-9))
+    eta_s = int(eta_s)
     logging.info('step %d/%d | loss %.4f | grad_norm %.3g | lr %.3g | %.2f steps/s | ETA %dm%02ds%s',
                  step, config.total_steps, metrics['train/loss'], metrics['train/grad_norm'],
                  metrics['train/lr'], steps_per_sec, eta_s // 60, eta_s % 60,
                  ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()))
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), interrupts.StopSignals() as signals:
     for step in range(first_step + 1, config.total_steps + 1):
-      batch = sharding_lib.global_batch(next(train_data), mesh)
-      if instrument_lib.is_instrumented_step(step, instrument_every):
-        state, train_metrics = instrumented_train_step(state, batch)
-        moments.add(step, train_metrics.pop('moments'))
-      else:
-        state, train_metrics = train_step(state, batch)
+      batch = batch if step == first_step + 1 else next_batch()
+      try:
+        if instrument_lib.is_instrumented_step(step, instrument_every):
+          state, train_metrics = instrumented_train_step(state, batch)
+          moments.add(step, train_metrics.pop('moments'))
+        else:
+          state, train_metrics = train_step(state, batch)
+      except jax.errors.JaxRuntimeError as e:
+        raise (_out_of_memory(e, step_memory) if cli.out_of_memory(e) else e) from None
       if moments is not None:
         moments.flush(before_step=step)  # Earlier steps' moments -> moments.jsonl and TensorBoard.
       if pending is not None:
-        log(pending)
-      pending = {'step': step, 'train': train_metrics, 'eval': {}}
+        finish(pending)
+      pending = {'step': step, 'train': train_metrics, 'eval': {}, 'batch': batch}
       if step % config.eval_every == 0 or step == config.total_steps:
+        t0 = time.perf_counter()
         pending['eval'] = last_eval = evaluate(eval_step, state, config, mesh, process)
-      checkpointer.save(step, state, train_data.get_state(), force=step == config.total_steps)
+        progress.exclude(time.perf_counter() - t0)
+      save_now = signals.received is not None or step == config.total_steps
+      if save_now or step % config.checkpoint_every == 0:
+        finish(pending)  # Checked before its state is saved.
+        pending = None
+        t0 = time.perf_counter()
+        checkpointer.save(step, state, train_data.get_state(), identity)
+        last_saved = step
+        progress.exclude(time.perf_counter() - t0)
+      if signals.received is not None:
+        checkpointer.close()
+        raise cli.Exit(f'stopped by {signals.received.name} after step {step}; saved checkpoint {step}, '
+                       'rerun the same command to resume', status=signals.exit_status)
     if pending is not None:
-      log(pending)
+      finish(pending)
 
   if not last_eval:  # Resumed at the end: report the final numbers again.
     last_eval = evaluate(eval_step, state, config, mesh, process)
@@ -166,5 +256,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   writer.close()
   if moments is not None:
     moments.close()
+  if lock is not None:
+    lock.release()
   logging.info('Done in %.1fs: %s', time.time() - t_start, last_eval)
   return last_eval

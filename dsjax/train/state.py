@@ -3,7 +3,8 @@
 The state is a plain dict of arrays
 
     {'params': trainable nnx.Param values, 'rest': non-trainable model values (fixed λ/β, sincos
-     position table, output scale), 'opt_state': optax state, 'step': int32 scalar}
+     position table, output scale), 'opt_state': optax state, 'step': int32 scalar,
+     'nonfinite_steps': int32 scalar}
 
 and the model is rebuilt from its static `graphdef` inside the jitted steps (`dsjax.train.step`).
 """
@@ -55,6 +56,6 @@ def make_setup(config, data_info, prepared: dict | None = None) -> TrainSetup:
     _, params, rest = nnx.split(build(), nnx.Param, ...)
     params, rest = params.to_pure_dict(), rest.to_pure_dict()
     return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
-            'step': jnp.zeros((), jnp.int32)}
+            'step': jnp.zeros((), jnp.int32), 'nonfinite_steps': jnp.zeros((), jnp.int32)}
   return TrainSetup(graphdef=nnx.graphdef(abstract_model), create_state=create,
                     abstract_model=abstract_model, tx=tx, schedule=schedule)

@@ -3,7 +3,8 @@
 The steps are pure functions of a *train state* — a plain dict of arrays
 
     {'params': trainable nnx.Param values, 'rest': non-trainable model values (fixed λ/β, sincos
-     position table, output scale), 'opt_state': optax state, 'step': int32 scalar}
+     position table, output scale), 'opt_state': optax state, 'step': int32 scalar,
+     'nonfinite_steps': int32 scalar (steps whose loss or gradient was NaN/Inf)}
 
 — and are jitted once with explicit shardings (see `loop.py`). The model is rebuilt from its static
 `graphdef` inside the trace with `nnx.merge`, so there is no NNX graph traversal per step (a bare
@@ -73,14 +74,36 @@ def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1), step)
 
 
+NONFINITE_POLICIES = ('stop', 'skip')
+
+
+def guard_nonfinite(state: TrainState, updated: TrainState, finite: jax.Array, on_nonfinite: str
+                    ) -> TrainState:
+  """The state after a step whose loss and gradient norm are `finite` (a bool scalar) or not.
+
+  A non-finite step never reaches the state: its update is dropped (params and optimizer state keep
+  their values) and `nonfinite_steps` counts it. With 'skip' the run goes on (the step counter advances);
+  with 'stop' the state freezes from the first non-finite step on (the step counter included, so the
+  step can be replayed exactly for a diagnosis) until the loop sees it, one step later, and stops.
+  """
+  apply = finite if on_nonfinite == 'skip' else finite & (state['nonfinite_steps'] == 0)
+  keep = lambda new, old: jnp.where(apply, new, old)
+  return {'params': jax.tree.map(keep, updated['params'], state['params']), 'rest': state['rest'],
+          'opt_state': jax.tree.map(keep, updated['opt_state'], state['opt_state']),
+          'step': state['step'] + 1 if on_nonfinite == 'skip' else keep(updated['step'], state['step']),
+          'nonfinite_steps': state['nonfinite_steps'] + jnp.logical_not(apply).astype(jnp.int32)}
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    instrument: bool = False, moments_receiver: Callable | None = None
+                    instrument: bool = False, moments_receiver: Callable | None = None,
+                    on_nonfinite: str = 'stop'
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
   as metrics['moments']; the default step computes none of it. With a `moments_receiver`
   (instrument.delivery='callback', e.g. `Collector.receive`) the per-site statistics go to it by
-  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics."""
+  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics.
+  `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`)."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
@@ -97,11 +120,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     else:
       loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    new_state = {'params': optax.apply_updates(state['params'], updates), 'rest': state['rest'],
-                 'opt_state': opt_state, 'step': state['step'] + 1}
-    metrics = {'train/loss': loss, 'train/grad_norm': optax.tree.norm(grads),
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updated = {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state,
+               'step': state['step'] + 1}
+    new_state = guard_nonfinite(state, updated, finite, on_nonfinite)
+    metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
                'train/param_norm': optax.tree.norm(state['params']),
-               'train/lr': schedule(state['step'])}
+               'train/lr': schedule(state['step']),
+               'train/nonfinite': jnp.logical_not(finite).astype(jnp.float32),
+               'train/nonfinite_steps': new_state['nonfinite_steps'].astype(jnp.float32)}
     if instrument:
       metrics['moments'] = moments
     return new_state, metrics
