@@ -252,6 +252,7 @@ def test_failing_rerun_leaves_the_workdir_as_it_was(tmp_path, four_step_run):
 
 def test_a_second_run_on_a_live_workdir_fails_at_once(tmp_path):
   owner = checkpoint_lib.WorkdirLock(str(tmp_path))
+  owner.record_owner()
   try:
     with pytest.raises(ValueError, match='in use by a running dsjax run') as error:
       _train(_config(total_steps=2), tmp_path)
