@@ -288,3 +288,18 @@ def test_steps_per_sec_in_the_metrics_is_timed_after_each_step_arrives(tmp_path)
   assert [r['step'] for r in rows] == list(range(1, 13))
   seconds = [1.0 / r['train/steps_per_sec'] for r in rows]
   assert all(s > 0 for s in seconds) and sum(seconds) <= wall
+
+
+def test_out_of_memory_and_file_system_errors_are_one_line():
+  oom = RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 70.9GiB.\nmore detail')
+  message = cli.user_error_message(oom)
+  assert message.startswith('out of device memory (RESOURCE_EXHAUSTED') and 'batch_size' in message
+  assert '\n' not in message
+  try:
+    try:
+      raise OSError(28, 'No space left on device', '/ckpt/7/state')
+    except OSError as full:
+      raise RuntimeError('async save failed') from full
+  except RuntimeError as wrapped:
+    assert cli.user_error_message(wrapped) == '/ckpt/7/state: No space left on device'
+  assert cli.user_error_message(KeyError('a bug')) is None  # Bugs keep their traceback.

@@ -95,8 +95,21 @@ def out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
 
 
+def _os_error_in_chain(error: BaseException) -> OSError | None:
+  """An OSError behind `error` (Orbax's background writes re-raise a full disk or a vanished directory
+  wrapped in their own exceptions)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, OSError):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
 def user_error_message(error: BaseException) -> str | None:
   """The one-line message of a user error, or None for a bug (which keeps its traceback)."""
+  error = _os_error_in_chain(error) or error
   if isinstance(error, ValueError) and getattr(error, 'dsjax_user_error', True):
     return str(error)
   if isinstance(error, OSError) and 'Failed loading config file' in str(error):
