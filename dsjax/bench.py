@@ -12,29 +12,47 @@ The three steps are timed in turn on the same real batch, after compilation; the
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import tempfile
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
+from dsjax.train import cli
+from dsjax.train import config as config_lib
+from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
                                           lock_config=True)
-_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each kind (after 2 warm-up steps).')
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each kind (after 2 warm-up steps).', lower_bound=1)
+
+
+def check_args(config, num_steps: int):
+  """One-line ValueErrors before anything is compiled: the run's config checks (`dsjax.train.config`;
+  the steps run on one device without a mesh, so `mesh.shape` is not checked), then the dataset's.
+  Returns the DatasetInfo."""
+  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    raise ValueError(f'--steps must be a positive integer, got {num_steps!r}')
+  one_device = copy.deepcopy(config)
+  one_device.mesh.shape = sharding_lib.mesh_config().shape
+  config_lib.validate_config(one_device, num_devices=1)
+  data_info = data_lib.dataset_info(config.data)
+  config_lib.validate_against_data(config, data_info)
+  return data_info
 
 
 def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
   """Median seconds per train step, instrumentation off and on every step."""
-  data_info = data_lib.dataset_info(config.data)
+  data_info = check_args(config, num_steps)
   batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                       seed=config.seed, process_index=0, process_count=1))
   batch = jax.device_put(batch)
@@ -87,4 +105,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

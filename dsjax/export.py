@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
-import sys
 from typing import Any
 
 import jax
@@ -54,13 +54,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 
 from dsjax import data as data_lib
 from dsjax import schemes
 from dsjax.models import model_inputs, nonstandard_residual
 from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train import cli
 from dsjax.train.config import base_config
 
 EXPORT_CHECKPOINT = 'checkpoint'
@@ -229,8 +230,69 @@ def first_eval_inputs(config):
   return model_inputs(config.model.name, next(iter(pipeline)))
 
 
+# ------------------------------------------------------------------------------------------------
+# Checks: every argument is checked before anything is restored or written.
+# ------------------------------------------------------------------------------------------------
+
+def check_output_dir(flag: str, path: str | None):
+  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
+  if not path:
+    raise ValueError(f'{flag} must name an output directory, got {path!r}')
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
+  existing = os.path.abspath(path)
+  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
+
+
+def _inside(path: str, directory: str) -> bool:
+  path, directory = os.path.realpath(path), os.path.realpath(directory)
+  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_args(workdir: str | None, out: str | None, rtol: float):
+  """One-line ValueErrors naming the flag; returns the run's config (read from WORKDIR/config.json)."""
+  if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not (rtol > 0 and math.isfinite(rtol)):
+    raise ValueError(f'--rtol must be a positive number, got {rtol!r}')
+  if not workdir:
+    raise ValueError(f'--workdir must name a training workdir, got {workdir!r}')
+  if not os.path.exists(workdir):
+    raise ValueError(f'--workdir={workdir} does not exist (expected a training workdir: config.json, '
+                     'checkpoints/)')
+  if not os.path.isdir(workdir):
+    raise ValueError(f'--workdir={workdir} is not a directory (expected a training workdir)')
+  config_path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(config_path):
+    raise ValueError(f'--workdir={workdir} has no config.json: not a training workdir')
+  try:
+    config = load_config(config_path)
+  except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON or structure of another file.
+    raise ValueError(f'--workdir: {config_path} is not a run config '
+                     f'({type(e).__name__}: {" ".join(str(e).split())})') from e
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  # Orbax names a finished step's directory by the step; unfinished saves carry a suffix.
+  if not os.path.isdir(checkpoints) or not any(name.isdigit() for name in os.listdir(checkpoints)):
+    raise ValueError(f'--workdir={workdir} holds no checkpoint (looked in {checkpoints})')
+  if config.model.block not in ('preln', 'postln'):
+    raise ValueError(f"model.block must be 'preln' or 'postln' to fold residual scales, got "
+                     f'{config.model.block!r} (from {config_path})')
+  check_output_dir('--out', out)
+  # The export writes OUT/config.json and replaces OUT/checkpoint: neither may be the run's own.
+  if os.path.realpath(out) == os.path.realpath(workdir) or _inside(out, checkpoints):
+    raise ValueError(f'--out={out} would overwrite the run in --workdir={workdir}; name another directory')
+  if _inside(workdir, os.path.join(out, EXPORT_CHECKPOINT)):
+    raise ValueError(f'--out={out} would replace {os.path.join(out, EXPORT_CHECKPOINT)}, which holds '
+                     f'--workdir={workdir}; name another directory')
+  return config
+
+
 def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
   """Restore → fold → verify on a real batch → save. Raises ValueError if the logits disagree."""
+  check_args(workdir, out, rtol)
   model, config = restore_run(workdir)
   folded, plain = fold_model(model, config)
   check = logit_error(model, folded, first_eval_inputs(config))
@@ -260,11 +322,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   args = flags.FLAGS
-  try:
-    check = export(args.workdir, args.out, args.rtol)
-  except ValueError as e:
-    print(f'dsjax.export: error: {e}', file=sys.stderr)
-    sys.exit(2)
+  check = export(args.workdir, args.out, args.rtol)
   print(f'wrote {args.out}: plain {load_config(os.path.join(args.out, "config.json")).model.block} '
         f'checkpoint; max |Δlogits| {check["max_abs_error"]:.3g} '
         f'(relative {check["relative_error"]:.3g} <= {check["rtol"]})')
@@ -272,4 +330,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  cli.run(main)

@@ -30,16 +30,16 @@ the measured one at the last layer by construction and the errors measure the pr
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
-import sys
 from typing import Any
 
 import jax
 import matplotlib
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
@@ -48,6 +48,9 @@ from dsjax import instrument as instrument_lib
 from dsjax import schemes
 from dsjax.instrument import theory_adapter
 from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train import cli
+from dsjax.train import config as config_lib
+from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
@@ -57,15 +60,18 @@ import matplotlib.ticker  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory for moments.json and moments.png.')
-_BATCHES = flags.DEFINE_integer('batches', 4, 'Number of training batches to average the statistics over.')
+_BATCHES = flags.DEFINE_integer('batches', 4, 'Number of training batches to average the statistics over.',
+                                lower_bound=1)
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None,
                                   'A training workdir: measure its latest checkpoint instead of the init.')
+INPUT_MOMENTS = ('measured', 'theory')
+THEORY_FORMS = ('exact', 'paper', 'simple')
 _INPUT_MOMENTS = flags.DEFINE_enum(
-    'input_moments', 'measured', ['measured', 'theory'],
+    'input_moments', 'measured', INPUT_MOMENTS,
     'Moments entering the first layer for the prediction: measured at the embedding output, or the '
     'theory\'s embedding formula (Zipf-distributed tokens, DSLM paper Appendix A.1).')
 _THEORY_FORM = flags.DEFINE_enum(
-    'theory_form', 'exact', ['exact', 'paper', 'simple'],
+    'theory_form', 'exact', THEORY_FORMS,
     "Formulas of `dsjax.theory.model.propagate`: 'exact' (finite-d LayerNorm, exact softmax and "
     "attention), 'paper' (the DSLM paper's Appendix A formulas) or 'simple' (its Tables 1-2).")
 flags.mark_flags_as_required(['config', 'out'])
@@ -77,6 +83,55 @@ flags.mark_flags_as_required(['config', 'out'])
 QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual', 'grad_var'),
               'corr_seq': ('ffn_residual', 'corr_seq'), 'grad_corr_seq': ('ffn_residual', 'grad_corr_seq'),
               'attn_branch_var': ('attn_branch', 'var'), 'ffn_branch_var': ('ffn_branch', 'var')}
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks: every argument is checked before anything is compiled or written.
+# ------------------------------------------------------------------------------------------------
+
+def check_output_dir(flag: str, path: str | None):
+  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
+  if not path:
+    raise ValueError(f'{flag} must name an output directory, got {path!r}')
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
+  existing = os.path.abspath(path)
+  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
+
+
+def check_config(config):
+  """The run's config checks (`dsjax.train.config`), then the dataset's; returns its DatasetInfo.
+
+  The measurement runs on one device and never builds the mesh, so `mesh.shape` is not checked."""
+  one_device = copy.deepcopy(config)
+  one_device.mesh.shape = sharding_lib.mesh_config().shape
+  config_lib.validate_config(one_device, num_devices=1)
+  data_info = data_lib.dataset_info(config.data)
+  config_lib.validate_against_data(config, data_info)
+  return data_info
+
+
+def check_args(config, out: str, num_batches: int, checkpoint: str | None, input_moments: str,
+               theory_form: str):
+  """One-line ValueErrors naming the flag, for everything `run` is given; returns the DatasetInfo."""
+  if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+    raise ValueError(f'--batches must be a positive integer, got {num_batches!r}')
+  for flag, value, allowed in (('--input_moments', input_moments, INPUT_MOMENTS),
+                               ('--theory_form', theory_form, THEORY_FORMS)):
+    if value not in allowed:
+      raise ValueError(f'{flag} must be one of {", ".join(allowed)}; got {value!r}')
+  check_output_dir('--out', out)
+  if checkpoint is not None:
+    if not os.path.isdir(checkpoint):
+      raise ValueError(f'--checkpoint={checkpoint} is not a directory (expected a training workdir)')
+    if not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+      raise ValueError(f'--checkpoint={checkpoint} holds no checkpoint (looked in {checkpoint}/checkpoints)')
+  return check_config(config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,7 +276,7 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
   Where the theory does not cover the model (`theory_adapter.coverage_gap`: no-norm or DNT blocks,
   vector or learnable-per-site residual scales of some methods, edited attention, concatenation), only
   the measurement is written, and `settings.theory` says why."""
-  data_info = data_lib.dataset_info(config.data)
+  data_info = check_args(config, out, num_batches, checkpoint, input_moments, theory_form)
   model = load_model(config, data_info, checkpoint)
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                     seed=config.seed, process_index=0, process_count=1, train=True)
@@ -272,16 +327,12 @@ def format_summary(result) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  try:
-    result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value,
-                 _THEORY_FORM.value)
-  except ValueError as e:
-    print(f'dsjax.moments: error: {e}', file=sys.stderr)
-    sys.exit(2)
+  result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value,
+               _THEORY_FORM.value)
   print(describe(_CONFIG.value))
   print(format_summary(result))
   print(f'wrote {os.path.join(_OUT.value, "moments.json")} and moments.png')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)
