@@ -79,8 +79,14 @@ def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None
 def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
-  `devices` defaults to all devices; tests pass a subset to compare meshes in one process.
+  `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
+  SIGINT at any point (setup and compilation included) ends the run after its next step, saved.
   """
+  with interrupts.StopSignals() as signals:
+    return _train_and_evaluate(config, workdir, devices, signals)
+
+
+def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   # Setup: every check runs before anything is compiled or written — the config, the data, the
   # workdir's lock and the architecture of a checkpoint it holds.
@@ -215,7 +221,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
                  metrics['train/lr'], steps_per_sec, eta_s // 60, eta_s % 60,
                  ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()))
 
-  with jax.set_mesh(mesh), interrupts.StopSignals() as signals:
+  with jax.set_mesh(mesh):
     for step in range(first_step + 1, config.total_steps + 1):
       batch = batch if step == first_step + 1 else next_batch()
       try:
