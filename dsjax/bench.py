@@ -12,7 +12,6 @@ The three steps are timed in turn on the same real batch, after compilation; the
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import tempfile
@@ -27,7 +26,6 @@ from dsjax import instrument as instrument_lib
 from dsjax import schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
-from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
@@ -42,11 +40,7 @@ def check_args(config, num_steps: int):
   Returns the DatasetInfo."""
   if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
     raise ValueError(f'--steps must be a positive integer, got {num_steps!r}')
-  one_device = copy.deepcopy(config)
-  one_device.mesh.shape = sharding_lib.mesh_config().shape
-  config_lib.validate_config(one_device, num_devices=1)
-  data_info = data_lib.dataset_info(config.data)
-  config_lib.validate_against_data(config, data_info)
+  data_info = config_lib.validate_single_device_run(config)
   return data_info
 
 

@@ -234,21 +234,6 @@ def first_eval_inputs(config):
 # Checks: every argument is checked before anything is restored or written.
 # ------------------------------------------------------------------------------------------------
 
-def check_output_dir(flag: str, path: str | None):
-  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
-  if not path:
-    raise ValueError(f'{flag} must name an output directory, got {path!r}')
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
-  existing = os.path.abspath(path)
-  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
-
-
 def _inside(path: str, directory: str) -> bool:
   path, directory = os.path.realpath(path), os.path.realpath(directory)
   return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
@@ -280,7 +265,7 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   if config.model.block not in ('preln', 'postln'):
     raise ValueError(f"model.block must be 'preln' or 'postln' to fold residual scales, got "
                      f'{config.model.block!r} (from {config_path})')
-  check_output_dir('--out', out)
+  cli.check_output_dir('--out', out)
   # The export writes OUT/config.json and replaces OUT/checkpoint: neither may be the run's own.
   if os.path.realpath(out) == os.path.realpath(workdir) or _inside(out, checkpoints):
     raise ValueError(f'--out={out} would overwrite the run in --workdir={workdir}; name another directory')

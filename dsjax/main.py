@@ -28,7 +28,9 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
-  loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  config = _CONFIG.value
+  cli.check_output_dir('--workdir', _WORKDIR.value)
+  loop.train_and_evaluate(config, _WORKDIR.value)
 
 
 if __name__ == '__main__':

@@ -30,7 +30,6 @@ the measured one at the last layer by construction and the errors measure the pr
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import os
@@ -50,7 +49,6 @@ from dsjax.instrument import theory_adapter
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
 from dsjax.train import config as config_lib
-from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
@@ -89,30 +87,11 @@ QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual
 # Checks: every argument is checked before anything is compiled or written.
 # ------------------------------------------------------------------------------------------------
 
-def check_output_dir(flag: str, path: str | None):
-  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
-  if not path:
-    raise ValueError(f'{flag} must name an output directory, got {path!r}')
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
-  existing = os.path.abspath(path)
-  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
-
-
 def check_config(config):
   """The run's config checks (`dsjax.train.config`), then the dataset's; returns its DatasetInfo.
 
   The measurement runs on one device and never builds the mesh, so `mesh.shape` is not checked."""
-  one_device = copy.deepcopy(config)
-  one_device.mesh.shape = sharding_lib.mesh_config().shape
-  config_lib.validate_config(one_device, num_devices=1)
-  data_info = data_lib.dataset_info(config.data)
-  config_lib.validate_against_data(config, data_info)
+  data_info = config_lib.validate_single_device_run(config)
   return data_info
 
 
@@ -125,7 +104,7 @@ def check_args(config, out: str, num_batches: int, checkpoint: str | None, input
                                ('--theory_form', theory_form, THEORY_FORMS)):
     if value not in allowed:
       raise ValueError(f'{flag} must be one of {", ".join(allowed)}; got {value!r}')
-  check_output_dir('--out', out)
+  cli.check_output_dir('--out', out)
   if checkpoint is not None:
     if not os.path.isdir(checkpoint):
       raise ValueError(f'--checkpoint={checkpoint} is not a directory (expected a training workdir)')

@@ -121,7 +121,6 @@ at depth 8, 12× at 32 and 300× (median) at 128; DSLM is 25%, 33% and 60% above
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -140,7 +139,6 @@ from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
-from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
@@ -157,21 +155,6 @@ def _define_flags():
   flags.DEFINE_integer('draws', 8, 'Independent draws of (parameters, perturbation, training batch).',
                        lower_bound=1)
   flags.mark_flags_as_required(['config', 'out'])
-
-
-def check_output_dir(flag: str, path: str | None):
-  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
-  if not path:
-    raise ValueError(f'{flag} must name an output directory, got {path!r}')
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
-  existing = os.path.abspath(path)
-  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
 
 
 # Where the stacked block parameters live (leading depth axis), and where a concatenation trunk keeps
@@ -446,11 +429,7 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   if isinstance(num_draws, bool) or not isinstance(num_draws, int) or num_draws < 1:
     raise ValueError(f'--draws must be a positive integer, got {num_draws!r}')
   # The run's config checks; the measurement runs on one device without a mesh, so not mesh.shape.
-  one_device = copy.deepcopy(config)
-  one_device.mesh.shape = sharding_lib.mesh_config().shape
-  config_lib.validate_config(one_device, num_devices=1)
-  data_info = data_lib.dataset_info(config.data)
-  config_lib.validate_against_data(config, data_info)
+  data_info = config_lib.validate_single_device_run(config)
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
                                          write=False)
   measurement = Measurement(config, data_info, prepared)
@@ -576,7 +555,7 @@ def describe(config, num_draws: int) -> str:
 
 def run(config, out: str, num_draws: int) -> dict[str, Any]:
   """Measures, writes DIR/sensitivity.json and DIR/sensitivity.png; returns the JSON content."""
-  check_output_dir('--out', out)  # Before the measurement, which checks the rest.
+  cli.check_output_dir('--out', out)  # Before the measurement, which checks the rest.
   per_draw, layout = measure(config, num_draws)
   depth = config.model.depth
   agg = aggregate(per_draw, depth, layout)

@@ -102,12 +102,18 @@ CASES = [
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
 ]
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
+# Each case costs a process start (about 3 s of imports on 2 cores); the default suite runs the 32
+# that differ most, `-m slow` also runs these variants of them.
+SLOW_VARIANTS = ('main-not-an-int', 'moments-negative-batches', 'moments-missing-out',
+                 'moments-unknown-scheme', 'moments-unknown-dataset', 'export-out-is-file',
+                 'export-missing-out', 'export-missing-workdir', 'bench-unknown-scheme',
+                 'sensitivity-out-is-file', 'sensitivity-missing-config', 'sensitivity-unknown-block')
 MARKS = {
     'sensitivity-out-not-writable': pytest.mark.skipif(IS_ROOT, reason='permissions do not stop root'),
-    # The error line is "[Errno 2] No such file or directory: ''", which names no flag.
-    'main-empty-workdir': pytest.mark.xfail(strict=True, reason='dsjax.main does not name --workdir'),
+    **{case: pytest.mark.slow for case in SLOW_VARIANTS},
 }
 PARAMS = [pytest.param(*case[1:], id=case[0], marks=MARKS.get(case[0], ())) for case in CASES]
+assert sum(case[0] not in SLOW_VARIANTS for case in CASES) >= 32
 
 
 def _env():
@@ -152,7 +158,8 @@ def test_user_error_is_one_line_and_writes_nothing(tool, args, expected, tmp_pat
   assert _snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize('tool', TOOLS)
+@pytest.mark.parametrize('tool', [pytest.param(t, marks=pytest.mark.slow if t in ('moments', 'bench') else ())
+                                  for t in TOOLS])
 def test_help_exits_zero(tool):
   proc = subprocess.run([sys.executable, '-m', f'dsjax.{tool}', '--help'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120)

@@ -1,5 +1,6 @@
 """Input pipeline: TFDS data sources (no TensorFlow needed), two embedded
-offline datasets, and deterministic, resumable, multi-host batch iterators.
+offline datasets, and deterministic, resumable, multi-host batch iterators
+built on Grain (index sampling, sharding, batching and iterator state).
 
     from dsjax.data import dataset_info, make_pipeline
     info = dataset_info(config.data)

@@ -1,48 +1,98 @@
-"""Deterministic, resumable, multi-host input pipelines over TFDS data sources.
+"""Deterministic, resumable, multi-host input pipelines on Grain.
 
-A pipeline is an iterator of numpy batch dicts. Which examples land in the
-batch of global step `t` is a pure function of (seed, t, global batch size):
+A pipeline is an iterator of numpy batch dicts: a chain of lazy
+`grain.MapDataset` transformations iterated through a Grain
+`DatasetIterator`. Grain works on the *index space*: it samples which
+example (or text window) each row of the global stream is, draws per-row
+random choices, batches, shards and keeps the iterator state; a batch-level
+`map` then reads the batch's rows from the TFDS data source (random access
+over array_record files) with one `__getitems__` call. (Reading per element
+inside Grain would decode one record per call, as `MapDataset.batch` fetches
+its elements one by one; batched reads are about twice as fast.)
 
-* Training, images (and very large text sets): the training stream is the
-  concatenation of epochs, epoch `e` being a permutation of the split drawn
-  from Philox keyed by (seed, e). Global step `t` takes positions
-  [t * B, (t + 1) * B) of that stream, so batches run across epoch ends
-  without dropping or repeating examples.
-* Training, text: row `j` of step `t` is the window of seq_len + 1 bytes
-  starting at a random offset of the split's byte stream, the offset drawn
-  from Philox keyed by (seed, t) (word `j`).
+Which examples land in the batch of global step `t` is a pure function of
+(seed, t, global batch size B):
+
+* Training, images: `range(n).shuffle().repeat()` is the endless stream of
+  epochs, epoch `e` being Grain's permutation of the split (an
+  `index_shuffle` bijection, so no permutation array is held) with its seed
+  folded with `e`. Global step `t` takes positions [t * B, (t + 1) * B) of
+  that stream, so batches run across epoch ends without dropping or repeating
+  examples. The optional flip is a `random_map` on that stream, whose
+  generator Grain keys by (seed, stream position).
+* Training, text: the rows are Grain's shuffled stream over the window
+  *start offsets* of the split's byte stream, `range(num_starts).shuffle()
+  .repeat()`, and a row is the window of seq_len + 1 bytes at its start. So
+  the windows come from Grain's index sampler: within an epoch every start
+  offset is used exactly once (sampling without replacement), rather than
+  drawing offsets independently per row. Corpora with more than
+  `MAX_IN_MEMORY_TEXT_DOCUMENTS` documents are not loaded; their rows start at
+  the documents of the shuffled document stream and continue through the
+  following documents.
 * Evaluation: one pass in stored order; images one example per row, text
-  non-overlapping windows; the last global batch is padded and a float32
-  'mask' (1 = real row, 0 = padding) makes averages exact.
+  non-overlapping windows; the pass is padded (Grain `concatenate`) with
+  all-zero rows to a whole number of global batches, and a float32 'mask'
+  (1 = real row, 0 = padding) makes averages exact.
 
-Process `p` of `P` gets rows [p * B/P, (p + 1) * B/P) of every global batch and
-reads only the examples of those rows. Concatenating the shares in process
-order gives the single-process batch, whatever P is; this is the layout that
+Sharding: process `p` of `P` gets rows [p * B/P, (p + 1) * B/P) of every
+global batch. The row stream is batched at the local size b = B/P, which
+makes local batch `t * P + p` exactly that share, and Grain's slice `[p::P]`
+keeps this process' local batches; only those are read. Concatenating the
+shares in process order gives the single-process batch whatever P is, so a
+run's data does not depend on the number of hosts; this is the layout that
 `jax.make_array_from_process_local_data` expects for a batch-sharded array.
+(`ShardOptions` / `dataset[p::P]` on single examples would interleave the
+processes' rows instead and tie the data to P.)
 
-The state is just the global step (plus identifying fields checked on
-restore), so `set_state(get_state())` resumes bitwise exactly, even with a
-different number of processes.
+The state is the Grain iterator's state (`{'next_index': t}`, the number of
+global batches produced, the same on every process) plus identifying fields
+checked on restore, so `set_state(get_state())` resumes bitwise exactly, even
+with a different number of processes. The order depends on Grain's shuffle
+and random_map algorithms; a test pins a few rows so that a Grain upgrade
+which changes them is noticed.
+
+Per-transformation Grain seeds (shuffle, flips, text offsets) are derived from
+the 64-bit run seed with `random_bits` (Philox), one per purpose: Grain takes
+32-bit seeds and reseeds epoch `e` with seed + e, so passing run seeds
+through would make seeds s and s + 1 share all but one epoch's order.
 """
 
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import grain
+import jax
 import numpy as np
+from PIL import Image
 
 from dsjax.data import config as config_lib
 from dsjax.data import random_bits
 from dsjax.data import sources
 
 Batch = dict[str, np.ndarray]
+Row = dict[str, Any]
 
 # Text splits with more documents than this are not loaded into memory for
-# training; instead each row starts at a document of an epoch permutation and
-# continues through the following documents (in stored order). Evaluation
-# splits are always loaded whole.
+# training; instead each row starts at a document of the shuffled document
+# stream and continues through the following documents (in stored order).
+# Evaluation splits are always loaded whole.
 MAX_IN_MEMORY_TEXT_DOCUMENTS = 1_000_000
 _READ_CHUNK = 4096  # Documents per data source read when loading a split.
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 1: the hand-written pipeline's {'step': t}.
+
+# How Grain reads batches. No threads and no prefetch by default: a batch is
+# read when it is requested, which is enough on small machines because the
+# training loop dispatches the jitted step asynchronously and so already
+# overlaps reading with the device. Threads (e.g. ReadOptions(num_threads=2,
+# prefetch_buffer_size=2)) read ahead in parallel and give the same batches:
+# Grain's prefetch returns elements in index order.
+READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def _grain_seed(seed: int, purpose: random_bits.Purpose) -> int:
+  """32-bit seed of one Grain transformation, from the 64-bit run seed."""
+  word = random_bits.random_words(seed, purpose, 0, 1)[0]
+  return int(word >> np.uint64(32))
 
 
 def _as_bytes(text: Any) -> bytes:
@@ -61,8 +111,6 @@ def _resize_and_centre_crop(image: np.ndarray, size: int) -> np.ndarray:
   centre square is cut out. PIL's bilinear filter widens with the scale
   factor, so downscaling is antialiased.
   """
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-
   height, width, _ = image.shape
   scale = size / min(height, width)
   new_height = max(size, round(height * scale))
@@ -78,7 +126,13 @@ def _resize_and_centre_crop(image: np.ndarray, size: int) -> np.ndarray:
 
 
 class Pipeline(Iterator[Batch]):
-  """Common bookkeeping: steps, process shares, state, evaluation padding."""
+  """Common part: sharding, Grain iteration, state, evaluation padding.
+
+  Subclasses describe the rows of training as an endless Grain MapDataset in
+  global order (`_train_rows`: per row, what to read) and read a batch of
+  such descriptions (`_read_train`); for evaluation they read rows at stored
+  positions (`_read_eval`). This class shards, pads and iterates.
+  """
 
   def __init__(self, *, info: sources.DatasetInfo, split: str,
                global_batch_size: int, seed: int, process_index: int,
@@ -92,6 +146,8 @@ class Pipeline(Iterator[Batch]):
     self.train = train
     self.local_batch_size = global_batch_size // process_count
     self.step = 0  # Global batches produced so far.
+    self._dataset = None  # grain.MapDataset of local batches; built lazily.
+    self._iterator = None  # Its grain.DatasetIterator, made on first use.
 
   # -- Subclass interface --------------------------------------------------
 
@@ -100,20 +156,74 @@ class Pipeline(Iterator[Batch]):
     """Rows of one evaluation pass (examples, or text windows)."""
     raise NotImplementedError
 
-  def _train_batch(self, step: int, rows: np.ndarray) -> Batch:
-    """Training batch of global `step`, for global row indices `rows`."""
+  def _train_rows(self) -> grain.MapDataset:
+    """Endless MapDataset: element i describes row i of the global stream."""
     raise NotImplementedError
 
-  def _eval_batch(self, positions: np.ndarray) -> Batch:
-    """Evaluation rows at `positions` (all < num_eval_rows)."""
+  def _read_train(self, rows_b: Any) -> Batch:
+    """Training batch for `rows_b`, b `_train_rows` elements stacked by Grain
+    (a dict of (b,) arrays, or a (b,) array)."""
     raise NotImplementedError
 
-  def _empty_eval_rows(self, num: int) -> Batch:
-    """`num` all-zero rows, padding the last evaluation batch."""
+  def _read_eval(self, positions_n: np.ndarray) -> Batch:
+    """Evaluation rows at stored `positions_n` (n,), all < num_eval_rows."""
     raise NotImplementedError
 
   def _extra_state(self) -> dict[str, Any]:
     return {}
+
+  # -- Grain datasets --------------------------------------------------------
+
+  def _shard(self, rows: grain.MapDataset) -> grain.MapDataset:
+    """Rows in global order -> this process' share of each global batch.
+
+    Local batch k holds rows [k * b, (k + 1) * b), so global batch t is local
+    batches t * P .. t * P + P - 1 and this process' share is the one at
+    t * P + process_index.
+    """
+    batches = rows.batch(self.local_batch_size)
+    return batches[self.process_index::self.process_count]
+
+  def _eval_dataset(self) -> grain.MapDataset:
+    """One pass in stored order, padded to whole global batches."""
+    rows = grain.MapDataset.range(self.num_eval_rows).map(
+        lambda position: {'position': position, 'mask': np.float32(1)})
+    num_padding = self.num_batches * self.global_batch_size - len(rows)
+    if num_padding:
+      padding = grain.MapDataset.range(num_padding).map(
+          lambda _: {'position': 0, 'mask': np.float32(0)})
+      rows = grain.MapDataset.concatenate([rows, padding])
+    return self._shard(rows).map(self._read_eval_padded)
+
+  def _read_eval_padded(self, rows_b: Batch) -> Batch:
+    """Reads the real rows (mask 1); padding rows are all zeros."""
+    mask_b = rows_b['mask']
+    real_b = mask_b > 0
+    real = self._read_eval(rows_b['position'][real_b])
+    batch = {}
+    for key, values_n in real.items():
+      batch[key] = np.zeros((len(mask_b), *values_n.shape[1:]), values_n.dtype)
+      batch[key][real_b] = values_n
+    batch['mask'] = mask_b
+    return batch
+
+  @property
+  def dataset(self) -> grain.MapDataset:
+    """Grain MapDataset of this process' batches (index = global step)."""
+    if self._dataset is None:
+      self._dataset = (self._shard(self._train_rows()).map(self._read_train)
+                       if self.train else self._eval_dataset())
+    return self._dataset
+
+  def _restart(self, iterator_state: dict[str, Any] | None = None) -> None:
+    """A fresh Grain iterator, at the start or at `iterator_state`."""
+    if self._iterator is not None:
+      self._iterator.close()
+    self._iterator = iter(self.dataset.to_iter_dataset(READ_OPTIONS))
+    self.step = 0
+    if iterator_state is not None:
+      self._iterator.set_state(iterator_state)
+      self.step = iterator_state['next_index']
 
   # -- Iteration -------------------------------------------------------------
 
@@ -140,25 +250,15 @@ class Pipeline(Iterator[Batch]):
   def __next__(self) -> Batch:
     if not self.train and self.step >= self.num_batches:
       raise StopIteration
-    first = self.process_index * self.local_batch_size
-    rows = np.arange(first, first + self.local_batch_size)  # This process'.
-    if self.train:
-      batch = self._train_batch(self.step, rows)
-    else:
-      positions = self.step * self.global_batch_size + rows
-      valid = positions < self.num_eval_rows
-      num_valid = int(valid.sum())  # Real rows are a prefix of the share.
-      batch = self._eval_batch(positions[:num_valid])
-      if num_valid < len(rows):
-        padding = self._empty_eval_rows(len(rows) - num_valid)
-        batch = {k: np.concatenate([batch[k], padding[k]]) for k in batch}
-      batch['mask'] = valid.astype(np.float32)
+    if self._iterator is None:
+      self._restart()
+    batch = next(self._iterator)
     self.step += 1
     return batch
 
   def reset(self) -> None:
     """Back to the first batch."""
-    self.step = 0
+    self._restart()
 
   # -- State -----------------------------------------------------------------
 
@@ -173,12 +273,16 @@ class Pipeline(Iterator[Batch]):
     }
 
   def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable state: the global step plus identifying fields.
+    """JSON-serialisable state: the Grain iterator's plus identifying fields.
 
-    The process index/count are not part of it: a run may resume with a
-    different number of processes and still see the same global batches.
+    The process index/count are not part of it: the iterator counts global
+    batches, so a run may resume with a different number of processes and
+    still see the same global batches.
     """
-    return {'version': _STATE_VERSION, 'step': self.step, **self._identity()}
+    if self._iterator is None:
+      self._restart()
+    return {'version': _STATE_VERSION, 'iterator': self._iterator.get_state(),
+            **self._identity()}
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Restores `get_state()` output; the next batch is then bitwise equal."""
@@ -190,36 +294,16 @@ class Pipeline(Iterator[Batch]):
       details = ', '.join(f'{k}: state has {a!r}, pipeline has {b!r}'
                           for k, (a, b) in mismatched.items())
       raise ValueError(f'pipeline state is for another pipeline ({details})')
-    step = state['step']
-    if not isinstance(step, int) or step < 0:
-      raise ValueError(f'pipeline state step must be an int >= 0, got {step}')
-    self.step = step
-
-
-class _EpochOrder:
-  """Example index at each position of the endless epoch-permuted stream."""
-
-  def __init__(self, seed: int, num_examples: int):
-    self._seed = seed
-    self._num_examples = num_examples
-    self._permutations = {}  # epoch -> permutation; keeps the last two.
-
-  def _permutation(self, epoch: int) -> np.ndarray:
-    if epoch not in self._permutations:
-      if len(self._permutations) >= 2:
-        del self._permutations[min(self._permutations)]
-      self._permutations[epoch] = random_bits.permutation(
-          self._seed, random_bits.Purpose.EPOCH_PERMUTATION, epoch,
-          self._num_examples)
-    return self._permutations[epoch]
-
-  def __call__(self, positions: np.ndarray) -> np.ndarray:
-    epochs, offsets = np.divmod(positions, self._num_examples)
-    indices = np.empty_like(positions)
-    for epoch in np.unique(epochs):
-      selected = epochs == epoch
-      indices[selected] = self._permutation(int(epoch))[offsets[selected]]
-    return indices
+    iterator_state = state.get('iterator')
+    next_index = (iterator_state.get('next_index')
+                  if isinstance(iterator_state, dict) else None)
+    limit = None if self.train else self.num_batches
+    if (isinstance(next_index, bool) or not isinstance(next_index, int)
+        or next_index < 0 or (limit is not None and next_index > limit)):
+      raise ValueError(f"pipeline state 'iterator' must be {{'next_index': "
+                       f"int in [0, {limit or 'inf'}]}}, got "
+                       f'{iterator_state!r}')
+    self._restart(iterator_state)
 
 
 class ImagePipeline(Pipeline):
@@ -235,7 +319,6 @@ class ImagePipeline(Pipeline):
     self._source = source
     self._augment = augment and self.train
     self._num_examples = len(source)
-    self._order = _EpochOrder(self.seed, self._num_examples)
     self._image_key = self.info.feature_keys['image']
     self._label_key = self.info.feature_keys['label']
     self._mean = np.asarray(self.info.image_mean, np.float32)
@@ -250,44 +333,57 @@ class ImagePipeline(Pipeline):
     """Epoch of the next batch's first row."""
     return self.step * self.global_batch_size // self._num_examples
 
-  def _read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  def _read(self, indices_n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(images float32 (n, H, W, C) in 0..255, labels int32 (n,))."""
-    records = self._source.__getitems__([int(i) for i in indices])
+    records = self._source.__getitems__([int(i) for i in indices_n])
     height, width, _ = self.info.image_shape
     images = []
     for record in records:
-      image = np.asarray(record[self._image_key])
-      if image.ndim == 2:  # Some decoders drop a single channel axis.
-        image = image[..., None]
-      if image.shape[:2] != (height, width):
-        image = _resize_and_centre_crop(image, height)
-      images.append(image.astype(np.float32))
-    labels = np.array([record[self._label_key] for record in records],
-                      np.int32)
-    return np.stack(images), labels
+      image_hwc = np.asarray(record[self._image_key])
+      if image_hwc.ndim == 2:  # Some decoders drop a single channel axis.
+        image_hwc = image_hwc[..., None]
+      if image_hwc.shape[:2] != (height, width):
+        image_hwc = _resize_and_centre_crop(image_hwc, height)
+      images.append(image_hwc.astype(np.float32))
+    labels_n = np.array([record[self._label_key] for record in records],
+                        np.int32)
+    if not records:
+      return np.zeros((0, *self.info.image_shape), np.float32), labels_n
+    return np.stack(images), labels_n
 
-  def _normalise(self, images: np.ndarray) -> np.ndarray:
-    return (images - self._mean) / self._std
+  def _normalise(self, images_nhwc: np.ndarray) -> np.ndarray:
+    return (images_nhwc - self._mean) / self._std
 
-  def _train_batch(self, step: int, rows: np.ndarray) -> Batch:
-    positions = step * self.global_batch_size + rows
-    images, labels = self._read(self._order(positions))
+  @staticmethod
+  def _draw_flip(index: int, rng: np.random.Generator) -> Row:
+    """Row description with a flip of probability 1/2.
+
+    `rng` is Grain's random_map generator, keyed by (seed, stream position),
+    so a row's flip does not depend on the batch or process it lands in.
+    """
+    return {'index': index, 'flip': rng.random() < 0.5}
+
+  def _train_rows(self) -> grain.MapDataset:
+    indices = (grain.MapDataset.range(self._num_examples)
+               .shuffle(seed=_grain_seed(
+                   self.seed, random_bits.Purpose.EPOCH_PERMUTATION))
+               .repeat())
     if self._augment:
-      words = random_bits.random_words(
-          self.seed, random_bits.Purpose.FLIPS, step, self.global_batch_size)
-      flip = (words[rows] >> np.uint64(63)) == 1
-      images = np.where(flip[:, None, None, None], images[:, :, ::-1], images)
-    return {'image': self._normalise(images), 'label': labels}
+      return indices.random_map(
+          self._draw_flip,
+          seed=_grain_seed(self.seed, random_bits.Purpose.FLIPS))
+    return indices.map(lambda index: {'index': index})
 
-  def _eval_batch(self, positions: np.ndarray) -> Batch:
-    if not len(positions):
-      return self._empty_eval_rows(0)
-    images, labels = self._read(positions)
-    return {'image': self._normalise(images), 'label': labels}
+  def _read_train(self, rows_b: Batch) -> Batch:
+    images_bhwc, labels_b = self._read(rows_b['index'])
+    if 'flip' in rows_b:
+      images_bhwc = np.where(rows_b['flip'][:, None, None, None],
+                             images_bhwc[:, :, ::-1], images_bhwc)
+    return {'image': self._normalise(images_bhwc), 'label': labels_b}
 
-  def _empty_eval_rows(self, num: int) -> Batch:
-    return {'image': np.zeros((num, *self.info.image_shape), np.float32),
-            'label': np.zeros((num,), np.int32)}
+  def _read_eval(self, positions_n: np.ndarray) -> Batch:
+    images_nhwc, labels_n = self._read(positions_n)
+    return {'image': self._normalise(images_nhwc), 'label': labels_n}
 
 
 def _read_byte_stream(source: Sequence[Any], text_key: str) -> np.ndarray:
@@ -329,7 +425,6 @@ class TextPipeline(Pipeline):
             f'{seq_len + 1}')
     else:
       self.stream = None
-      self._order = _EpochOrder(self.seed, len(source))
 
   def _extra_state(self) -> dict[str, Any]:
     return {'seq_len': self.seq_len}
@@ -338,27 +433,33 @@ class TextPipeline(Pipeline):
   def num_eval_rows(self) -> int:
     return (len(self.stream) - 1) // self.seq_len
 
-  def _windows(self, starts: np.ndarray) -> np.ndarray:
-    """int32 (n, seq_len + 1) windows of the stream starting at `starts`."""
-    return self.stream[starts[:, None] + self._window].astype(np.int32)
+  def _windows(self, starts_n: np.ndarray) -> np.ndarray:
+    """int32 (n, seq_len + 1) windows of the stream starting at `starts_n`."""
+    return self.stream[starts_n[:, None] + self._window].astype(np.int32)
 
-  def _train_batch(self, step: int, rows: np.ndarray) -> Batch:
-    if not self.streamed:
-      positions = step * self.global_batch_size + rows
-      return {'tokens': self._document_windows(self._order(positions))}
-    num_starts = len(self.stream) - self.seq_len  # Windows fitting the stream.
-    words = random_bits.random_words(
-        self.seed, random_bits.Purpose.TEXT_OFFSETS, step,
-        self.global_batch_size)
-    starts = (words[rows] % np.uint64(num_starts)).astype(np.int64)
-    return {'tokens': self._windows(starts)}
+  def _train_rows(self) -> grain.MapDataset:
+    if self.streamed:  # Rows are window starts; all windows fit the stream.
+      num_rows = len(self.stream) - self.seq_len
+      purpose = random_bits.Purpose.TEXT_OFFSETS
+    else:  # Rows are the documents the windows start at.
+      num_rows = len(self._source)
+      purpose = random_bits.Purpose.EPOCH_PERMUTATION
+    return (grain.MapDataset.range(num_rows)
+            .shuffle(seed=_grain_seed(self.seed, purpose))
+            .repeat())
 
-  def _document_windows(self, documents: np.ndarray) -> np.ndarray:
-    """Windows starting at each document, continuing into the next ones."""
+  def _read_train(self, rows_b: np.ndarray) -> Batch:
+    if self.streamed:
+      return {'tokens': self._windows(rows_b)}
+    return {'tokens': self._document_windows(rows_b)}
+
+  def _document_windows(self, documents_n: np.ndarray) -> np.ndarray:
+    """int32 (n, seq_len + 1): windows starting at `documents_n` (n,),
+    continuing into the following documents."""
     needed = self.seq_len + 1
-    pieces = [bytearray() for _ in documents]
-    next_document = [int(d) for d in documents]
-    pending = list(range(len(documents)))
+    pieces = [bytearray() for _ in documents_n]
+    next_document = [int(d) for d in documents_n]
+    pending = list(range(len(documents_n)))
     while pending:
       records = self._source.__getitems__(
           [next_document[r] for r in pending])
@@ -374,11 +475,8 @@ class TextPipeline(Pipeline):
     return np.stack([np.frombuffer(bytes(p[:needed]), np.uint8)
                      for p in pieces]).astype(np.int32)
 
-  def _eval_batch(self, positions: np.ndarray) -> Batch:
-    return {'tokens': self._windows(positions * self.seq_len)}
-
-  def _empty_eval_rows(self, num: int) -> Batch:
-    return {'tokens': np.zeros((num, self.seq_len + 1), np.int32)}
+  def _read_eval(self, positions_n: np.ndarray) -> Batch:
+    return {'tokens': self._windows(positions_n * self.seq_len)}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -403,7 +501,7 @@ def make_pipeline(data_config, *, split: str | None = None,
       corpus 'validation').
     global_batch_size: rows per step summed over all processes; must be
       divisible by `process_count`.
-    seed: selects the training order (permutations, offsets, flips).
+    seed: selects the training order (shuffles, window offsets, flips).
     process_index: this process, default `jax.process_index()`.
     process_count: number of processes, default `jax.process_count()`.
     train: True: endless shuffled stream (with augmentation if configured).
@@ -418,13 +516,10 @@ def make_pipeline(data_config, *, split: str | None = None,
   config = config_lib.parse_config(data_config)
   global_batch_size = _check_int('global_batch_size', global_batch_size, 1)
   seed = random_bits.check_seed(seed)
-  if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    process_index = jax.process_index() if process_index is None else (
-        process_index)
-    process_count = jax.process_count() if process_count is None else (
-        process_count)
+  if process_index is None:
+    process_index = jax.process_index()
+  if process_count is None:
+    process_count = jax.process_count()
   process_count = _check_int('process_count', process_count, 1)
   process_index = _check_int('process_index', process_index, 0)
   if process_index >= process_count:

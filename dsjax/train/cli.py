@@ -17,7 +17,7 @@ from typing import Callable, NoReturn
 from absl import app, flags, logging
 
 USAGE_ERROR = 2
-HELP_FLAGS = ('--help', '-h', '-?', '--helpshort', '--helpfull')
+HELP_FLAGS = ('--help', '-help', '-h', '-?', '--helpshort', '-helpshort', '--helpfull', '-helpfull')
 
 
 class Exit(Exception):
@@ -41,6 +41,21 @@ def fail(message: str, status: int = USAGE_ERROR) -> NoReturn:
   one_line = ' '.join(part.strip() for part in str(message).splitlines() if part.strip())
   print(f'{program_name()}: error: {one_line}', file=sys.stderr, flush=True)
   sys.exit(status)
+
+
+def check_output_dir(flag: str, path: str | None):
+  """A ValueError naming `flag` unless `path` is a directory, or can be created as one, that we may write."""
+  if not path:
+    raise ValueError(f'{flag} must name an output directory, got {path!r}')
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f'{flag}={path} exists and is not a directory; name a directory (created if missing)')
+  existing = os.path.abspath(path)
+  while not os.path.lexists(existing):  # The directory that makedirs would create it in.
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
 
 
 def _config_override_error(error: BaseException, argv: list[str]) -> str:
@@ -79,8 +94,9 @@ def _parse_error_message(error: BaseException, argv: list[str]) -> str:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with its failures turned into one line (and `--help` exiting 0)."""
-  if any(a in HELP_FLAGS for a in argv[1:]):
-    app.usage(shorthelp='--helpfull' not in argv, writeto_stdout=True)
+  asked = [a.split('=')[0] for a in argv[1:] if a.split('=')[0] in HELP_FLAGS]
+  if asked:
+    app.usage(shorthelp='helpfull' not in asked[0], writeto_stdout=True)
     sys.exit(0)
   try:
     return flags.FLAGS(argv)

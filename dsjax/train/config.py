@@ -16,10 +16,12 @@ config (`lock_config=True`) so that a mistyped override (`--config.model.detph=4
 
 from __future__ import annotations
 
+import copy
 import math
 
 import ml_collections
 
+from dsjax import data as data_lib
 from dsjax import instrument, models, schemes
 from dsjax.data import config as data_config
 from dsjax.models.config import positive_int
@@ -82,3 +84,15 @@ def validate_config(config, num_devices: int, process_count: int = 1):
 def validate_against_data(config, data_info):
   """Checks that need the dataset's shapes (known before compilation, after the dataset is found)."""
   models.validate_against_data(config.model, config.data.name, data_info)
+
+
+def validate_single_device_run(config):
+  """The checks of a tool that runs the config's model on one device without a mesh (`dsjax.moments`,
+  `dsjax.bench`, `dsjax.sensitivity`): every run check but `mesh.shape`, then the dataset's. Returns
+  the dataset's DatasetInfo."""
+  one_device = copy.deepcopy(config)
+  one_device.mesh.shape = sharding_lib.mesh_config().shape
+  validate_config(one_device, num_devices=1)
+  data_info = data_lib.dataset_info(config.data)
+  validate_against_data(config, data_info)
+  return data_info
