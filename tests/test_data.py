@@ -1,4 +1,4 @@
-"""Tests of dsjax.data: embedded datasets, pipelines, state, sharding, errors.
+"""Tests of dsjax.data: embedded datasets, Grain pipelines, state, sharding.
 
 Everything runs offline in a temporary TFDS data_dir, prepared once per
 session. Two tiny extra TFDS builders defined here stand in for "real"
@@ -14,14 +14,21 @@ import subprocess
 import sys
 
 import chex
+import grain
 import numpy as np
+from PIL import Image
+import pydoc_data.topics
 import pytest
+from sklearn import datasets as sklearn_datasets
 import tensorflow_datasets as tfds
 
 from dsjax import data
 from dsjax.data import embedded
 from dsjax.data import pipeline as pipeline_lib
 from dsjax.data import random_bits
+
+# Training rows 0..7 of sklearn_digits 'train' with seed 0 (Grain's order).
+PINNED_DIGITS_ORDER = [1391, 146, 87, 924, 1480, 318, 487, 658]
 
 
 class DsjaxTestPngImages(tfds.core.GeneratorBasedBuilder):
@@ -44,8 +51,6 @@ class DsjaxTestPngImages(tfds.core.GeneratorBasedBuilder):
             'test': self._generate_examples(10, 2)}
 
   def _generate_examples(self, num, seed):
-    from PIL import Image  # pylint: disable=g-import-not-at-top
-
     rng = np.random.RandomState(seed)
     for i in range(num):
       height, width = rng.randint(10, 20, size=2)
@@ -135,15 +140,13 @@ def test_digits_info_and_split(digits):
   assert (info.train_split, info.eval_split) == ('train', 'test')
   split = embedded.digits_split_indices()
   assert not set(split['train']) & set(split['test'])
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  labels = datasets.load_digits().target
+  labels = sklearn_datasets.load_digits().target
   np.testing.assert_array_equal(np.bincount(labels[split['test']]), [30] * 10)
 
 
 def test_digits_stored_pixels_and_normalisation_constants(digits):
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
   train = _source(digits, 'train')
-  raw = datasets.load_digits().images[embedded.digits_split_indices()['train']]
+  raw = sklearn_datasets.load_digits().images[embedded.digits_split_indices()['train']]
   stored = np.stack([r['image'] for r in train.__getitems__(range(len(train)))])
   chex.assert_shape(stored, (1497, 8, 8, 1))
   chex.assert_type(stored, np.uint8)
@@ -163,7 +166,6 @@ def test_docs_info_and_corpus(docs):
   # The stored text is the Python documentation, in topic order, split once.
   documents = embedded.python_docs_documents()
   joined = lambda docs: ''.join(text for _, text in docs)
-  import pydoc_data.topics  # pylint: disable=g-import-not-at-top
   topics = pydoc_data.topics.topics
   assert joined(documents['train']) + joined(documents['validation']) == (
       ''.join(topics[name] for name in sorted(topics)))
@@ -229,6 +231,27 @@ def test_same_seed_same_batches_other_seed_differs(digits):
       process_index=0, process_count=1)
   _assert_batches_equal(_take(make(7), 3), _take(make(7), 3))
   assert not np.array_equal(next(make(7))['image'], next(make(8))['image'])
+  # Grain reseeds epoch e with seed + e; the run seed is hashed first, so
+  # epoch 1 of seed 7 is not epoch 0 of seed 8.
+  rows_7 = make(7)._train_rows()  # pylint: disable=protected-access
+  rows_8 = make(8)._train_rows()  # pylint: disable=protected-access
+  epoch_1_of_7 = [int(rows_7[1497 + i]['index']) for i in range(16)]
+  epoch_0_of_8 = [int(rows_8[i]['index']) for i in range(16)]
+  assert epoch_1_of_7 != epoch_0_of_8
+
+
+def test_grain_order_is_pinned(digits):
+  # The order is Grain's (index_shuffle, random_map generators): pin the
+  # first rows so that a Grain upgrade that changes it is noticed. Update the
+  # numbers when such a change is intended.
+  pipeline = data.make_pipeline(
+      digits, split='train', global_batch_size=8, seed=0, process_index=0,
+      process_count=1)
+  rows = pipeline._train_rows()  # pylint: disable=protected-access
+  assert [int(rows[i]['index']) for i in range(8)] == PINNED_DIGITS_ORDER
+  stored = _source(digits, 'train').__getitems__(PINNED_DIGITS_ORDER)
+  np.testing.assert_array_equal(next(pipeline)['label'],
+                                [r['label'] for r in stored])
 
 
 @pytest.mark.parametrize('name', ['sklearn_digits', 'python_docs_bytes'])
@@ -240,15 +263,41 @@ def test_state_restore_continues_bitwise(data_dir, name):
   pipeline = make()
   _take(pipeline, 30)  # 30 * 64 > 1497: past an epoch boundary for digits.
   state = json.loads(json.dumps(pipeline.get_state()))
+  assert state['iterator'] == {'next_index': 30}  # Grain's iterator state.
   expected = _take(pipeline, 4)
   resumed = make()
   resumed.set_state(state)
+  assert resumed.step == 30
   _assert_batches_equal(_take(resumed, 4), expected)
-  # A state from another pipeline is refused.
+  # Restoring rewinds a pipeline that has moved on, too.
+  pipeline.set_state(state)
+  _assert_batches_equal(_take(pipeline, 4), expected)
+  # A state from another pipeline, or not a state, is refused in one line.
   other = data.make_pipeline(config, split='train', global_batch_size=64,
                              seed=6, process_index=0, process_count=1)
-  with pytest.raises(ValueError, match='seed'):
+  with pytest.raises(ValueError, match='seed: state has 5, pipeline has 6'):
     other.set_state(state)
+  for bad in ({**state, 'iterator': {'next_index': -1}},
+              {**state, 'iterator': None},
+              {**state, 'version': 1, 'step': 30}):
+    with pytest.raises(ValueError) as error:
+      resumed.set_state(bad)
+    assert '\n' not in str(error.value)
+
+
+def test_eval_state_resumes_mid_pass(digits):
+  make = lambda: data.make_pipeline(
+      digits, split='test', global_batch_size=64, process_index=0,
+      process_count=1, train=False)
+  full = list(make())
+  pipeline = make()
+  _take(pipeline, 2)
+  state = json.loads(json.dumps(pipeline.get_state()))
+  resumed = make()
+  resumed.set_state(state)
+  _assert_batches_equal(list(resumed), full[2:])
+  with pytest.raises(ValueError, match='next_index'):
+    resumed.set_state({**state, 'iterator': {'next_index': 6}})  # 5 batches.
 
 
 @pytest.mark.parametrize('name,train', [
@@ -258,7 +307,8 @@ def test_state_restore_continues_bitwise(data_dir, name):
 ])
 def test_process_shares_concatenate_to_global_batch(data_dir, name, train):
   config = _config(name, data_dir, seq_len=16, image_size=12,
-                   text_key='sentence' if 'sentences' in name else 'text')
+                   text_key='sentence' if 'sentences' in name else 'text',
+                   augment=name == 'dsjax_test_png_images')  # With flips.
   if name in data.EMBEDDED_DATASETS:
     config.image_size = None
   make = lambda index, count: data.make_pipeline(  # Default split.
@@ -272,6 +322,57 @@ def test_process_shares_concatenate_to_global_batch(data_dir, name, train):
       np.testing.assert_array_equal(
           np.concatenate([shares[0][step][key], shares[1][step][key]]),
           single[step][key])
+
+
+class _CountingSource:
+  """Wraps a data source and records the indices read from it."""
+
+  def __init__(self, source):
+    self.source = source
+    self.read = []
+
+  def __len__(self):
+    return len(self.source)
+
+  def __getitems__(self, indices):
+    self.read += list(indices)
+    return self.source.__getitems__(indices)
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_each_process_reads_only_its_rows(digits, train):
+  make = lambda index, count: data.make_pipeline(
+      digits, global_batch_size=16, seed=4, process_index=index,
+      process_count=count, train=train)
+  single = make(0, 1)
+  expected = np.concatenate([b['label'] for b in _take(single, 3)])
+  for index in range(4):
+    share = make(index, 4)
+    share._source = counting = _CountingSource(share._source)  # pylint: disable=protected-access
+    labels = np.concatenate([b['label'] for b in _take(share, 3)])
+    assert len(counting.read) == 3 * 4  # Read lazily, per batch, its rows.
+    stored = np.array([r['label'] for r in
+                       _source(digits, 'train' if train else 'test')
+                       .__getitems__(counting.read)])
+    np.testing.assert_array_equal(labels, stored)
+    rows = np.arange(48).reshape(3, 16)[:, index * 4:(index + 1) * 4]
+    np.testing.assert_array_equal(labels, expected[rows.ravel()])
+
+
+def test_threaded_reading_gives_the_same_batches(digits, monkeypatch):
+  make = lambda: data.make_pipeline(
+      digits, split='train', global_batch_size=32, seed=1, process_index=1,
+      process_count=2)
+  expected = _take(make(), 5)
+  monkeypatch.setattr(pipeline_lib, 'READ_OPTIONS', grain.ReadOptions(
+      num_threads=2, prefetch_buffer_size=3))
+  threaded = make()
+  _assert_batches_equal(_take(threaded, 5), expected)
+  state = threaded.get_state()  # Counts returned, not prefetched, batches.
+  assert state['iterator'] == {'next_index': 5}
+  _take(threaded, 2)
+  threaded.set_state(state)
+  _assert_batches_equal(_take(threaded, 2), _take(make(), 7)[5:])
 
 
 def test_resume_with_another_process_count(digits):
@@ -329,6 +430,7 @@ def test_real_style_png_dataset_resize_and_flip(data_dir):
       process_count=1)
   flipped, plain = next(make(True)), next(make(False))
   chex.assert_shape(flipped['image'], (8, 12, 12, 3))
+  chex.assert_type(flipped['image'], np.float32)
   np.testing.assert_array_equal(flipped['label'], plain['label'])
   is_flip = [np.array_equal(f, p[:, ::-1]) and not np.array_equal(f, p)
              for f, p in zip(flipped['image'], plain['image'])]
@@ -336,6 +438,21 @@ def test_real_style_png_dataset_resize_and_flip(data_dir):
              for f, p in zip(flipped['image'], plain['image'])]
   assert all(a or b for a, b in zip(is_flip, is_same))
   assert any(is_flip) and any(is_same)
+  # A row's flip is drawn per stream position (Grain random_map), so it does
+  # not depend on the batch the row lands in.
+  halves = data.make_pipeline(
+      _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
+      split='train', global_batch_size=4, seed=0, process_index=0,
+      process_count=1)
+  np.testing.assert_array_equal(
+      np.concatenate([b['image'] for b in _take(halves, 2)]),
+      flipped['image'])
+  # Another seed flips other rows.
+  reseeded = data.make_pipeline(
+      _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
+      split='train', global_batch_size=8, seed=1, process_index=0,
+      process_count=1)
+  assert not np.array_equal(next(reseeded)['image'], flipped['image'])
   # Variable-size images need a target size.
   with pytest.raises(ValueError, match='data.image_size'):
     data.dataset_info(_config('dsjax_test_png_images', data_dir))
@@ -365,6 +482,31 @@ def test_text_train_windows(docs):
   info = data.dataset_info(docs)
   # Documents joined by one separator byte each.
   assert len(stream) == info.num_bytes['train'] + info.num_examples['train'] - 1
+
+
+def test_text_train_windows_are_a_shuffle_of_the_start_offsets(data_dir):
+  # Rows are Grain's shuffled stream over window starts: one epoch uses each
+  # start once, the next epoch is another order.
+  config = _config('dsjax_test_sentences', data_dir, text_key='sentence',
+                   seq_len=20)
+  make = lambda seed: data.make_pipeline(
+      config, split='train', global_batch_size=8, seed=seed,
+      process_index=0, process_count=1)
+  pipeline = make(3)
+  stream = pipeline.stream
+  num_starts = len(stream) - 20
+  rows = pipeline._train_rows()  # pylint: disable=protected-access
+  starts = np.array([rows[i] for i in range(2 * num_starts)])
+  np.testing.assert_array_equal(np.sort(starts[:num_starts]),
+                                np.arange(num_starts))
+  np.testing.assert_array_equal(np.sort(starts[num_starts:]),
+                                np.arange(num_starts))
+  assert not np.array_equal(starts[:num_starts], starts[num_starts:])
+  tokens = np.concatenate([b['tokens'] for b in _take(pipeline, 3)])
+  np.testing.assert_array_equal(
+      tokens, stream[starts[:24, None] + np.arange(21)])
+  other = make(4)._train_rows()  # pylint: disable=protected-access
+  assert [other[i] for i in range(8)] != list(starts[:8])
 
 
 def test_text_eval_windows_tile_the_validation_stream(docs):
