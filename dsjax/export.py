@@ -304,7 +304,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
+  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   args = flags.FLAGS
   check = export(args.workdir, args.out, args.rtol)

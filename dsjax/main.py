@@ -25,7 +25,7 @@ def main(argv):
   del argv
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  logging.set_verbosity(logging.INFO)
+  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
   # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   config = _CONFIG.value

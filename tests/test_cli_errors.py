@@ -7,6 +7,7 @@ new file or directory). Every case fails before anything is compiled, so each co
 program's import time.
 """
 
+import fcntl
 import json
 import os
 import pathlib
@@ -33,6 +34,7 @@ FILES = {
     'bad_json/checkpoints/2/': None,
     'empty_dir/': None,
     'read_only/': None,  # Made read-only below: only a non-root user is kept from writing there.
+    'locked/.dsjax.lock': 'pid 1 on elsewhere',  # Held by the test, as a live run would hold it.
 }
 
 MAIN = ['--config=configs/gpt_preln.py', '--workdir={tmp}/w']
@@ -58,6 +60,8 @@ CASES = [
     ('main-unknown-scheme', 'main', MAIN + ['--config.model.scheme=nope'], "'nope'"),
     ('main-empty-workdir', 'main', ['--config=configs/gpt_preln.py', '--workdir='], '--workdir'),
     ('main-workdir-is-file', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/file'], '{tmp}/file'),
+    ('main-workdir-in-use', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/locked'],
+     'is in use by a running dsjax run'),
     ('main-unknown-dataset', 'main', MAIN + ['--config.data.name=not_a_dataset'], 'not_a_dataset'),
     # dsjax.moments
     ('moments-zero-batches', 'moments', MOMENTS + ['--batches=0'], '--batches=0'),
@@ -102,7 +106,7 @@ CASES = [
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
 ]
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
-# Each case costs a process start (about 3 s of imports on 2 cores); the default suite runs the 32
+# Each case costs a process start (about 3 s of imports on 2 cores); the default suite runs the 33
 # that differ most, `-m slow` also runs these variants of them.
 SLOW_VARIANTS = ('main-not-an-int', 'moments-negative-batches', 'moments-missing-out',
                  'moments-unknown-scheme', 'moments-unknown-dataset', 'export-out-is-file',
@@ -113,7 +117,7 @@ MARKS = {
     **{case: pytest.mark.slow for case in SLOW_VARIANTS},
 }
 PARAMS = [pytest.param(*case[1:], id=case[0], marks=MARKS.get(case[0], ())) for case in CASES]
-assert sum(case[0] not in SLOW_VARIANTS for case in CASES) >= 32
+assert sum(case[0] not in SLOW_VARIANTS for case in CASES) >= 33
 
 
 def _env():
@@ -145,11 +149,14 @@ def test_user_error_is_one_line_and_writes_nothing(tool, args, expected, tmp_pat
   _make_files(tmp_path)
   before = _snapshot(tmp_path)
   argv = [a.format(tmp=tmp_path) for a in args]
+  lock = open(tmp_path / 'locked' / '.dsjax.lock')
+  fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
   try:
     proc = subprocess.run([sys.executable, '-m', f'dsjax.{tool}', *argv], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
   finally:
     (tmp_path / 'read_only').chmod(0o755)  # So that pytest can clean up.
+    lock.close()
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode != 0, proc.stderr
   assert 'Traceback' not in proc.stderr, proc.stderr

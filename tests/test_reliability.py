@@ -83,7 +83,7 @@ def test_nonfinite_step_stops_the_run_without_saving_it(tmp_path):
   assert stop.value.status == 3 and '\n' not in message
   assert message.startswith('step ')
   assert 'is nan' in message or 'is inf' in message
-  assert 'first non-finite statistic: layer' in message  # Instrumentation on: names layer and site.
+  assert 'first non-finite statistic: ' in message  # Instrumentation on: names layer and site.
   bad_step = int(message.split(':')[0].split()[1])
   assert all(step < bad_step for step in _steps(tmp_path))
   for step in _steps(tmp_path):
@@ -303,3 +303,13 @@ def test_out_of_memory_and_file_system_errors_are_one_line():
   except RuntimeError as wrapped:
     assert cli.user_error_message(wrapped) == '/ckpt/7/state: No space left on device'
   assert cli.user_error_message(KeyError('a bug')) is None  # Bugs keep their traceback.
+
+
+def test_a_user_error_raised_while_handling_an_os_error_keeps_its_own_message():
+  try:
+    try:
+      raise BlockingIOError(11, 'Resource temporarily unavailable')
+    except BlockingIOError:
+      raise ValueError('--workdir w is in use by a running dsjax run') from None
+  except ValueError as error:
+    assert cli.user_error_message(error) == '--workdir w is in use by a running dsjax run'

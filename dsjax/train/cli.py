@@ -119,15 +119,15 @@ def _os_error_in_chain(error: BaseException) -> OSError | None:
     if isinstance(error, OSError):
       return error
     seen.add(id(error))
-    error = error.__cause__ or error.__context__
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
   return None
 
 
 def user_error_message(error: BaseException) -> str | None:
   """The one-line message of a user error, or None for a bug (which keeps its traceback)."""
-  error = _os_error_in_chain(error) or error
   if isinstance(error, ValueError) and getattr(error, 'dsjax_user_error', True):
     return str(error)
+  error = _os_error_in_chain(error) or error
   if isinstance(error, OSError) and 'Failed loading config file' in str(error):
     return _parse_error_message(error, sys.argv)  # config_flags defers the failure to `.value`.
   if isinstance(error, OSError):

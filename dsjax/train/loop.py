@@ -70,7 +70,9 @@ def _out_of_memory(error: Exception, memory: str) -> ValueError:
 def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None, last_saved) -> str:
   quantity = 'loss' if not np.isfinite(metrics['train/loss']) else 'gradient norm'
   value = metrics['train/loss'] if quantity == 'loss' else metrics['train/grad_norm']
-  site = f' (first non-finite statistic: layer {where[0]}, site {where[1]}, {where[2]})' if where else ''
+  place = ('the embedding' if where and where[0] == 'embedding' else
+           f'layer {where[0]}, site {where[1]}' if where else '')
+  site = f' (first non-finite statistic: {place}, {where[2]})' if where else ''
   saved = f'the last checkpoint is step {last_saved}' if last_saved else 'no checkpoint was written'
   return (f'step {step}: the {quantity} is {value}{site}; stopped without saving this state '
           f'(on_nonfinite=\'stop\'; \'skip\' skips such steps), {saved}')
