@@ -40,7 +40,7 @@ def check_args(config, num_steps: int):
   Returns the DatasetInfo."""
   if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
     raise ValueError(f'--steps must be a positive integer, got {num_steps!r}')
-  data_info = config_lib.validate_single_device_run(config)
+  data_info = config_lib.validate_single_device_run(config, training=True)
   return data_info
 
 

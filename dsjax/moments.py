@@ -91,7 +91,7 @@ def check_config(config):
   """The run's config checks (`dsjax.train.config`), then the dataset's; returns its DatasetInfo.
 
   The measurement runs on one device and never builds the mesh, so `mesh.shape` is not checked."""
-  data_info = config_lib.validate_single_device_run(config)
+  data_info = config_lib.validate_single_device_run(config, training=False)
   return data_info
 
 

@@ -429,7 +429,7 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   if isinstance(num_draws, bool) or not isinstance(num_draws, int) or num_draws < 1:
     raise ValueError(f'--draws must be a positive integer, got {num_draws!r}')
   # The run's config checks; the measurement runs on one device without a mesh, so not mesh.shape.
-  data_info = config_lib.validate_single_device_run(config)
+  data_info = config_lib.validate_single_device_run(config, training=False)
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
                                          write=False)
   measurement = Measurement(config, data_info, prepared)

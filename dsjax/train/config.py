@@ -58,8 +58,9 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   return c
 
 
-def validate_config(config, num_devices: int, process_count: int = 1):
-  """Every check that needs no data: one-line ValueErrors naming the key, the allowed values and the value."""
+def validate_config(config, num_devices: int, process_count: int = 1, training: bool = True):
+  """Every check that needs no data: one-line ValueErrors naming the key, the allowed values and the value.
+  `training=False` (a tool that only measures the model) skips the learning-rate schedule's."""
   for key in RUN_INTS:
     positive_int(key, config[key])
   if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
@@ -69,7 +70,8 @@ def validate_config(config, num_devices: int, process_count: int = 1):
   models.validate_model(config.model)
   schemes.validate(config.model)
   optimizers.validate_optimizer_config(config.optimizer)
-  optimizers.make_schedule(config.optimizer, config.total_steps)  # Checks warmup against total_steps.
+  if training:
+    optimizers.make_schedule(config.optimizer, config.total_steps)  # Checks warmup against total_steps.
   data_config.parse_config(config.data)
   instrument.validate_instrument_config(config.instrument)
 
@@ -86,13 +88,13 @@ def validate_against_data(config, data_info):
   models.validate_against_data(config.model, config.data.name, data_info)
 
 
-def validate_single_device_run(config):
+def validate_single_device_run(config, training: bool):
   """The checks of a tool that runs the config's model on one device without a mesh (`dsjax.moments`,
-  `dsjax.bench`, `dsjax.sensitivity`): every run check but `mesh.shape`, then the dataset's. Returns
-  the dataset's DatasetInfo."""
+  `dsjax.bench`, `dsjax.sensitivity`): every run check but `mesh.shape` (and the schedule's unless it
+  is `training`), then the dataset's. Returns the dataset's DatasetInfo."""
   one_device = copy.deepcopy(config)
   one_device.mesh.shape = sharding_lib.mesh_config().shape
-  validate_config(one_device, num_devices=1)
+  validate_config(one_device, num_devices=1, training=training)
   data_info = data_lib.dataset_info(config.data)
   validate_against_data(config, data_info)
   return data_info
