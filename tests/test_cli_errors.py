@@ -3,8 +3,12 @@
 Each case runs the real program (`python -m dsjax.<tool> ...`) and checks: a non-zero exit, a last
 stderr line `dsjax.<tool>: error: ...` naming the flag, key, path or value, no traceback, and the
 directory holding the case's outputs and workdirs exactly as it was (same files, sizes and mtimes; no
-new file or directory). Every case fails before anything is compiled, so each costs about the
-program's import time.
+new file or directory). Every case fails before anything is compiled, so a fresh interpreter would
+spend almost all of its ~5 s importing jax, flax, orbax, grain and TFDS. The cases therefore start from a
+launcher process that has imported those libraries (not the tools, whose flags must be defined by the
+run itself) and forks one child per case; the child runs the tool exactly as `python -m dsjax.<tool>
+ARGS` does (`runpy`, `__main__`, its own argv, stderr and exit status). `test_help_exits_zero` starts the
+tools as fresh interpreters.
 """
 
 import fcntl
@@ -106,22 +110,63 @@ CASES = [
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
 ]
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
-# Each case costs a process start (about 3 s of imports on 2 cores); the default suite runs the 33
-# that differ most, `-m slow` also runs these variants of them.
-SLOW_VARIANTS = ('main-not-an-int', 'moments-negative-batches', 'moments-missing-out',
-                 'moments-unknown-scheme', 'moments-unknown-dataset', 'export-out-is-file',
-                 'export-missing-out', 'export-missing-workdir', 'bench-unknown-scheme',
-                 'sensitivity-out-is-file', 'sensitivity-missing-config', 'sensitivity-unknown-block')
 MARKS = {
     'sensitivity-out-not-writable': pytest.mark.skipif(IS_ROOT, reason='permissions do not stop root'),
-    **{case: pytest.mark.slow for case in SLOW_VARIANTS},
 }
 PARAMS = [pytest.param(*case[1:], id=case[0], marks=MARKS.get(case[0], ())) for case in CASES]
-assert sum(case[0] not in SLOW_VARIANTS for case in CASES) >= 33
+assert len(CASES) >= 30
 
 
 def _env():
   return {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+
+
+# Reads one case per line (JSON: tool, args, stderr path), forks, and runs the tool as __main__ in the
+# child; answers each case with its exit status. It imports the libraries the tools use, never a tool.
+LAUNCHER = r"""
+import json, os, runpy, sys
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot
+import dsjax.train.loop, dsjax.train.cli, dsjax.theory.verify
+for line in sys.stdin:
+  case = json.loads(line)
+  pid = os.fork()
+  if pid == 0:
+    os.dup2(os.open(case['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    sys.argv = [f"dsjax/{case['tool']}.py", *case['args']]
+    status = 0
+    try:
+      runpy.run_module(f"dsjax.{case['tool']}", run_name='__main__', alter_sys=True)
+    except SystemExit as e:
+      status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+      import traceback
+      traceback.print_exc()
+      status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  _, wait_status = os.waitpid(pid, 0)
+  print(os.waitstatus_to_exitcode(wait_status), flush=True)
+"""
+
+
+@pytest.fixture(scope='module')
+def launch():
+  launcher = subprocess.Popen([sys.executable, '-c', LAUNCHER], cwd=ROOT, env=_env(), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+  def run(tool: str, args: list[str], stderr_path: pathlib.Path) -> subprocess.CompletedProcess:
+    launcher.stdin.write(json.dumps({'tool': tool, 'args': args, 'stderr': str(stderr_path)}) + '\n')
+    launcher.stdin.flush()
+    status = int(launcher.stdout.readline())
+    return subprocess.CompletedProcess(args, status, '', stderr_path.read_text())
+
+  yield run
+  launcher.stdin.close()
+  launcher.wait(timeout=60)
 
 
 def _snapshot(root: pathlib.Path) -> dict[str, tuple[int, int] | None]:
@@ -145,15 +190,14 @@ def _make_files(tmp: pathlib.Path):
 
 
 @pytest.mark.parametrize('tool,args,expected', PARAMS)
-def test_user_error_is_one_line_and_writes_nothing(tool, args, expected, tmp_path):
+def test_user_error_is_one_line_and_writes_nothing(launch, tool, args, expected, tmp_path, tmp_path_factory):
   _make_files(tmp_path)
   before = _snapshot(tmp_path)
   argv = [a.format(tmp=tmp_path) for a in args]
   lock = open(tmp_path / 'locked' / '.dsjax.lock')
   fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
   try:
-    proc = subprocess.run([sys.executable, '-m', f'dsjax.{tool}', *argv], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = launch(tool, argv, tmp_path_factory.mktemp('stderr') / 'stderr.txt')
   finally:
     (tmp_path / 'read_only').chmod(0o755)  # So that pytest can clean up.
     lock.close()
@@ -166,7 +210,7 @@ def test_user_error_is_one_line_and_writes_nothing(tool, args, expected, tmp_pat
 
 
 @pytest.mark.parametrize('tool', [pytest.param(t, marks=pytest.mark.slow if t in ('moments', 'bench') else ())
-                                  for t in TOOLS])
+                                  for t in TOOLS])  # Fresh interpreters: ~5 s each.
 def test_help_exits_zero(tool):
   proc = subprocess.run([sys.executable, '-m', f'dsjax.{tool}', '--help'], cwd=ROOT, env=_env(),
                         capture_output=True, text=True, timeout=120)

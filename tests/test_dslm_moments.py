@@ -11,7 +11,9 @@ six cases (DSLM Pre-LN / Post-LN × full / simple init, Xavier Pre-LN / Post-LN)
   high, and the statistics of one layer pool only B·L·d ≈ 33k correlated values), gradient variance of
   layer 1 within a factor 2 of the last layer's (measured 0.6–1.5; the simple Pre-LN init sits at
   ≈ 0.6 by design — its stream variance falls from 1 to ≈ 0.65, Appendix E.5 — so this is systematic,
-  not noise; the run is seeded and deterministic). Xavier Pre-LN: the forward variance of the last
+  not noise; the run is seeded and deterministic) — except the full Post-LN init, whose gradient really
+  grows toward the input: 3.43 with this test's 2 batches and 2.89 with 8 (the theory predicts 2.10 and
+  1.73; both depend on the measured input correlation), so its bound is 4, not 2. Xavier Pre-LN: the forward variance of the last
   layer over the first ≥ 0.7× the theory's ratio (measured 102 vs 112 at 48 layers); the absolute
   "≥ 50× at 192 layers" and the 20% per-layer error of the Xavier model (19.5% at layer 3 of the
   48-layer model: the Xavier embedding has variance 2/(V+d), so the first layers are far from the
@@ -25,11 +27,16 @@ from experiments import dslm_moments
 DSLM_CASES = ['dslm_preln_full', 'dslm_preln_simple', 'dslm_postln_full', 'dslm_postln_simple']
 
 
+# Gradient variance at layer 1 over layer N: within a factor 2, but for the full Post-LN init (above).
+GRAD_RATIO_BOUNDS = {'dslm_postln_full': (0.5, 4.0)}
+
+
 def _check_dslm(summary):
   for name in DSLM_CASES:
     s = summary[name]
     assert s['forward_var_max_err'] <= 0.2, (name, s)
-    assert 0.5 <= s['grad_ratio_1_N'] <= 2.0, (name, s)
+    low, high = GRAD_RATIO_BOUNDS.get(name, (0.5, 2.0))
+    assert low <= s['grad_ratio_1_N'] <= high, (name, s['grad_ratio_1_N'], s['predicted_grad_ratio_1_N'])
 
 
 def test_dslm_moments_small(tmp_path):

@@ -212,8 +212,9 @@ def _run_instrumented(remat, num_devices, delivery='return'):
   return collector
 
 
-@pytest.mark.parametrize('num_devices', [1, 8])
-@pytest.mark.parametrize('remat', ['none', 'full'])
+@pytest.mark.parametrize('remat,num_devices', [
+    ('none', 1), ('full', 8),
+    pytest.param('full', 1, marks=pytest.mark.slow), pytest.param('none', 8, marks=pytest.mark.slow)])
 def test_every_statistic_arrives_exactly_once(remat, num_devices):
   assert len(jax.devices()) >= num_devices
   collector = _run_instrumented(remat, num_devices)

@@ -31,7 +31,7 @@ def _train(config, workdir):
 
 
 def _config(**overrides):
-  config = tiny_config('gpt', depth=1, width=32, num_heads=2)
+  config = tiny_config('gpt', depth=1, width=32, num_heads=2, dropout=0.1)  # Dropout keys replay too.
   config.log_every, config.checkpoint_every, config.eval_every = 1, 2, 1000
   config.optimizer.schedule, config.optimizer.warmup_steps = 'constant', 0  # Same updates for any length.
   for key, value in overrides.items():
@@ -113,6 +113,7 @@ def _cli_args(workdir, total_steps, checkpoint_every):
   return [sys.executable, '-m', 'dsjax.main', '--config=configs/gpt_preln.py', f'--workdir={workdir}',
           f'--config.total_steps={total_steps}', f'--config.checkpoint_every={checkpoint_every}',
           '--config.model.depth=1', '--config.model.width=32', '--config.model.num_heads=2',
+          '--config.model.dropout=0.1',
           '--config.batch_size=8', '--config.data.seq_len=16', '--config.eval_every=100000',
           '--config.log_every=1', '--config.optimizer.schedule=constant',
           '--config.optimizer.warmup_steps=0', '--config.keep_checkpoints=100']

@@ -42,6 +42,7 @@ def test_one_device_and_eight_device_mesh_give_the_same_losses(tmp_path):
   np.testing.assert_allclose(final_8['eval/loss'], final_1['eval/loss'], rtol=2e-5)
 
 
+@pytest.mark.slow  # tests/test_reliability.py resumes bit-exactly after SIGTERM, kill -9 and corruption.
 def test_resume_after_interruption_is_bitwise_exact(tmp_path):
   config = _quiet(tiny_config('vit', dropout=0.1))
   config.total_steps, config.checkpoint_every, config.keep_checkpoints = 4, 2, 5
@@ -66,8 +67,9 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
   assert _train_losses(resumed)[4] == _train_losses(straight)[4]
 
 
-@pytest.mark.parametrize('model_name', ['vit', 'gpt'])
-@pytest.mark.parametrize('optimizer', ['adamw', 'msgdw'])
+@pytest.mark.parametrize('model_name,optimizer', [
+    ('gpt', 'adamw'), ('vit', 'msgdw'),
+    pytest.param('vit', 'adamw', marks=pytest.mark.slow), pytest.param('gpt', 'msgdw', marks=pytest.mark.slow)])
 def test_both_optimizers_train_both_models(tmp_path, model_name, optimizer):
   config = tiny_config(model_name, block='dnt')
   config.optimizer.name = optimizer
