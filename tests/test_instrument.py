@@ -334,7 +334,8 @@ def test_off_means_off():
   assert table_type in str(jax.make_jaxpr(instrumented_fn)(state, batch))  # positive control
 
 
-@pytest.mark.parametrize('delivery', ['return', 'callback'])
+# The callback path's exactly-once delivery is checked above without the loop; through the loop, slow.
+@pytest.mark.parametrize('delivery', ['return', pytest.param('callback', marks=pytest.mark.slow)])
 def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path, delivery):
   from dsjax.train import loop
   config = tiny_config('gpt', depth=2)

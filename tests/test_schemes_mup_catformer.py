@@ -308,6 +308,7 @@ def test_catformer_bad_configs():
     config_lib.validate_config(config, num_devices=1)
 
 
+@pytest.mark.slow  # Resuming a run is checked in tests/test_reliability.py; this is Catformer's own tree.
 def test_catformer_gpt_trains_and_resumes_from_its_checkpoint(tmp_path):
   config = _cat_config(depth=2, width=32, dropout=0.1)
   _smoke(config, tmp_path, steps=2)
