@@ -24,7 +24,6 @@ from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
-from dsjax.train.metrics import MetricWriter
 
 
 def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
@@ -143,7 +142,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     lock.record_owner()
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
-    for name in (MetricWriter.FILE, instrument_lib.MOMENTS_FILE):  # Rows a resumed run logs again.
+    for name in (metrics_lib.METRICS_FILE, instrument_lib.MOMENTS_FILE):  # Rows a resumed run logs again.
       metrics_lib.drop_rows_after(os.path.join(workdir, name), first_step)
 
   # ----------------------------------------------------------------------------------------------
@@ -195,7 +194,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   # first, so no checkpoint holds a non-finite step. Evaluation and checkpoints happen at their
   # intervals and always at the last step; SIGTERM/SIGINT save the current step and stop.
   # ----------------------------------------------------------------------------------------------
-  writer = MetricWriter(workdir, enabled=is_chief)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_chief)
   progress = metrics_lib.Progress(first_step, config.total_steps)
   pending: dict[str, Any] | None = None  # {'step', 'train' (device arrays), 'eval' (floats), 'batch'}
   last_eval: dict[str, float] = {}

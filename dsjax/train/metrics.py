@@ -4,19 +4,15 @@ progress clock of the training loop."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 
 from tensorboardX import SummaryWriter  # Writes event files without TensorFlow.
 
+from dsjax.instrument import json_value  # NaN/Inf as null: JSON has neither.
+
 METRICS_FILE = 'metrics.jsonl'
 PROGRESS_SECONDS = 10.0  # A progress line at least this often, whatever `log_every` is.
-
-
-def _json_value(value: float) -> float | None:
-  value = float(value)
-  return value if math.isfinite(value) else None  # JSON has no NaN/Inf.
 
 
 def drop_rows_after(path: str, step: int) -> int:
@@ -35,7 +31,6 @@ def drop_rows_after(path: str, step: int) -> int:
 
 
 class MetricWriter:
-  FILE = METRICS_FILE
 
   def __init__(self, workdir: str, *, enabled: bool = True):
     self.enabled = enabled
@@ -47,7 +42,7 @@ class MetricWriter:
   def write(self, step: int, metrics: dict[str, float]):
     if not self.enabled:
       return
-    row = {'step': int(step), **{k: _json_value(v) for k, v in metrics.items()}}
+    row = {'step': int(step), **{k: json_value(v) for k, v in metrics.items()}}
     self.jsonl.write(json.dumps(row, allow_nan=False) + '\n')
     self.jsonl.flush()
     for name, value in row.items():
