@@ -13,14 +13,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsjax.models.config import MODEL_NAMES, model_config, validate_against_data, validate_model
+from dsjax.models.config import (MODEL_NAMES, attention_implementation, compute_dtype, model_config,
+                                 validate_against_data, validate_model)
 from dsjax.models.gpt import GPT
 from dsjax.models.plan import InitPlan, ModelDims, NormLayout
 from dsjax.models.transformer import TransformerConfig
 from dsjax.models.vit import ViT
 
 __all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'build_model', 'model_config', 'model_dims',
-           'model_inputs', 'nonstandard_residual', 'transformer_config', 'validate_against_data', 'validate_model']
+           'model_inputs', 'nonstandard_residual', 'attention_implementation', 'compute_dtype', 'transformer_config', 'validate_against_data', 'validate_model']
 
 
 def transformer_config(model_config, plan: InitPlan | None = None) -> TransformerConfig:
@@ -32,7 +33,8 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
       norm_eps=m.norm_eps,
       layout=NormLayout.for_block(m.block, m.dnt_setting, m.get('final_norm', None)),
       causal=(m.name == 'gpt'), use_bias=m.use_bias, distribution=m.init_distribution,
-      remat=m.remat, scan_layers=m.scan_layers)
+      remat=m.remat, scan_layers=m.scan_layers, scan_unroll=m.scan_unroll, dtype=compute_dtype(m),
+      attention=attention_implementation(m))
   if plan is None:
     return cfg
   return dataclasses.replace(
@@ -65,13 +67,25 @@ def build_model(config, data_info, plan: InitPlan, rngs: nnx.Rngs) -> nnx.Module
   m = config.model
   cfg = transformer_config(m, plan)
   if m.name == 'vit':
-    return ViT(cfg, plan, image_shape=data_info.image_shape, patch_size=m.patch_size,
-               num_classes=data_info.num_classes, pos_embedding=m.pos_embedding, pooling=m.pooling,
-               rngs=rngs)
-  if m.name == 'gpt':
-    return GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=config.data.seq_len,
-               tie_embeddings=m.tie_embeddings, rngs=rngs)
-  raise ValueError(f'model.name must be one of {list(MODEL_NAMES)}, got {m.name!r}')
+    model = ViT(cfg, plan, image_shape=data_info.image_shape, patch_size=m.patch_size,
+                num_classes=data_info.num_classes, pos_embedding=m.pos_embedding, pooling=m.pooling,
+                rngs=rngs)
+  elif m.name == 'gpt':
+    model = GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=config.data.seq_len,
+                tie_embeddings=m.tie_embeddings, rngs=rngs)
+  else:
+    raise ValueError(f'model.name must be one of {list(MODEL_NAMES)}, got {m.name!r}')
+  return cast_params(model, m.param_dtype)
+
+
+def cast_params(model: nnx.Module, param_dtype: str) -> nnx.Module:
+  """Stores the trainable parameters in `param_dtype` (drawn in float32, then rounded). The optimizer
+  keeps its state in float32 either way (`dsjax.train.optimizers`)."""
+  if param_dtype == 'float32':
+    return model
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+  return nnx.merge(graphdef, params, rest)
 
 
 def nonstandard_residual(model: nnx.Module) -> str | None:

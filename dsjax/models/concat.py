@@ -71,13 +71,14 @@ class ConcatLayer(nnx.Module):
     w_attn, w_ffn, g = concat.stream_widths[2 * n], concat.stream_widths[2 * n + 1], concat.growth
     norm = lambda enabled, dim: layers.make_norm(enabled, dim, cfg.norm, cfg.norm_eps)
     lr_scale = dict(cfg.lr_scale)
-    self.dropout = cfg.dropout
+    self.dropout, self.dtype = cfg.dropout, cfg.dtype
     self.pre_attn_norm, self.mid_attn_norm = norm(lay.pre_attn, w_attn), norm(lay.mid_attn, g)
     self.attn = layers.Attention(
         w_attn, cfg.num_heads, stds=layer_init, distribution=cfg.distribution, use_bias=cfg.use_bias,
         qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps, causal=cfg.causal,
         attn_dropout=cfg.attn_dropout, logit_scale=cfg.attn_logit_scale, identity_mix=cfg.attn_identity,
-        lr_scale=lr_scale, inner_width=concat.attn_width, out_width=g, rngs=rngs)
+        lr_scale=lr_scale, inner_width=concat.attn_width, out_width=g, implementation=cfg.attention,
+        rngs=rngs)
     self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn, w_ffn), norm(lay.mid_ffn, g)
     self.ffn = layers.FFN(w_ffn, concat.ffn_hidden, activation=cfg.activation, stds=layer_init,
                           distribution=cfg.distribution, use_bias=cfg.use_bias, lr_scale=lr_scale,
@@ -86,7 +87,7 @@ class ConcatLayer(nnx.Module):
   def attention_module(self, x_BLW: jax.Array, keys: tuple[Any, Any], *, layer: jax.Array,
                        probe: Probe = no_probe) -> jax.Array:
     """x ← concat[x, Drop(MidNorm(Attention(PreNorm(x))))]; keys: (attention probabilities, output)."""
-    h_BLG = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLW), keys[0])
+    h_BLG = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLW).astype(self.dtype), keys[0])
     h_BLG = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLG), self.dropout, keys[1])
     h_BLG = probe('attn_branch', h_BLG, layer)
     return probe('attn_residual', jnp.concatenate([x_BLW, h_BLG], axis=-1), layer)
@@ -94,7 +95,7 @@ class ConcatLayer(nnx.Module):
   def ffn_module(self, x_BLW: jax.Array, key: Any, *, layer: jax.Array,
                  probe: Probe = no_probe) -> jax.Array:
     """x ← concat[x, Drop(MidNorm(FFN(PreNorm(x))))]."""
-    h_BLG = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLW))
+    h_BLG = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLW).astype(self.dtype))
     h_BLG = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLG), self.dropout, key)
     h_BLG = probe('ffn_branch', h_BLG, layer)
     return probe('ffn_residual', jnp.concatenate([x_BLW, h_BLG], axis=-1), layer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import ml_collections
 from ml_collections import config_dict
 
@@ -38,8 +39,13 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.attn_dropout = 0.0            # attention probabilities
   m.use_bias = True
   m.init_distribution = 'normal'  # 'normal' | 'truncated_normal' | 'uniform' (every weight's draw)
-  m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name
+  # How a step is computed (none of these changes the parameters; a run may resume with others).
+  m.dtype = 'auto'                # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
+  m.param_dtype = 'float32'       # storage of the parameters: 'float32' | 'bfloat16'
+  m.attention = 'auto'            # 'xla' | 'cudnn' (fused, GPU, bf16) | 'auto' (cudnn where it applies)
+  m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
+  m.scan_unroll = 1               # layers per scan iteration
   # ViT only.
   m.patch_size = 2
   m.pos_embedding = 'learned'     # 'learned' | 'sincos2d'
@@ -52,7 +58,10 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
 # Model keys that a resumed run may change: they alter how a step is computed (regularisation,
 # rematerialisation), not the parameters or what they mean. Every other model key is part of the
 # architecture that a checkpoint was trained with.
-RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat')
+RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat', 'dtype', 'attention', 'scan_layers', 'scan_unroll')
+
+DTYPES = ('float32', 'bfloat16')
+ATTENTIONS = ('auto', 'xla', 'cudnn')
 
 
 def one_of(key: str, value, allowed):
@@ -105,12 +114,49 @@ def validate_model(m) -> None:
   number('model.dropout', m.dropout, low=0, high=1, high_open=True)
   number('model.attn_dropout', m.attn_dropout, low=0, high=1, high_open=True)
   one_of('model.init_distribution', m.init_distribution, INIT_DISTRIBUTIONS)
+  one_of('model.dtype', m.dtype, ('auto',) + DTYPES)
+  one_of('model.param_dtype', m.param_dtype, DTYPES)
+  one_of('model.attention', m.attention, ATTENTIONS)
+  attention_implementation(m)  # Checks that an explicit 'cudnn' can run here.
   one_of('model.remat', m.remat, REMAT_POLICIES)
   boolean('model.scan_layers', m.scan_layers)
+  positive_int('model.scan_unroll', m.scan_unroll)
   one_of('model.pos_embedding', m.pos_embedding, POS_EMBEDDINGS)
   one_of('model.pooling', m.pooling, POOLINGS)
   if m.name == 'vit' and m.pos_embedding == 'sincos2d' and m.width % 4:
     raise ValueError(f'model.width must be divisible by 4 with model.pos_embedding=sincos2d, got {m.width}')
+
+
+def compute_dtype(m, backend: str | None = None) -> str:
+  """`model.dtype` with 'auto' resolved: bfloat16 on accelerators (GPU, TPU), float32 on the CPU (which
+  has no fast bf16 matmuls, and where the theory's checks run)."""
+  if m.dtype != 'auto':
+    return m.dtype
+  return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
+
+
+def attention_implementation(m, backend: str | None = None) -> str:
+  """`model.attention` resolved to a `jax.nn.dot_product_attention` implementation ('xla' | 'cudnn').
+
+  'auto' takes cuDNN's fused kernel where it applies — an NVIDIA GPU, bf16 compute, no attention dropout
+  (the kernel never forms the probabilities to drop), a head dimension the kernel supports (a multiple
+  of 8, at most 128) — and the XLA path elsewhere. An explicit 'cudnn' that cannot apply is an error.
+  """
+  backend = backend or jax.default_backend()
+  head_dim = m.width // m.num_heads
+  blockers = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernel has no dropout)'),
+              'model.dtype': (compute_dtype(m, backend) != 'bfloat16', 'must be bfloat16 (or auto on a GPU)'),
+              'model.width / model.num_heads': (head_dim % 8 or head_dim > 128,
+                                                f'(the head dimension, {head_dim}) must be a multiple of 8 '
+                                                'and at most 128'),
+              'the backend': (backend != 'gpu', f'must be a GPU, not {backend}')}
+  if m.attention == 'xla':
+    return 'xla'
+  blocked = [(key, why) for key, (is_blocked, why) in blockers.items() if is_blocked]
+  if m.attention == 'cudnn' and blocked:
+    key, why = blocked[0]
+    raise ValueError(f'model.attention=cudnn needs {key} that {why}')
+  return 'xla' if blocked else 'cudnn'
 
 
 def validate_against_data(m, data_name: str, data_info) -> None:

@@ -31,6 +31,7 @@ class GPT(nnx.Module):
                                                          plan.distribution), (None, 'embed'),
                                       lr.get('pos', 1.0))
     self.trunk = make_trunk(cfg, plan, rngs=rngs)
+    self.dtype = cfg.dtype
     self.head = None if tie_embeddings else layers.Dense(
         head_width, vocab_size, std=0.0 if plan.zero_head else plan.head_std,
         distribution=plan.distribution, use_bias=False, axes=('embed', 'vocab'),
@@ -42,7 +43,7 @@ class GPT(nnx.Module):
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
                probe: Probe = no_probe) -> jax.Array:
     """Next-token logits (B, L, vocab)."""
-    x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe)
+    x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      return x_BLD @ self.token_embed[...].T
+      return x_BLD @ self.token_embed[...].astype(self.dtype).T
     return self.head(x_BLD)

@@ -83,9 +83,11 @@ class Dense(nnx.Module):
     self.bias = param(jnp.zeros((d_out,)), axes[1:]) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = x @ self.kernel[...]
+    # The matmul runs in the input's dtype (the compute dtype the block casts its branch input to),
+    # whatever the parameters are stored in.
+    y = x @ self.kernel[...].astype(x.dtype)
     if self.bias is not None:
-      y = y + self.bias[...]
+      y = y + self.bias[...].astype(x.dtype)
     return y
 
 
@@ -107,9 +109,9 @@ class Norm(nnx.Module):
     if self.kind == 'layernorm':
       x32 = x32 - x32.mean(-1, keepdims=True)
     y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
-    y = y.astype(x.dtype) * self.scale[...]
+    y = y.astype(x.dtype) * self.scale[...].astype(x.dtype)
     if self.bias is not None:
-      y = y + self.bias[...]
+      y = y + self.bias[...].astype(x.dtype)
     return y
 
 
@@ -129,13 +131,24 @@ class Attention(nnx.Module):
   `logit_scale` multiplies q·k (default 1/sqrt(d_head); μP uses 1/d_head, Noci et al. 2022 τ/sqrt(d_head)).
   `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1) and β (init 0),
   Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4).
+
+  `implementation` is that of `jax.nn.dot_product_attention`: 'xla' (the probabilities materialised,
+  B·H·L² memory) or 'cudnn' (the fused flash-attention kernel of cuDNN on NVIDIA GPUs, memory linear in
+  L; bf16/fp16 inputs). Both compute the logits and the softmax in float32. Attention dropout needs the
+  probabilities, so a training call with `attn_dropout > 0` always takes the explicit path
+  `_attention_with_dropout`, which computes the same thing as 'xla' and then drops probabilities.
   """
 
   def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,
                use_bias: bool, qk_norm: bool, norm_kind: str, norm_eps: float, causal: bool,
                attn_dropout: float, rngs: nnx.Rngs, logit_scale: float | None = None,
                identity_mix: bool = False, lr_scale: dict[str, float] | None = None,
-               inner_width: int | None = None, out_width: int | None = None):
+               inner_width: int | None = None, out_width: int | None = None,
+               implementation: str = 'xla'):
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f'model.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, '
+                       f'got {implementation!r}')
+    self.implementation = implementation
     inner = d if inner_width is None else inner_width
     out = d if out_width is None else out_width
     self.num_heads, self.head_dim = num_heads, inner // num_heads
@@ -160,16 +173,34 @@ class Attention(nnx.Module):
     q_BLHK = apply_norm(self.q_norm, split_heads(self.q(x_BLD)))
     k_BLHK = apply_norm(self.k_norm, split_heads(self.k(x_BLD)))
     v_BLHK = split_heads(self.v(x_BLD))
-    logits_BHLL = jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK) * jnp.asarray(self.logit_scale, x_BLD.dtype)
-    if self.causal:
-      mask_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
-      logits_BHLL = jnp.where(mask_LL, logits_BHLL, jnp.finfo(logits_BHLL.dtype).min)
-    probs_BHLL = jax.nn.softmax(logits_BHLL.astype(jnp.float32), axis=-1).astype(x_BLD.dtype)
-    probs_BHLL = dropout(probs_BHLL, self.attn_dropout, dropout_key)
-    out_BLHK = jnp.einsum('bhqt,bthk->bqhk', probs_BHLL, v_BLHK)
+    if self.attn_dropout > 0.0 and dropout_key is not None:
+      out_BLHK = _attention_with_dropout(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal,
+                                         self.attn_dropout, dropout_key)
+    else:
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=self.logit_scale,
+                                              is_causal=self.causal, implementation=self.implementation)
     if self.mix_identity is not None:  # (α·I + β·A)·V = α·V + β·A·V
-      out_BLHK = self.mix_identity[...] * v_BLHK + self.mix_attention[...] * out_BLHK
+      mix = lambda a: a[...].astype(v_BLHK.dtype)
+      out_BLHK = mix(self.mix_identity) * v_BLHK + mix(self.mix_attention) * out_BLHK
     return self.o(out_BLHK.reshape(b, l, self.num_heads * self.head_dim))
+
+
+ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
+
+
+def _attention_with_dropout(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
+                            causal: bool, rate: float, dropout_key: jax.Array) -> jax.Array:
+  """softmax(scale·q·kᵀ (causally masked)) with dropout on the probabilities, times v; logits and
+  softmax in float32 as in `jax.nn.dot_product_attention`."""
+  l = q_BLHK.shape[1]
+  logits_BHLL = jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK, preferred_element_type=jnp.float32)
+  logits_BHLL = logits_BHLL * logit_scale
+  if causal:
+    logits_BHLL = jnp.where(jnp.tril(jnp.ones((l, l), dtype=bool)), logits_BHLL,
+                            jnp.finfo(jnp.float32).min)
+  probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1).astype(v_BLHK.dtype)
+  probs_BHLL = dropout(probs_BHLL, rate, dropout_key)
+  return jnp.einsum('bhqt,bthk->bqhk', probs_BHLL, v_BLHK)
 
 
 ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': lambda x: jax.nn.gelu(x, approximate=False)}

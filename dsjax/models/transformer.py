@@ -15,9 +15,15 @@ are stored in the model — as `Constant`s, or as `nnx.Param`s when the plan mak
 or width-d vectors; one per add or one per layer — so a checkpoint carries them.
 
 The layers are created with `nnx.vmap` (parameters stacked on a leading `depth` axis) and run with
-`jax.lax.scan`, so trace and compile time do not grow with depth (`scan_layers=False` runs the same
-stacked layers in a Python loop); `remat` names a `jax.checkpoint_policies` policy to trade compute for
-memory in deep stacks. A concatenation residual (`InitPlan.concat`) replaces the stack by
+`jax.lax.scan`, so trace and compile time do not grow with depth (`scan_unroll` puts that many layers in
+one scan iteration, `scan_layers=False` runs the same stacked layers in a Python loop: both give XLA
+more to fuse and schedule across layers, for the last percent on a GPU); `remat` names a
+`jax.checkpoint_policies` policy to trade compute for memory in deep stacks ('dots_saveable' saves
+every matmul output and recomputes the rest, 'full' saves only each layer's input).
+
+Precision: the residual stream and every norm's statistics are float32; each branch (attention, FFN)
+runs in `dtype` (bfloat16 for speed on GPUs/TPUs), its input cast on entry, and its output joins the
+float32 stream by type promotion — the mixed precision of PyTorch autocast. A concatenation residual (`InitPlan.concat`) replaces the stack by
 `dsjax.models.concat.ConcatTrunk`, whose modules have distinct widths and are not scanned.
 """
 
@@ -70,6 +76,9 @@ class TransformerConfig:
   lr_scale: tuple[tuple[str, float], ...] = ()  # (weight type, learning-rate multiplier) pairs
   remat: str = 'none'
   scan_layers: bool = True      # False: a Python loop over the layers (per-layer values can leave it)
+  scan_unroll: int = 1          # layers per scan iteration (jax.lax.scan's `unroll`)
+  dtype: str = 'float32'        # compute dtype of the branches (the residual stream stays float32)
+  attention: str = 'xla'        # jax.nn.dot_product_attention implementation: 'xla' | 'cudnn'
 
 
 def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
@@ -96,7 +105,7 @@ class Block(nnx.Module):
         cfg.width, cfg.num_heads, stds=layer_init, distribution=cfg.distribution,
         use_bias=cfg.use_bias, qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps,
         causal=cfg.causal, attn_dropout=cfg.attn_dropout, logit_scale=cfg.attn_logit_scale,
-        identity_mix=cfg.attn_identity, lr_scale=lr_scale, rngs=rngs)
+        identity_mix=cfg.attn_identity, lr_scale=lr_scale, implementation=cfg.attention, rngs=rngs)
     self.ffn = layers.FFN(cfg.width, cfg.mlp_hidden, activation=cfg.activation, stds=layer_init,
                           distribution=cfg.distribution, use_bias=cfg.use_bias, lr_scale=lr_scale,
                           rngs=rngs)
@@ -119,14 +128,15 @@ class Block(nnx.Module):
     p = self.cfg.dropout
     keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
     scale = self.scales()
+    branch_input = lambda t: t.astype(self.cfg.dtype)
 
-    h_BLD = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLD), keys[0])
+    h_BLD = self.attn(branch_input(layers.apply_norm(self.pre_attn_norm, x_BLD)), keys[0])
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
     h_BLD = probe('attn_branch', h_BLD, layer)
     x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
     x_BLD = probe('attn_residual', layers.apply_norm(self.post_attn_norm, x_BLD), layer)
 
-    h_BLD = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLD))
+    h_BLD = self.ffn(branch_input(layers.apply_norm(self.pre_ffn_norm, x_BLD)))
     h_BLD = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLD), p, keys[2])
     h_BLD = probe('ffn_branch', h_BLD, layer)
     x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
@@ -147,7 +157,8 @@ class LayerStack(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, rngs: nnx.Rngs):
     """`layer_init[name]` has shape (depth,): layer n is built from entry n of each array."""
-    self.depth, self.remat, self.scan_layers = cfg.depth, cfg.remat, cfg.scan_layers
+    self.depth, self.remat = cfg.depth, cfg.remat
+    self.scan_layers, self.scan_unroll = cfg.scan_layers, cfg.scan_unroll
 
     @nnx.split_rngs(splits=cfg.depth)
     @nnx.vmap(in_axes=(0, 0), out_axes=0)
@@ -171,7 +182,8 @@ class LayerStack(nnx.Module):
         layer_xs = jax.tree.map(lambda a: a[n], (stacked_state, layer_keys, jnp.arange(self.depth)))
         x_BLD, _ = layer_fn(x_BLD, layer_xs)
       return x_BLD
-    x_BLD, _ = jax.lax.scan(layer_fn, x_BLD, (stacked_state, layer_keys, jnp.arange(self.depth)))
+    x_BLD, _ = jax.lax.scan(layer_fn, x_BLD, (stacked_state, layer_keys, jnp.arange(self.depth)),
+                            unroll=min(self.scan_unroll, self.depth))
     return x_BLD
 
 

@@ -43,7 +43,7 @@ class ViT(nnx.Module):
   def __init__(self, cfg: TransformerConfig, plan: InitPlan, *, image_shape: tuple[int, int, int],
                patch_size: int, num_classes: int, pos_embedding: str, pooling: str, rngs: nnx.Rngs):
     h, w, c = image_shape
-    self.patch_size, self.pooling = patch_size, pooling
+    self.patch_size, self.pooling, self.dtype = patch_size, pooling, cfg.dtype
     grid_h, grid_w = h // patch_size, w // patch_size
     d, head_width = embedding_and_head_widths(cfg, plan)
     lr = plan.lr_scale
@@ -63,7 +63,8 @@ class ViT(nnx.Module):
                              lr_scale=lr.get('head', 1.0), rngs=rngs)
 
   def embed(self, images_BHWC: jax.Array) -> jax.Array:
-    x_BLD = self.patch_embed(patchify(images_BHWC, self.patch_size)) + self.pos_embedding[...]
+    patches_BLP = patchify(images_BHWC, self.patch_size).astype(self.dtype)
+    x_BLD = self.patch_embed(patches_BLP) + self.pos_embedding[...]  # float32 from here (promotion)
     if self.cls_token is not None:
       cls_B1D = jnp.broadcast_to(self.cls_token[...], (x_BLD.shape[0], 1, x_BLD.shape[2]))
       x_BLD = jnp.concatenate([cls_B1D, x_BLD], axis=1)
@@ -74,4 +75,4 @@ class ViT(nnx.Module):
     """Class logits (B, num_classes)."""
     x_BLD = self.trunk(self.embed(images_BHWC), dropout_key, probe)
     pooled_BD = x_BLD[:, 0] if self.pooling == 'cls' else x_BLD.mean(axis=1)
-    return self.head(pooled_BD)
+    return self.head(pooled_BD.astype(self.dtype))

@@ -38,6 +38,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 import ml_collections
 import optax
@@ -475,4 +476,16 @@ def make_optimizer(
   tx = optax.chain(_clip_or_identity(_get(opt_config, 'clip_norm')), optimizer)
   if lr_scale is not None:
     tx = optax.chain(tx, scale_by_tree(lr_scale))
-  return tx, schedule
+  return with_float32_state(tx), schedule
+
+
+def with_float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` seeing float32 gradients and parameters, so its state (moments, momentum) is float32 even when
+  the parameters are stored in bfloat16 (`model.param_dtype`); the updates come out in float32 and
+  `optax.apply_updates` rounds the new parameters to their own dtype. With float32 parameters this is
+  `tx` itself, up to no-op casts."""
+  to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+  def update(grads, state, params=None):
+    return tx.update(to_f32(grads), state, None if params is None else to_f32(params))
+  return optax.GradientTransformation(lambda params: tx.init(to_f32(params)), update)

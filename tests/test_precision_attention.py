@@ -1,0 +1,135 @@
+"""Compute dtype, parameter dtype, attention implementations and layer-stack options.
+
+Every attention implementation available on this machine must give the outputs and gradients of the
+XLA one (on a GPU also cuDNN's fused kernel); every layer-stack option must compute the same function.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsjax import models, schemes
+from dsjax.models import layers
+from dsjax.train import optimizers
+from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
+
+ON_GPU = jax.default_backend() == 'gpu'
+
+
+def _build(config, info):
+  return schemes.build_model(config, info, nnx.Rngs(params=0))
+
+
+def _qkv(dtype, shape=(2, 64, 4, 32)):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
+
+
+def _attention_fns():
+  """(name, f(q, k, v, causal) -> out, dtype) for every implementation this machine runs."""
+  fns = [('explicit', lambda q, k, v, causal: layers._attention_with_dropout(
+      q, k, v, 32 ** -0.5, causal, 0.0, jax.random.key(0)), jnp.float32)]
+  if ON_GPU:
+    fns.append(('cudnn', lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, scale=32 ** -0.5, is_causal=causal, implementation='cudnn'), jnp.bfloat16))
+  return fns
+
+
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('name,fn,dtype', _attention_fns(), ids=[f[0] for f in _attention_fns()])
+def test_attention_implementations_match_xla(name, fn, dtype, causal):
+  """Outputs and q/k/v gradients of each implementation equal those of jax's XLA attention."""
+  del name
+  q, k, v = _qkv(dtype)
+  xla = lambda q, k, v, causal: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, scale=32 ** -0.5, is_causal=causal, implementation='xla')
+  cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)
+  value_and_vjp = lambda f: jax.vjp(lambda q, k, v: f(q, k, v, causal), q, k, v)  # noqa: E731
+  out, vjp = value_and_vjp(fn)
+  out_ref, vjp_ref = value_and_vjp(xla)
+  tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), **tol)
+  for g, g_ref in zip(vjp(cotangent), vjp_ref(cotangent)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), **tol)
+
+
+def test_attention_keeps_qknorm_logit_scale_and_mask():
+  """A DNT block (QKNorm) with a non-default logit scale computes the same through the explicit and
+  the jax.nn path; a causal model's outputs do not depend on later tokens."""
+  config = tiny_config('gpt', block='dnt', attn_dropout=0.1)
+  model = _build(config, TEXT_INFO)
+  graphdef, state = nnx.split(model.trunk.stack.layers.attn)  # stacked over layers; take layer 0
+  layer0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+  layer0.logit_scale = 0.3
+  x = jax.random.normal(jax.random.key(3), (2, 16, 32))
+  fused = layer0(x, None)  # no key: the jax.nn path
+  layer0.attn_dropout = 1e-9  # with a key: the explicit path, dropping (almost) nothing
+  explicit = layer0(x, jax.random.key(4))
+  np.testing.assert_allclose(fused, explicit, rtol=1e-5, atol=1e-5)
+  x2 = x.at[:, 8:].set(0.0)
+  np.testing.assert_allclose(layer0(x2, jax.random.key(4))[:, :8], explicit[:, :8], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_resolution():
+  m = tiny_config('gpt').model
+  assert models.compute_dtype(m, 'cpu') == 'float32' and models.compute_dtype(m, 'gpu') == 'bfloat16'
+  assert models.attention_implementation(m, 'cpu') == 'xla'
+  assert models.attention_implementation(m, 'gpu') == 'cudnn'
+  m.attn_dropout = 0.1
+  assert models.attention_implementation(m, 'gpu') == 'xla'
+  m.attn_dropout, m.dtype = 0.0, 'float32'
+  assert models.attention_implementation(m, 'gpu') == 'xla'
+  m.attention = 'cudnn'
+  with pytest.raises(ValueError, match='model.attention=cudnn needs model.dtype'):
+    models.attention_implementation(m, 'gpu')
+  m.dtype = 'bfloat16'
+  with pytest.raises(ValueError, match='needs the backend that must be a GPU'):
+    models.attention_implementation(m, 'cpu')
+
+
+@pytest.mark.parametrize('model_name,info', [('gpt', TEXT_INFO), ('vit', IMAGE_INFO)])
+def test_bfloat16_compute_keeps_float32_stream_and_logits(model_name, info):
+  """bf16 branches, a float32 residual stream and float32 parameters; logits close to float32's."""
+  f32 = _build(tiny_config(model_name, dtype='float32'), info)
+  bf16 = _build(tiny_config(model_name, dtype='bfloat16'), info)
+  x = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) if model_name == 'gpt' else \
+      jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+  seen = {}
+  probe = lambda site, h, layer: seen.setdefault(site, h.dtype) and h  # noqa: E731
+  logits_f32, logits_bf16 = f32(x), bf16(x, probe=probe)
+  assert seen['attn_branch'] == jnp.bfloat16 and seen['ffn_residual'] == jnp.float32
+  chex.assert_trees_all_equal_dtypes(nnx.state(f32, nnx.Param), nnx.state(bf16, nnx.Param))
+  np.testing.assert_allclose(np.asarray(logits_bf16, np.float32), logits_f32, rtol=0.1, atol=0.1)
+
+
+def test_bfloat16_params_keep_float32_optimizer_state():
+  model = _build(tiny_config('gpt', param_dtype='bfloat16'), TEXT_INFO)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  tx, _ = optimizers.make_optimizer(tiny_config('gpt').optimizer, 10)
+  opt_state = tx.init(params)
+  float_leaves = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert float_leaves and all(x.dtype == jnp.float32 for x in float_leaves)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = tx.update(grads, opt_state, params)
+  new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+  chex.assert_trees_all_equal_dtypes(new_params, params)
+
+
+def test_layer_stack_options_compute_the_same():
+  """Unrolled scans, the Python loop and rematerialisation change how, not what: same loss and grads."""
+  def loss_and_grads(**overrides):
+    model = _build(tiny_config('gpt', depth=3, dropout=0.1, **overrides), TEXT_INFO)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.arange(32).reshape(2, 16)
+    loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, dropout_key=jax.random.key(1)).mean()  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss))(params)
+  ref_loss, ref_grads = loss_and_grads()
+  for option in (dict(scan_unroll=2), dict(scan_unroll=5), dict(scan_layers=False),
+                 dict(remat='full'), dict(remat='dots_saveable')):
+    loss, grads = loss_and_grads(**option)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(option))
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
