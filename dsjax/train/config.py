@@ -30,7 +30,7 @@ from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 
 RUN_INTS = ('total_steps', 'batch_size', 'eval_batch_size', 'eval_every', 'checkpoint_every', 'log_every',
-            'keep_checkpoints')
+            'keep_checkpoints', 'microbatches')
 
 
 def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
@@ -38,6 +38,10 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   c.seed = 0
   c.total_steps = 1000
   c.batch_size = 128              # global, over all processes and devices
+  # Gradient accumulation: the train step splits each batch into this many microbatches, sums their
+  # gradients and applies one update with the batch's mean gradient (the same update, with one
+  # microbatch's activations in memory; dsjax/train/step.py). Must divide the per-device batch.
+  c.microbatches = 1
   c.eval_every = 200              # steps; the final step is always evaluated
   c.eval_batch_size = 256
   c.checkpoint_every = 500        # steps; the final step is always saved
@@ -81,6 +85,10 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
     if config[key] % batch_shards or config[key] % process_count:
       raise ValueError(f'{key} ({config[key]}) must be divisible by the data×fsdp mesh size '
                        f'({batch_shards}) and the process count ({process_count})')
+  if (config.batch_size // batch_shards) % config.microbatches:
+    raise ValueError(f'microbatches ({config.microbatches}) must divide the per-device batch: batch_size '
+                     f'({config.batch_size}) / data×fsdp mesh size ({batch_shards}) = '
+                     f'{config.batch_size // batch_shards}')
 
 
 def validate_against_data(config, data_info):
@@ -88,13 +96,14 @@ def validate_against_data(config, data_info):
   models.validate_against_data(config.model, config.data.name, data_info)
 
 
-def validate_single_device_run(config, training: bool):
+def validate_single_device_run(config, training: bool, require_data: bool = True):
   """The checks of a tool that runs the config's model on one device without a mesh (`dsjax.moments`,
   `dsjax.bench`, `dsjax.sensitivity`): every run check but `mesh.shape` (and the schedule's unless it
-  is `training`), then the dataset's. Returns the dataset's DatasetInfo."""
+  is `training`), then the dataset's. Returns the dataset's DatasetInfo; `require_data=False` (inputs
+  of the dataset's shape only) accepts a registered TFDS dataset that is not prepared."""
   one_device = copy.deepcopy(config)
   one_device.mesh.shape = sharding_lib.mesh_config().shape
   validate_config(one_device, num_devices=1, training=training)
-  data_info = data_lib.dataset_info(config.data)
+  data_info = data_lib.dataset_info(config.data, require_prepared=require_data)
   validate_against_data(config, data_info)
   return data_info

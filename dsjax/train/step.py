@@ -13,6 +13,7 @@ The steps are pure functions of a *train state* — a plain dict of arrays
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -94,31 +95,130 @@ def guard_nonfinite(state: TrainState, updated: TrainState, finite: jax.Array, o
           'nonfinite_steps': state['nonfinite_steps'] + jnp.logical_not(apply).astype(jnp.int32)}
 
 
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """Each array (B, ...) as (microbatches, B / microbatches, ...). Microbatch m holds rows m, m + M,
+  m + 2M, …: under the batch sharding every device holds a contiguous block of rows, so when M divides
+  the per-device batch each microbatch takes the same number of rows from every device and no device
+  idles or exchanges rows (contiguous microbatches would sit on a fraction of the devices each)."""
+  def split(x):
+    return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def microbatch_dropout_key(key: jax.Array | None, index) -> jax.Array | None:
+  """Every microbatch draws its own dropout masks: the step's key with the microbatch index folded in."""
+  return None if key is None else jax.random.fold_in(key, index)
+
+
+def _zero_with_gradient(params: Any, grads: Any) -> jax.Array:
+  """A scalar whose value is exactly 0 and whose gradient with respect to `params` is `grads`."""
+  dot = optax.tree.vdot(params, jax.lax.stop_gradient(grads))
+  return dot - jax.lax.stop_gradient(dot)
+
+
+def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microbatches: int,
+                            key: jax.Array | None, instrumented: Callable | None = None
+                            ) -> tuple[jax.Array, Any, Any]:
+  """(loss, grads, moments) of the whole batch, computed one microbatch at a time.
+
+  `sums_fn(params, batch, key, probe)` returns a loss function's sums ('loss_sum' and 'count', the
+  masked count of what the mean is over). The loss and gradient are those of the whole batch's mean,
+  sum(loss_sum) / sum(count), whatever the masks: each microbatch contributes the gradient of its
+  loss *sum* (so a microbatch with more unmasked rows or tokens weighs more, as in the one big batch),
+  and the sums are divided by the total count at the end. A `jax.lax.scan` over the microbatches keeps
+  one microbatch's activations alive at a time; the gradient sum is accumulated in float32.
+
+  `instrumented(loss_of_params, params)`, when given, is `dsjax.instrument.value_and_grad` (with its
+  receiver): microbatches 1…M−1 run first in the scan, then microbatch 0 through `instrumented`, with
+  a loss whose value is the whole batch's mean and whose gradient is the whole batch's gradient. The
+  moments are therefore those of the one-big-batch step restricted to microbatch 0's rows: forward
+  statistics of its activations, gradient statistics of the whole-batch loss's gradient at them (the
+  same scale as without microbatches), and weight-gradient statistics of the whole gradient. Each
+  probe site is visited once per step, so the instrumentation still delivers exactly one record per
+  site and step. Returns moments None without `instrumented`.
+  """
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  microbatches_ = split_microbatches(batch, microbatches)
+  first = 0 if instrumented is None else 1
+
+  def grad_of_sum(index, microbatch):
+    def loss_sum(params):
+      sums = sums_fn(params, microbatch, microbatch_dropout_key(key, index), no_probe)
+      return sums['loss_sum'], sums
+    return jax.grad(loss_sum, has_aux=True)(params)
+
+  def add(carry, xs):
+    grad_sum, loss_sum, count = carry
+    grads, sums = grad_of_sum(*xs)
+    return (jax.tree.map(jnp.add, grad_sum, f32(grads)), loss_sum + sums['loss_sum'],
+            count + sums['count']), None
+
+  zero = jnp.zeros((), jnp.float32)
+  carry = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), zero, zero)
+  carry, _ = jax.lax.scan(add, carry, (jnp.arange(first, microbatches),
+                                       jax.tree.map(lambda x: x[first:], microbatches_)))
+  grad_sum, loss_sum, count = carry
+  as_params = lambda grads: jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+  if instrumented is None:
+    total = jnp.maximum(count, 1.0)
+    return loss_sum / total, as_params(jax.tree.map(lambda g: g / total, grad_sum)), None
+
+  first_microbatch = jax.tree.map(lambda x: x[0], microbatches_)
+
+  def whole_batch_loss(params, probe):
+    sums = sums_fn(params, first_microbatch, microbatch_dropout_key(key, 0), probe)
+    total = jnp.maximum(jax.lax.stop_gradient(sums['count']) + count, 1.0)
+    # The other microbatches' gradient joins as a term of value 0, so that the gradient the
+    # instrumentation returns, and measures the weight statistics of, is the whole batch's.
+    rest = _zero_with_gradient(params, jax.tree.map(lambda g: g / total, grad_sum))
+    return (sums['loss_sum'] + loss_sum) / total + rest
+
+  loss, grads, moments = instrumented(whole_batch_loss, params)
+  return loss, grads, moments
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
                     instrument: bool = False, moments_receiver: Callable | None = None,
-                    on_nonfinite: str = 'stop'
+                    on_nonfinite: str = 'stop', microbatches: int = 1
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
   as metrics['moments']; the default step computes none of it. With a `moments_receiver`
   (instrument.delivery='callback', e.g. `Collector.receive`) the per-site statistics go to it by
   `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics.
-  `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`)."""
+  `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`).
+
+  `microbatches` > 1 (gradient accumulation): the batch is split on axis 0 (`split_microbatches`), the
+  gradient summed over the microbatches inside the step, and one optimizer update applied with the
+  whole batch's mean gradient — the update of the one big batch, with one microbatch's activations in
+  memory (`accumulate_microbatches`; it also says what the moments are). Dropout masks differ from the
+  one big batch's (each microbatch folds its index into the step's key), so without dropout the two
+  agree up to float rounding. `microbatches` must divide the per-device batch."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
+    # The loop numbers steps from 1: the step that starts from state['step'] = t is loop step t + 1.
+    instrumented = (functools.partial(instrument_lib.value_and_grad, receiver=moments_receiver,
+                                      step=state['step'] + 1) if instrument else None)
 
-    def loss_of_params(params, probe: Probe = no_probe):
+    def sums_of(params, batch, key, probe: Probe = no_probe):
       model = nnx.merge(graphdef, params, state['rest'])
-      loss, _ = loss_fn(model, batch, key, probe)
-      return loss
+      return loss_fn(model, batch, key, probe)[1]
 
-    if instrument:
-      # The loop numbers steps from 1: the step that starts from state['step'] = t is loop step t + 1.
-      loss, grads, moments = instrument_lib.value_and_grad(
-          loss_of_params, state['params'], receiver=moments_receiver, step=state['step'] + 1)
+    if microbatches > 1:
+      loss, grads, moments = accumulate_microbatches(sums_of, state['params'], batch, microbatches, key,
+                                                     instrumented)
     else:
-      loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
+      def loss_of_params(params, probe: Probe = no_probe):
+        model = nnx.merge(graphdef, params, state['rest'])
+        loss, _ = loss_fn(model, batch, key, probe)
+        return loss
+
+      if instrument:
+        loss, grads, moments = instrumented(loss_of_params, state['params'])
+      else:
+        loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
