@@ -1,28 +1,53 @@
-r"""Train-step time with per-layer moment instrumentation on every step vs off.
+r"""Train-step speed and memory: compile time, step time, throughput, model FLOPs, MFU, device memory.
 
-  python -m dsjax.bench [--config=configs/gpt_preln.py] [--steps=20] [--config.model.depth=...]
+  python -m dsjax.bench --config=configs/gpt2_small.py [--steps=20] [--instrument=off,return,callback]
+                        [--inputs=random|real] [--peak_tflops=...] [--json=bench.json] [--config.*=...]
 
-Both steps are the loop's jitted train step (`dsjax.train.step.make_train_step`) on one device; the
-instrumented one (`instrument=True`) also measures the per-layer moments, and its timing includes
-fetching them and writing moments.jsonl + TensorBoard. Both deliveries of `instrument.delivery` are
-timed: 'return' (the statistics table returned from the step, the default) and 'callback' (a
-`jax.debug.callback` per probe site from inside the layer scan, waited for with `jax.effects_barrier`).
-The three steps are timed in turn on the same real batch, after compilation; the medians are reported.
+What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
+the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
+'return' (per-layer moments returned from the step, then fetched and written to moments.jsonl +
+TensorBoard, as the loop does) and 'callback' (the same statistics delivered by `jax.debug.callback`
+from inside the layer scan, waited for with `jax.effects_barrier`). Each mode is compiled ahead of time
+(the compile time is reported), run for 2 warm-up steps, then for `--steps` timed steps, each one
+waited for; the median and the spread (min–max) are reported.
+
+Inputs: `--inputs=random` (the default) times random tokens / images of the configured shape, so no
+dataset is read and any shape can be benchmarked; `--inputs=real` times one real batch of the dataset.
+
+Model FLOPs per step (one documented formula, as PaLM's Appendix B, Chowdhery et al. 2022,
+arXiv:2204.02311): per token 6·N + 12·depth·d·L, times tokens per step; N counts the parameters that
+take part in matmuls (every parameter except the token/position embedding tables and the class token,
+which are looked up, not multiplied) and L is the sequence length (ViT: patches, plus the class token).
+Causal attention is counted as full L×L attention (the PaLM convention, which the cuDNN kernel's
+skipped blocks do not change), so a causal model's MFU is comparable with other reports but ~2× the
+attention FLOPs actually needed. Rematerialisation's recomputation is not counted (it is not model
+FLOPs). MFU = model FLOP/s ÷ the peak: `--peak_tflops` when given, else the device kind's dense
+bf16 (or fp32) peak from `PEAK_TFLOPS`; on a CPU there is no data-sheet number, so the benchmark measures
+its own matmul peak (a large matmul in the compute dtype) and reports the fraction of it.
+
+Memory: the compiled step's `memory_analysis()` (arguments, outputs, temporaries: what the step needs
+before it runs), and on GPUs the device's peak bytes in use after the timed steps.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import statistics
 import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags
+from flax import nnx
 from ml_collections import config_flags
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
+from dsjax import models
 from dsjax import schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
@@ -31,71 +56,247 @@ from dsjax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
                                           lock_config=True)
-_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each kind (after 2 warm-up steps).', lower_bound=1)
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).')
+INSTRUMENT_MODES = ('off', 'return', 'callback')
+_INSTRUMENT = flags.DEFINE_list('instrument', list(INSTRUMENT_MODES),
+                                f'Modes to time, any of {list(INSTRUMENT_MODES)}.')
+INPUTS = ('random', 'real')
+_INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list(INPUTS)}.')
+_PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for MFU (default: looked up '
+                           'from the device kind; on a CPU, measured).')
+_JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
+
+WARMUP_STEPS = 2
+# Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
+# from the vendors' data sheets (NVIDIA H100/H200/A100 SXM, Google Cloud TPU system architecture pages).
+PEAK_TFLOPS = {
+    'NVIDIA H100 PCIe': {'bfloat16': 756.0, 'float32': 378.0},
+    'NVIDIA H100': {'bfloat16': 989.0, 'float32': 494.0},
+    'NVIDIA H200': {'bfloat16': 989.0, 'float32': 494.0},
+    'NVIDIA A100': {'bfloat16': 312.0, 'float32': 156.0},
+    'TPU v4': {'bfloat16': 275.0, 'float32': 275.0},
+    'TPU v5 lite': {'bfloat16': 197.0, 'float32': 197.0},
+    'TPU v5p': {'bfloat16': 459.0, 'float32': 459.0},
+    'TPU v6 lite': {'bfloat16': 918.0, 'float32': 918.0},
+}
 
 
-def check_args(config, num_steps: int):
-  """One-line ValueErrors before anything is compiled: the run's config checks (`dsjax.train.config`;
-  the steps run on one device without a mesh, so `mesh.shape` is not checked), then the dataset's.
-  Returns the DatasetInfo."""
+def check_args(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None):
+  """One-line ValueErrors before anything is compiled: the flags, the run's config checks
+  (`dsjax.train.config`; one device, no mesh), then the dataset's. Returns the DatasetInfo."""
   if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
     raise ValueError(f'--steps must be a positive integer, got {num_steps!r}')
-  data_info = config_lib.validate_single_device_run(config, training=True)
-  return data_info
+  if not modes or any(m not in INSTRUMENT_MODES for m in modes):
+    raise ValueError(f'--instrument must list some of {list(INSTRUMENT_MODES)}, got {",".join(modes)!r}')
+  if inputs not in INPUTS:
+    raise ValueError(f'--inputs must be one of {list(INPUTS)}, got {inputs!r}')
+  if peak_tflops is not None and not (peak_tflops > 0 and math.isfinite(peak_tflops)):
+    raise ValueError(f'--peak_tflops must be a positive number, got {peak_tflops!r}')
+  return config_lib.validate_single_device_run(config, training=True, require_data=inputs == 'real')
 
 
-def time_train_steps(config, num_steps: int, workdir: str) -> dict[str, float]:
-  """Median seconds per train step, instrumentation off and on every step."""
-  data_info = check_args(config, num_steps)
-  batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
-                                      seed=config.seed, process_index=0, process_count=1))
-  batch = jax.device_put(batch)
+# ---------------------------------------------------------------------------------------------------
+# Model FLOPs and peaks
+# ---------------------------------------------------------------------------------------------------
+
+LOOKED_UP_PARAMS = ('token_embed', 'pos_embedding', 'cls_token')
+
+
+def matmul_params(abstract_model: nnx.Module) -> int:
+  """Parameters that take part in matmuls: all but the looked-up embedding tables (module docstring)."""
+  params = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return sum(math.prod(leaf.shape) for path, leaf in flat
+             if not any(getattr(k, 'key', None) in LOOKED_UP_PARAMS for k in path))
+
+
+def model_flops_per_step(config, model_dims, num_params: int) -> tuple[float, int]:
+  """(6·N + 12·depth·d·L) · tokens per step, and the tokens (positions) per step."""
+  m, seq_len = config.model, model_dims.seq_len
+  tokens = config.batch_size * seq_len
+  return (6 * num_params + 12 * m.depth * m.width * seq_len) * tokens, tokens
+
+
+def peak_tflops_for(device, dtype: str) -> float | None:
+  for prefix, peaks in PEAK_TFLOPS.items():
+    if device.device_kind.startswith(prefix):
+      return peaks[dtype]
+  return None
+
+
+def measured_matmul_tflops(dtype: str, device) -> float:
+  """TFLOP/s of a square matmul in `dtype` on `device`: median of 5 timed runs, after one warm-up."""
+  n = 1024 if device.platform == 'cpu' else 8192
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  matmul = jax.jit(lambda a: a @ a)
+  matmul(a).block_until_ready()
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------------
+
+def random_batch(config, data_info, seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  if config.model.name == 'vit':
+    return {'image': rng.standard_normal((config.batch_size, *data_info.image_shape), np.float32),
+            'label': rng.integers(0, data_info.num_classes, config.batch_size, np.int32)}
+  return {'tokens': rng.integers(0, data_info.vocab_size, (config.batch_size, config.data.seq_len + 1),
+                                 np.int32)}
+
+
+def memory_of(compiled) -> dict[str, float]:
+  """GiB the compiled step needs on the device, from XLA's memory analysis."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return {}
+  gib = lambda b: b / 2 ** 30  # noqa: E731
+  out = {'arguments_gib': gib(analysis.argument_size_in_bytes),
+         'outputs_gib': gib(analysis.output_size_in_bytes),
+         'temporaries_gib': gib(analysis.temp_size_in_bytes),
+         'aliased_gib': gib(analysis.alias_size_in_bytes)}
+  out['total_gib'] = (out['arguments_gib'] + out['outputs_gib'] + out['temporaries_gib']
+                      - out['aliased_gib'])
+  return out
+
+
+def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector) -> tuple[dict, object]:
+  """Compiles `step_fn` ahead of time, runs warm-up + timed steps; returns (results, final state)."""
+  start = time.perf_counter()
+  compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  times = []
+  for i in range(WARMUP_STEPS + num_steps):
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    if mode != 'off':  # As in the loop: fetch the moments and write them at once.
+      collector.add(i, metrics.pop('moments'))
+      if mode == 'callback':
+        jax.effects_barrier()
+      collector.flush()
+    jax.block_until_ready(metrics)
+    if i >= WARMUP_STEPS:
+      times.append(time.perf_counter() - start)
+  return {'compile_s': compile_s, 'step_ms_median': 1e3 * statistics.median(times),
+          'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
+          'memory': memory_of(compiled)}, state
+
+
+def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,
+                  workdir: str) -> dict:
+  data_info = check_args(config, num_steps, modes, inputs, peak_tflops)
+  device = jax.devices()[0]
+  if inputs == 'real':
+    batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
+                                        seed=config.seed, process_index=0, process_count=1))
+  else:
+    batch = random_batch(config, data_info)
+  batch = jax.device_put(batch, device)
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
   setup = state_lib.make_setup(config, data_info, prepared)
-  graphdef, tx, schedule = setup.graphdef, setup.tx, setup.schedule
   state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  # One collector per delivery, so that neither de-duplicates the other's records.
-  collectors = {name: instrument_lib.Collector(os.path.join(workdir, name), keep_records=False)
-                for name in ('every_step', 'every_step_callback')}
-  make = lambda instrument, receiver=None: jax.jit(step_lib.make_train_step(  # noqa: E731
-      graphdef, tx, loss_fn, config.seed, schedule, use_dropout, instrument,
-      moments_receiver=receiver), donate_argnums=0)
-  steps = {'off': make(False), 'every_step': make(True),
-           'every_step_callback': make(True, collectors['every_step_callback'].receive)}
+  dims = models.model_dims(config, data_info)
+  num_params = matmul_params(setup.abstract_model)
+  flops, tokens = model_flops_per_step(config, dims, num_params)
+  dtype = models.compute_dtype(config.model)
+  spec_peak = peak_tflops or peak_tflops_for(device, dtype)
+  measured_peak = measured_matmul_tflops(dtype, device)
 
-  times: dict[str, list[float]] = {name: [] for name in steps}
-  for i in range(num_steps + 2):
-    for name, step_fn in steps.items():
-      start = time.perf_counter()
-      state, metrics = step_fn(state, batch)
-      if name != 'off':  # As in the loop, plus fetching and writing the moments at once.
-        collectors[name].add(i, metrics.pop('moments'))
-        if name == 'every_step_callback':
-          jax.effects_barrier()
-        collectors[name].flush()
-      jax.block_until_ready(metrics)
-      if i >= 2:  # The first two calls compile and warm up.
-        times[name].append(time.perf_counter() - start)
-  for collector in collectors.values():
+  results = {
+      'config': {'model': config.model.name, 'block': config.model.block, 'scheme': config.model.scheme,
+                 'depth': config.model.depth, 'width': config.model.width,
+                 'num_heads': config.model.num_heads, 'seq_len': dims.seq_len,
+                 'batch_size': config.batch_size, 'microbatches': config.microbatches,
+                 'dtype': dtype, 'param_dtype': config.model.param_dtype,
+                 'attention': models.attention_implementation(config.model),
+                 'remat': config.model.remat, 'scan_layers': config.model.scan_layers,
+                 'scan_unroll': config.model.scan_unroll, 'optimizer': config.optimizer.name},
+      'device': {'kind': device.device_kind, 'platform': device.platform, 'jax': jax.__version__,
+                 'date': time.strftime('%Y-%m-%d')},
+      'inputs': inputs, 'steps': num_steps, 'matmul_params': num_params,
+      'model_flops_per_step': flops, 'positions_per_step': tokens,
+      'peak_tflops': spec_peak, 'measured_matmul_tflops': measured_peak, 'modes': {}}
+  make = lambda instrument, receiver=None: step_lib.make_train_step(  # noqa: E731
+      setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule, use_dropout, instrument,
+      moments_receiver=receiver, microbatches=config.microbatches)
+  for mode in modes:
+    # One collector per mode, so that no mode de-duplicates another's records.
+    collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
+    step_fn = make(mode != 'off', collector.receive if mode == 'callback' else None)
+    r, state = time_mode(mode, step_fn, state, batch, num_steps, collector)
     collector.close()
-  return {name: statistics.median(t) for name, t in times.items()}
+    seconds = r['step_ms_median'] / 1e3
+    r['examples_per_s'] = config.batch_size / seconds
+    r['tokens_per_s'] = tokens / seconds
+    r['model_tflops_per_s'] = flops / seconds / 1e12
+    r['mfu'] = None if spec_peak is None else r['model_tflops_per_s'] / spec_peak
+    r['fraction_of_measured_matmul_peak'] = r['model_tflops_per_s'] / measured_peak
+    results['modes'][mode] = r
+  if device.platform == 'gpu':
+    stats = device.memory_stats() or {}
+    results['device_peak_memory_gib'] = stats.get('peak_bytes_in_use', 0) / 2 ** 30
+  return results
+
+
+def report(results: dict) -> str:
+  c, d = results['config'], results['device']
+  unit = 'images' if c['model'] == 'vit' else 'tokens'
+  lines = [
+      f"{c['model']} {c['block']} {c['scheme']}, depth {c['depth']} x width {c['width']}, "
+      f"{c['num_heads']} heads, seq {c['seq_len']}, batch {c['batch_size']} "
+      f"({c['microbatches']} microbatch(es)), {c['dtype']} compute, {c['param_dtype']} params, "
+      f"attention {c['attention']}, remat {c['remat']}, "
+      f"{'scan unroll ' + str(c['scan_unroll']) if c['scan_layers'] else 'python loop'}, {c['optimizer']}",
+      f"device: {d['kind']} ({d['platform']}), jax {d['jax']}, {d['date']}; inputs: {results['inputs']} "
+      f"{'(random values of the configured shape)' if results['inputs'] == 'random' else '(one real batch)'}",
+      f"model FLOPs/step {results['model_flops_per_step']:.4g} (6N + 12·depth·d·L per position, N = "
+      f"{results['matmul_params']:,} matmul parameters{"; causal attention counted in full" if c["model"] == "gpt" else ""})",
+      f"peak: {results['peak_tflops'] or 'unknown'} TFLOP/s (data sheet or --peak_tflops); measured "
+      f"matmul {results['measured_matmul_tflops']:.2f} TFLOP/s",
+      f"median of {results['steps']} steps after {WARMUP_STEPS} warm-up:"]
+  for mode, r in results['modes'].items():
+    per_s = r['examples_per_s'] if unit == 'images' else r['tokens_per_s']
+    mfu = 'n/a' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
+    mem = r['memory'].get('total_gib')
+    lines.append(
+        f"  instrument {mode:8s} {r['step_ms_median']:9.2f} ms/step (min {r['step_ms_min']:.2f}, max "
+        f"{r['step_ms_max']:.2f})  {per_s:12,.0f} {unit}/s  {r['model_tflops_per_s']:8.2f} TFLOP/s  "
+        f"MFU {mfu}  ({100 * r['fraction_of_measured_matmul_peak']:.1f}% of measured matmul)  "
+        f"compile {r['compile_s']:.1f} s  step memory "
+        f"{'n/a' if mem is None else f'{mem:.2f} GiB'}")
+  off = results['modes'].get('off')
+  for mode in ('return', 'callback'):
+    if off and mode in results['modes']:
+      ratio = results['modes'][mode]['step_ms_median'] / off['step_ms_median']
+      lines.append(f'  instrumentation overhead ({mode}): {ratio:.2f}x the plain step')
+  if 'device_peak_memory_gib' in results:
+    lines.append(f"  device peak memory in use: {results['device_peak_memory_gib']:.2f} GiB")
+  return '\n'.join(lines)
 
 
 def main(argv):
   del argv
   config = _CONFIG.value
+  json_path = _JSON.value
+  if json_path:
+    if os.path.isdir(json_path):
+      raise ValueError(f'--json={json_path} is a directory; name a file')
+    cli.check_output_dir('--json', os.path.dirname(os.path.abspath(json_path)))
   with tempfile.TemporaryDirectory() as workdir:
-    t = time_train_steps(config, _STEPS.value, workdir)
-  m = config.model
-  print(f'{m.name} {m.block} depth {m.depth} width {m.width}, batch {config.batch_size} x '
-        f'{config.data.seq_len}, median of {_STEPS.value} steps:')
-  print(f'  instrumentation off:        {t["off"] * 1e3:8.1f} ms/step')
-  print(f'  instrumentation every step: {t["every_step"] * 1e3:8.1f} ms/step '
-        f'(overhead {100 * (t["every_step"] / t["off"] - 1):.1f}%), delivery=return')
-  print(f'  instrumentation every step: {t["every_step_callback"] * 1e3:8.1f} ms/step '
-        f'(overhead {100 * (t["every_step_callback"] / t["off"] - 1):.1f}%), delivery=callback')
+    results = run_benchmark(config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir)
+  print(report(results))
+  if json_path:
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, 'w') as f:
+      json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':

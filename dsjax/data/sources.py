@@ -297,9 +297,10 @@ def _describe(name: str, builder,
   common = dict(
       name=name,
       num_examples=num_examples,
-      train_split='train' if 'train' in num_examples else sorted(
-          num_examples)[0],
-      eval_split=_pick_eval_split(list(num_examples)),
+      train_split='train' if 'train' in num_examples or not num_examples
+      else sorted(num_examples)[0],
+      eval_split=(_pick_eval_split(list(num_examples)) if num_examples
+                  else 'validation'),
       data_dir=os.fspath(builder.data_dir),
   )
 
@@ -357,12 +358,25 @@ def open_dataset(data_config) -> tuple[Any, DatasetInfo]:
   return builder, _describe(config.name, builder, config)
 
 
-def dataset_info(data_config) -> DatasetInfo:
+def dataset_info(data_config, require_prepared: bool = True) -> DatasetInfo:
   """Describes the configured dataset, preparing it first if it is embedded.
+
+  `require_prepared=False` (a benchmark on random inputs of the dataset's
+  shape) describes a registered TFDS dataset that is not prepared from its
+  builder's own metadata (feature shapes, classes), reading no data; its
+  `num_examples` is then empty.
 
   Raises:
     DatasetNotFoundError: unknown name, not prepared (and not downloadable),
       or stored in a format that needs TensorFlow.
     ValueError: invalid config values, or an unsupported dataset.
   """
-  return open_dataset(data_config)[1]
+  config = config_lib.parse_config(data_config)
+  if not require_prepared and _base_name(config.name) not in embedded.EMBEDDED_DATASETS:
+    try:
+      builder = tfds.builder(config.name, data_dir=config.data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise _unknown_dataset_error(config.name) from None
+    if not builder.is_prepared():
+      return _describe(config.name, builder, config)
+  return open_dataset(config)[1]
