@@ -249,6 +249,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
 def report(results: dict) -> str:
   c, d = results['config'], results['device']
   unit = 'images' if c['model'] == 'vit' else 'tokens'
+  causal_note = '; causal attention counted in full' if c['model'] == 'gpt' else ''
   lines = [
       f"{c['model']} {c['block']} {c['scheme']}, depth {c['depth']} x width {c['width']}, "
       f"{c['num_heads']} heads, seq {c['seq_len']}, batch {c['batch_size']} "
@@ -258,7 +259,7 @@ def report(results: dict) -> str:
       f"device: {d['kind']} ({d['platform']}), jax {d['jax']}, {d['date']}; inputs: {results['inputs']} "
       f"{'(random values of the configured shape)' if results['inputs'] == 'random' else '(one real batch)'}",
       f"model FLOPs/step {results['model_flops_per_step']:.4g} (6N + 12·depth·d·L per position, N = "
-      f"{results['matmul_params']:,} matmul parameters{"; causal attention counted in full" if c["model"] == "gpt" else ""})",
+      f"{results['matmul_params']:,} matmul parameters{causal_note})",
       f"peak: {results['peak_tflops'] or 'unknown'} TFLOP/s (data sheet or --peak_tflops); measured "
       f"matmul {results['measured_matmul_tflops']:.2f} TFLOP/s",
       f"median of {results['steps']} steps after {WARMUP_STEPS} warm-up:"]
