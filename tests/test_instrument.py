@@ -115,6 +115,130 @@ def test_distribution_stats_of_a_gaussian():
   assert float(stats_lib.abs_quantiles(jnp.zeros(10), (0.5,))[0]) == 0.0
 
 
+# Shapes whose element counts pass int32: GPT-small at batch 16 × 1024 (B·L·D·(L−1) ≈ 1.3e10 ordered
+# token pairs), a tensor of 2^32 elements, and one weight type of 3·2^30 gradient entries. Lowering
+# traces with these shapes without allocating anything.
+_GPT_SMALL_BLD = (16, 1024, 768)
+_HUGE_BLD = (32, 8192, 16384)
+_HUGE_N = 3 * 2 ** 30
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_statistics_trace_past_int32_element_counts(dtype):
+  """Counts are float arithmetic: a Python int past 2^31 − 1 as a jnp operand raises OverflowError."""
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  for shape in (_GPT_SMALL_BLD, _HUGE_BLD):
+    for fn in (stats_lib.forward_stats, stats_lib.grad_stats):
+      out = jax.eval_shape(fn, spec(shape))
+      assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.float32)}
+      jax.jit(fn).lower(spec(shape))
+  # One stacked weight type of 4 · 2^30 entries, and a single flat one past 2^31.
+  grads = {'ffn': {'ffn1': {'kernel': spec((16, 8192, 32768))}}}
+  out = jax.eval_shape(stats_lib.weight_grad_stats, grads)['ffn1']
+  assert out['grad_norm'].shape == (16,)
+  assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.float32)}
+  jax.jit(stats_lib.distribution_stats).lower(spec((_HUGE_N,)))
+
+
+def test_histogram_counts_cannot_wrap():
+  """|g| histogram of 3·2^30 entries: every int32 count (bincount) is over at most 2^30 entries, and
+  the counts are added and cumulated in float32, so no count wraps at 2^31."""
+  def eqns(jaxpr):  # all equations, those of nested jaxprs (jit, custom rules) included
+    for e in jaxpr.eqns:
+      yield e
+      for param in e.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          if hasattr(sub, 'eqns') or hasattr(sub, 'jaxpr'):
+            yield from eqns(getattr(sub, 'jaxpr', sub))
+
+  all_eqns = list(eqns(jax.make_jaxpr(lambda g: stats_lib.abs_quantiles(g, (0.5,)))(
+      jax.ShapeDtypeStruct((_HUGE_N,), jnp.float32)).jaxpr))
+  scatters = [e for e in all_eqns if e.primitive.name == 'scatter-add']
+  sizes = [int(np.prod(e.invars[2].aval.shape)) for e in scatters]
+  assert len(scatters) == 3 and max(sizes) <= stats_lib._MAX_CHUNK and sum(sizes) == _HUGE_N
+  assert all(e.outvars[0].aval.dtype == jnp.int32 for e in scatters)
+  cumsums = [e for e in all_eqns if e.primitive.name.startswith('cum')]
+  assert cumsums and all(e.outvars[0].aval.dtype == jnp.float32 for e in cumsums)
+
+
+def test_histogram_chunks_and_leaves_add_up(monkeypatch):
+  """The quantiles do not depend on how the entries are cut into chunks or leaves."""
+  g = jax.random.laplace(jax.random.key(9), (200_001,))
+  whole = jax.jit(stats_lib.distribution_stats)(g)
+  monkeypatch.setattr(stats_lib, '_MAX_CHUNK', 40_000)   # 2 + 4 chunks, the last of each leaf partial
+  pieces = jax.jit(stats_lib.distribution_stats)([g[:50_000].reshape(5, 10_000), g[50_000:]])
+  for name in whole:
+    np.testing.assert_allclose(pieces[name], whole[name], rtol=1e-5, err_msg=name)
+
+
+def _bf16_pair(key, shape, scale):
+  """An activation-like float32 tensor (correlated, nonzero mean) and its bfloat16 rounding."""
+  x = scale * _correlated_activations(key, shape, 0.3, 1.0, 0.5, 1.0)
+  return x, x.astype(jnp.bfloat16)
+
+
+def test_bf16_inputs_give_float32_statistics():
+  """bf16 activations and gradients: every statistic is float32 and computed in float32 — equal to
+  the statistics of the same values cast to float32 (bf16 arithmetic would be ~1e-2 off at this size)
+  and within bf16 rounding of those of the unrounded float32 tensor."""
+  import chex
+  x32, x16 = _bf16_pair(jax.random.key(10), (8, 64, 96), 1.0)
+  g32, g16 = _bf16_pair(jax.random.key(11), (8, 64, 96), 1e-4)
+  cases = [(stats_lib.forward_stats, x32, x16), (stats_lib.grad_stats, g32, g16),
+           (stats_lib.distribution_stats, g32.reshape(-1), g16.reshape(-1)),
+           (lambda g: stats_lib.weight_grad_stats({'q': {'kernel': g}})['q'], g32, g16)]
+  for fn, full, rounded in cases:
+    fn = jax.jit(fn)
+    got = fn(rounded)
+    chex.assert_trees_all_equal_dtypes(got, jax.tree.map(lambda _: jnp.zeros((), jnp.float32), got))
+    same_values = fn(rounded.astype(jnp.float32))
+    unrounded = fn(full)
+    for name in got:
+      np.testing.assert_allclose(got[name], same_values[name], rtol=1e-5, atol=1e-12, err_msg=name)
+      # bf16 keeps 8 significant bits (relative rounding ≤ 2^−9): means and variances move by about
+      # that, correlations by less, quantiles by up to a bin width (2.2%).
+      rtol = 0.03 if name.startswith('grad_abs') or name.endswith('ratio') else 1e-2
+      np.testing.assert_allclose(got[name], unrounded[name], rtol=rtol, atol=1e-3 * float(
+          np.abs(unrounded[name]).max()) if 'corr' not in name else 2e-3, err_msg=name)
+
+
+def test_probe_keeps_the_cotangent_dtype_and_reports_float32():
+  """The probe is an identity in the probed dtype: bf16 in, bf16 out, bf16 cotangent back, while the
+  statistics it reports (sink table, callbacks) are float32 — for both deliveries."""
+  import chex
+  from dsjax.instrument import probe as probe_lib
+  x32, x16 = _bf16_pair(jax.random.key(12), (2, 16, 32), 1.0)
+  g32, g16 = _bf16_pair(jax.random.key(13), (2, 16, 32), 1e-3)
+  sink = jnp.zeros((3, len(SITES), len(probe_lib.ACTIVATION_STATS)), jnp.float32)
+  site = SITES.index('ffn_residual')
+  @jax.jit
+  def sink_tap(x, sink, g):
+    y, vjp = jax.vjp(lambda x, sink: probe_lib._stats_tap(site, sink.shape, x, sink, jnp.int32(1)),
+                     x, sink)
+    return (y, *vjp(g))
+
+  y, dx, dsink = sink_tap(x16, sink, g16)
+  chex.assert_type([y, dx, dsink], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
+  chex.assert_trees_all_equal((y, dx), (x16, g16))
+  expected = {**stats_lib.forward_stats(x16.astype(jnp.float32)),
+              **stats_lib.grad_stats(g16.astype(jnp.float32))}
+  np.testing.assert_allclose(dsink[2, site], [expected[k] for k in probe_lib.ACTIVATION_STATS],
+                             rtol=1e-5)
+  received = []
+  receiver = lambda *args: received.append(args)  # noqa: E731
+  @jax.jit
+  def callback_tap(x, g):
+    y, vjp = jax.vjp(lambda x: probe_lib._callback_tap(site, receiver, x, jnp.int32(5), jnp.int32(1)), x)
+    return (y, *vjp(g))
+
+  y, dx = callback_tap(x16, g16)
+  jax.effects_barrier()
+  chex.assert_type([y, dx], [jnp.bfloat16, jnp.bfloat16])
+  assert [np.asarray(r[-1]).dtype for r in received] == [np.float32, np.float32]
+  np.testing.assert_allclose(np.concatenate([r[-1] for r in received]),
+                             [expected[k] for k in probe_lib.ACTIVATION_STATS], rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # Collector.
 # ------------------------------------------------------------------------------------------------

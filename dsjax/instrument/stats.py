@@ -11,11 +11,18 @@ Both are computed in O(B·L·D) without forming the L×L or D×D matrices: for c
 Σ_{t≠t'} c_t·c_t' = (Σ_t c_t)² − Σ_t c_t². μ and σ² are the moments over all B·L·D elements (the
 theory's expectation is over inputs *and* weight draws; within one tensor the pooled moments are its
 estimator). This is the same convention as `dsjax.theory`'s `corr_seq` / `corr_hidden`.
+
+Numerics. Every statistic is computed in float32 whatever the dtype of the probed tensor (bfloat16
+activations and gradients are cast before any arithmetic; the cast fuses into the reductions). Element
+and pair counts enter as Python floats, never Python ints: B·L·D·(L−1) is 1.3e10 already for GPT-small
+at batch 16 × 1024, and a Python int operand of a `jnp` operation is converted to int32, which raises
+OverflowError past 2^31 − 1.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,17 +40,20 @@ class _Sums:
   """The few O(B·L·D) reductions every statistic below is computed from (sums over tokens, over hidden
   units, of squares). Raw, unshifted moments keep it to one read of x per reduction — this runs on 8
   tensors per layer and step; float32 var = Σx²/n − mean² loses ~(mean/std)²·1e-7 relative accuracy,
-  negligible for activations and gradients (|mean| ≲ std).
+  negligible for activations and gradients (|mean| ≲ std). Whole-tensor sums are taken in two stages
+  (over tokens, then over the B·D partial sums), which keeps float32 rounding at the level of sums of
+  L and of B·D terms rather than of B·L·D.
   """
 
   def __init__(self, x_BLD: jax.Array, *, hidden_sums: bool = True):
     x_BLD = x_BLD.astype(jnp.float32)
     self.b, self.l, self.d = x_BLD.shape
-    self.n = x_BLD.size
+    self.n = float(x_BLD.size)  # a float: see the module docstring, "Numerics"
     self.sum_BD = x_BLD.sum(1)                                  # over tokens
     self.sum_BL = x_BLD.sum(2) if hidden_sums else None         # over hidden units
     self.sum = self.sum_BD.sum()
-    self.sum_sq = (x_BLD * x_BLD).sum()
+    self.sum_sq = (x_BLD * x_BLD).sum(1).sum()
+    self.max_abs = jnp.abs(x_BLD).max()
 
   @property
   def mean(self) -> jax.Array:
@@ -57,12 +67,13 @@ class _Sums:
     """Correlation over pairs i ≠ j inside groups of `group_size` elements with sums `group_sums`.
 
     With c = x − mean: Σ_{i≠j} c_i·c_j = (Σ_i c_i)² − Σ_i c_i², summed over groups and divided by the
-    number of ordered pairs n·(group_size − 1).
+    number of ordered pairs n·(group_size − 1) (a float: it passes 2^31 at real sizes).
     """
     if group_size < 2:
       return jnp.zeros((), jnp.float32)
-    centred_sums = group_sums - group_size * self.mean
-    cov = ((centred_sums * centred_sums).sum() - self.n * self.var) / (self.n * (group_size - 1))
+    centred_sums = group_sums - float(group_size) * self.mean
+    num_pairs = self.n * float(group_size - 1)
+    cov = ((centred_sums * centred_sums).sum() - self.n * self.var) / num_pairs
     return _safe_ratio(cov, self.var)
 
 
@@ -74,7 +85,7 @@ def forward_stats(x_BLD: jax.Array) -> dict[str, jax.Array]:
   """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D)."""
   s = _Sums(x_BLD)
   return {'mean': s.mean, 'var': s.var, 'corr_seq': s.pair_corr(s.sum_BD, s.l),
-          'corr_hidden': s.pair_corr(s.sum_BL, s.d), 'max_abs': jnp.abs(x_BLD).max().astype(jnp.float32)}
+          'corr_hidden': s.pair_corr(s.sum_BL, s.d), 'max_abs': s.max_abs}
 
 
 def grad_stats(g_BLD: jax.Array) -> dict[str, jax.Array]:
@@ -125,42 +136,75 @@ def group_layer_grads(layer_grads: Any) -> dict[str, list[jax.Array]]:
 # largest |g| (one O(n) pass; a sort of every gradient entry costs ~20× more on CPU). Interpolating
 # inside a bin, a quantile is accurate to well under the bin width (2.2%); smaller values (and zeros)
 # land in an underflow bin and read as 0.
+#
+# Counting. Each histogram is counted in int32 over at most _MAX_CHUNK elements (a count cannot wrap)
+# and the chunks' counts are added, and cumulated, in float32: exact up to 2^24 elements in all; beyond,
+# each cumulative count is off by at most (number of bins)·2^−24 ≈ 8e-5 of the total, a shift of the
+# quantile's rank far inside the 1% accuracy above. (int32 cumulative counts wrap past 2^31 − 1 elements,
+# which one weight type of a large model has.)
 _BINS_PER_OCTAVE = 32
 _OCTAVES = 40
+_MAX_CHUNK = 2 ** 30
 
 
-def abs_quantiles(g: jax.Array, probs: tuple[float, ...]) -> jax.Array:
-  """Approximate quantiles of |g| (flattened) at `probs`, from a log-binned histogram."""
-  abs_g = jnp.abs(g.reshape(-1).astype(jnp.float32))
+def _leaves(g: jax.Array | Sequence[jax.Array]) -> list[jax.Array]:
+  return list(g) if isinstance(g, (list, tuple)) else [g]
+
+
+def _flat_chunks(leaves: list[jax.Array]) -> list[jax.Array]:
+  """The leaves flattened and cut into static slices of at most _MAX_CHUNK elements (no copies: the
+  slices of a reshape fuse into their consumers)."""
+  chunks = []
+  for leaf in leaves:
+    flat = leaf.reshape(-1)
+    chunks += [flat[start:start + _MAX_CHUNK] for start in range(0, flat.size, _MAX_CHUNK)]
+  return chunks
+
+
+def _total_sum(x: jax.Array) -> jax.Array:
+  """Σ x in float32, in two stages for a tensor with a leading axis (layers), for rounding's sake."""
+  x = x.astype(jnp.float32)
+  return x.reshape(x.shape[0], -1).sum(1).sum() if x.ndim >= 2 else x.sum()
+
+
+def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) -> jax.Array:
+  """Approximate quantiles of |g| at `probs`, over all entries of `g` (an array, or a list of arrays
+  taken together without concatenating them), from a log-binned histogram."""
+  leaves = [jnp.abs(leaf.astype(jnp.float32)) for leaf in _leaves(g)]
   num_bins = _BINS_PER_OCTAVE * _OCTAVES
-  top = abs_g.max()
+  top = functools.reduce(jnp.maximum, [leaf.max() for leaf in leaves])
   safe_top = jnp.where(top > 0, top, 1.0)
-  # Bin 0 holds the largest values; bin num_bins is the underflow bin.
-  depth = -jnp.log2(jnp.maximum(abs_g / safe_top, 2.0 ** -(_OCTAVES + 1)))
-  bins = jnp.minimum(jnp.floor(depth * _BINS_PER_OCTAVE), num_bins).astype(jnp.int32)
-  counts_ascending = jnp.bincount(num_bins - bins, length=num_bins + 1)  # index 0 = underflow
+  counts_ascending = jnp.zeros(num_bins + 1, jnp.float32)  # index 0 = underflow
+  for abs_g in _flat_chunks(leaves):
+    # Bin 0 holds the largest values; bin num_bins is the underflow bin.
+    depth = -jnp.log2(jnp.maximum(abs_g / safe_top, 2.0 ** -(_OCTAVES + 1)))
+    bins = jnp.minimum(jnp.floor(depth * _BINS_PER_OCTAVE), num_bins).astype(jnp.int32)
+    counts_ascending += jnp.bincount(num_bins - bins, length=num_bins + 1).astype(jnp.float32)
   cumulative = jnp.cumsum(counts_ascending)
-  rank = jnp.asarray(probs, jnp.float32) * abs_g.shape[0]
+  rank = jnp.asarray(probs, jnp.float32) * float(sum(leaf.size for leaf in leaves))
   k = jnp.clip(jnp.searchsorted(cumulative, rank), 0, num_bins)  # first bin reaching the rank
-  below = (cumulative[k] - counts_ascending[k]).astype(jnp.float32)
-  within = jnp.clip((rank - below) / jnp.maximum(counts_ascending[k], 1), 0.0, 1.0)
+  below = cumulative[k] - counts_ascending[k]
+  within = jnp.clip((rank - below) / jnp.maximum(counts_ascending[k], 1.0), 0.0, 1.0)
   # Ascending index k covers |g| in top·2^(−(num_bins − k + 1)/B) .. top·2^(−(num_bins − k)/B).
   log2_value = (k - num_bins - 1 + within) / _BINS_PER_OCTAVE
   return jnp.where(k > 0, safe_top * jnp.exp2(log2_value), 0.0) * (top > 0)
 
 
-def distribution_stats(g: jax.Array) -> dict[str, jax.Array]:
+def distribution_stats(g: jax.Array | Sequence[jax.Array]) -> dict[str, jax.Array]:
   """Heavy-tail summary of one weight type's gradient entries (DNT, Qi et al. 2025, Fig. 1).
 
   Quantiles of |g| (`abs_quantiles`), the kurtosis E[(g−μ)⁴]/σ⁴ (3 for a Gaussian, not the excess)
-  and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian).
+  and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian). `g`: an array or a list of
+  arrays (all entries pooled; nothing is concatenated).
   """
-  flat = g.reshape(-1).astype(jnp.float32)
-  c = flat - flat.mean()
-  var = (c * c).mean()
-  qs = abs_quantiles(flat, tuple(GRAD_QUANTILES.values()))
+  leaves = [leaf.astype(jnp.float32) for leaf in _leaves(g)]
+  n = float(sum(leaf.size for leaf in leaves))  # a float: it passes 2^31 for large models
+  mean = sum(_total_sum(leaf) for leaf in leaves) / n
+  var = sum(_total_sum(jnp.square(leaf - mean)) for leaf in leaves) / n
+  fourth = sum(_total_sum(jnp.square(jnp.square(leaf - mean))) for leaf in leaves) / n
+  qs = abs_quantiles(leaves, tuple(GRAD_QUANTILES.values()))
   out = {f'grad_abs_{name}': q for name, q in zip(GRAD_QUANTILES, qs)}
-  out['grad_kurtosis'] = _safe_ratio((c ** 4).mean(), var * var)
+  out['grad_kurtosis'] = _safe_ratio(fourth, var * var)
   out['grad_tail_ratio'] = _safe_ratio(out['grad_abs_p99.9'], out['grad_abs_p50'])
   return out
 
@@ -171,7 +215,7 @@ def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[
   `layer_grads` is the gradient of the layer stack (leaves of shape (depth, ...)), or with
   `stacked=False` a sequence of per-layer gradient trees (layers of different widths, e.g. a
   concatenation residual). Returns {weight_type: {'grad_norm': (depth,) per-layer norms,
-  **distribution_stats (scalars)}}.
+  **distribution_stats (scalars)}}, all float32 whatever the gradients' dtype.
   """
   per_layer = [layer_grads] if stacked else [jax.tree.map(lambda x: x[None], t) for t in layer_grads]
   groups = [group_layer_grads(tree) for tree in per_layer]
@@ -181,6 +225,5 @@ def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[
     sq_norm_N = jnp.concatenate([
         sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1) for leaf in g[kind])
         for g in groups])
-    flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
-    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(flat)}
+    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(leaves)}
   return out

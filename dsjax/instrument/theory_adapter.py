@@ -77,7 +77,8 @@ def describe(config, model, data_info) -> ModelDescription:
       activation=cfg.activation, causal=cfg.causal, block=config.model.block,
       weight_var=weight_var, scale=scale,
       vocab_size=data_info.vocab_size if is_gpt else None,
-      embedding_var=float(np.var(np.asarray(model.token_embed[...]))) if is_gpt else None)
+      # float64 on the host: numpy reduces a bfloat16 array (param_dtype='bfloat16') in bfloat16.
+      embedding_var=float(np.var(np.asarray(model.token_embed[...], np.float64))) if is_gpt else None)
 
 
 def embedding_moments(measured) -> dict[str, float]:
