@@ -1,18 +1,25 @@
-"""Parameter shardings come from the logical axes each array declares where it is created."""
+"""Shardings: parameters and optimizer state by the logical axes each array declares where it is
+created, activations by their batch axis; training on a mesh matches one device."""
 
 from __future__ import annotations
 
+import functools
+import math
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dsjax import schemes
 from dsjax.models import layers
+from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
-from tests.helpers import TEXT_INFO, tiny_config
+from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 
 def _state_and_axes(config):
@@ -66,3 +73,177 @@ def test_every_method_shards_every_array(name):
   state, axes = _state_and_axes(config)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   sharding_lib.state_shardings(state, axes, mesh)  # Raises for any array without a rule.
+
+
+def test_a_logical_axis_without_a_rule_is_an_error():
+  mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
+  with pytest.raises(ValueError, match="logical axis 'heads_kv' has no rule"):
+    sharding_lib.spec_for(('embed', 'heads_kv'), (32, 32), mesh)
+
+
+@pytest.mark.parametrize('processes_DFT,ok', [
+    (np.array([0, 0, 0, 0, 1, 1, 1, 1]).reshape(2, 2, 2), True),    # process p holds data row p
+    (np.array([0, 0, 1, 1, 0, 0, 1, 1]).reshape(2, 2, 2), True),    # interleaved fsdp rows: still whole
+    (np.array([0, 1, 0, 1, 0, 1, 0, 1]).reshape(2, 2, 2), False),   # tensor spans the processes
+    (np.array([0, 0, 0, 0, 0, 0, 1, 1]).reshape(4, 1, 2), False),   # 3 batch shards against 1
+    (np.zeros((1, 1, 8), int), True),                                # one process: anything goes
+])
+def test_every_batch_shard_lives_in_one_process(processes_DFT, ok):
+  if ok:
+    sharding_lib.check_process_layout(processes_DFT)
+  else:
+    with pytest.raises(ValueError, match=re.escape(f'mesh.shape {processes_DFT.shape} does not fit 2')):
+      sharding_lib.check_process_layout(processes_DFT)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training on a mesh: the loop's own jitted step (`loop.make_train_step`) on 8 simulated CPU devices
+# against one device, and the shardings the arrays actually have after the steps.
+# ------------------------------------------------------------------------------------------------
+
+STEPS = 5
+RTOL = 1e-4
+# ((data, fsdp, tensor), dropout). (2, 2, 2) uses every axis at once and runs by default, without
+# dropout (its random bits take a third of the compilation; tests/test_train.py runs dropout on this
+# mesh through the whole loop); the slow set runs every mesh with dropout.
+MESHES = [((2, 2, 2), 0.0)] + [pytest.param(shape, 0.1, marks=pytest.mark.slow)
+                               for shape in ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))]
+
+
+def _config(model_name, dropout=0.0, microbatches=1):
+  config = tiny_config(model_name, dropout=dropout, depth=2, width=32, num_heads=4)
+  config.total_steps, config.microbatches = STEPS, microbatches
+  return config
+
+
+def _batches(model_name, config):
+  rng = np.random.default_rng(0)
+  if model_name == 'gpt':
+    return [{'tokens': rng.integers(0, 256, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)}
+            for _ in range(STEPS)]
+  return [{'image': rng.standard_normal((config.batch_size, 8, 8, 1), dtype=np.float32),
+           'label': rng.integers(0, 10, (config.batch_size,), dtype=np.int32)} for _ in range(STEPS)]
+
+
+def _setup(model_name, dropout):
+  return state_lib.make_setup(_config(model_name, dropout), TEXT_INFO if model_name == 'gpt' else IMAGE_INFO)
+
+
+@functools.cache
+def _initial_state(model_name, dropout):
+  """The initial train state on the host (created once, on one device, and put onto each mesh: the
+  loop's own `jit(create_state, out_shardings=...)` is run by tests/test_train.py and the multi-process
+  test)."""
+  setup = _setup(model_name, dropout)
+  return jax.device_get(jax.jit(setup.create_state)())
+
+
+def _train(model_name, shape, dropout=0.0, microbatches=1):
+  """(the losses of STEPS steps, the final train state on its mesh)."""
+  config, setup = _config(model_name, dropout, microbatches), _setup(model_name, dropout)
+  mesh = sharding_lib.make_mesh(shape, jax.devices()[:math.prod(shape)])
+  shardings = sharding_lib.state_shardings(jax.eval_shape(setup.create_state),
+                                           sharding_lib.logical_axes(setup.abstract_model), mesh)
+  state = jax.device_put(_initial_state(model_name, dropout), shardings)
+  train_step = loop.make_train_step(config, setup, mesh, shardings)
+  losses = []
+  with jax.set_mesh(mesh):
+    for batch in _batches(model_name, config):
+      state, metrics = train_step(state, sharding_lib.global_batch(batch, mesh))
+      losses.append(float(metrics['train/loss']))
+  return losses, state
+
+
+@functools.cache
+def _one_device(model_name, dropout):
+  losses, state = _train(model_name, (1, 1, 1), dropout)
+  return losses, jax.device_get(state)
+
+
+def _relative_error(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _assert_same_training(model_name, dropout, losses, state):
+  losses_1, state_1 = _one_device(model_name, dropout)
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  # Parameters and optimizer state, array by array. The attention key bias is left out: it adds q·b
+  # to every score of a query, which the softmax removes, so its gradient is 0 in exact arithmetic and
+  # float32 rounding noise in practice, which Adam's g / (|g| + eps) turns into updates of up to the
+  # learning rate — other noise for every summation order.
+  reference = dict(jax.tree_util.tree_leaves_with_path(state_1))
+  for path, value in jax.tree_util.tree_leaves_with_path(jax.device_get(state)):
+    name = jax.tree_util.keystr(path)
+    if "['k']['bias']" not in name:
+      assert _relative_error(value, reference[path]) <= RTOL, name
+
+
+def _leaf(tree, *keys):
+  for key in keys:
+    tree = getattr(tree, key) if isinstance(key, str) and hasattr(tree, key) else tree[key]
+  return tree
+
+
+def _assert_sharded(array, spec, mesh_shape):
+  """`array` (a jax.Array after training) is laid out by `spec`: its sharding says so, and every
+  device holds the block that the spec's mesh axes cut out."""
+  sizes = dict(zip(sharding_lib.MESH_AXES, mesh_shape))
+  assert array.sharding.spec == spec, (array.sharding.spec, spec)
+  block = tuple(dim // (sizes[axis] if axis else 1) for dim, axis in zip(array.shape, spec))
+  assert {shard.data.shape for shard in array.addressable_shards} == {block}
+  assert len({str(shard.index) for shard in array.addressable_shards}) == math.prod(
+      sizes[axis] for axis in spec if axis)
+
+
+@pytest.mark.parametrize('shape,dropout', MESHES)
+def test_gpt_on_a_mesh_trains_like_one_device_with_sharded_params_and_adam_moments(shape, dropout):
+  losses, state = _train('gpt', shape, dropout)
+  _assert_same_training('gpt', dropout, losses, state)
+  layer = ('trunk', 'stack', 'layers')
+  q, o, ffn1 = layer + ('attn', 'q', 'kernel'), layer + ('attn', 'o', 'kernel'), layer + ('ffn', 'ffn1', 'kernel')
+  expected = {q: P(None, 'fsdp', 'tensor'),             # (layer, embed, heads)
+              o: P(None, 'tensor', 'fsdp'),             # (layer, heads, embed)
+              ffn1: P(None, 'fsdp', 'tensor'),          # (layer, embed, mlp)
+              ('token_embed',): P('tensor', 'fsdp'),    # (vocab, embed)
+              layer + ('pre_attn_norm', 'scale'): P(None, None)}  # replicated by decision
+  adam = state['opt_state'][1][0]
+  for path, spec in expected.items():
+    param = _leaf(state['params'], *path)
+    _assert_sharded(param, spec, shape)
+    for moment in (adam.mu, adam.nu):  # AdamW's moments are laid out like their parameter.
+      assert _leaf(moment, *path).sharding == param.sharding, path
+
+
+@pytest.mark.slow
+def test_microbatches_on_a_mesh_train_like_one_device_without():
+  """Gradient accumulation splits each device's rows evenly (`step.split_microbatches`); the
+  constrained batch axis of every microbatch stays on data × fsdp."""
+  losses, state = _train('gpt', (2, 2, 2), microbatches=2)
+  _assert_same_training('gpt', 0.0, losses, state)
+
+
+@pytest.mark.slow
+def test_vit_on_a_mesh_trains_like_one_device():
+  losses, state = _train('vit', (2, 2, 2), dropout=0.1)
+  _assert_same_training('vit', 0.1, losses, state)
+  _assert_sharded(state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'),
+                  (2, 2, 2))
+
+
+def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logits():
+  config = _config('gpt')
+  setup = state_lib.make_setup(config, TEXT_INFO)
+  mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
+  abstract = jax.eval_shape(setup.create_state)
+  shardings = sharding_lib.state_shardings(abstract, sharding_lib.logical_axes(setup.abstract_model), mesh)
+  batch = {'tokens': jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32)}
+  hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
+  constrained = re.findall(r'sdy.sharding_constraint \S+ <@mesh, \[\{"data", "fsdp"\}[^>]*> : tensor<([\dx]+)x\w+>',
+                           hlo)
+  b, l, d = config.batch_size, config.data.seq_len, config.model.width
+  assert f'{b}x{l + 1}' in constrained                 # the tokens
+  assert f'{b}x{l}x256' in constrained                 # the logits
+  # The residual stream: the embedding and, inside the layer scan, every probe site (forward and
+  # backward).
+  assert constrained.count(f'{b}x{l}x{d}') >= 5

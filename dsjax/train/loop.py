@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from absl import logging
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
+from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, interrupts
 from dsjax.train import config as config_lib
@@ -24,6 +25,47 @@ from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
+
+
+def activation_constrained(loss_fn: Callable, mesh) -> Callable:
+  """`loss_fn(model, batch, key, probe)` with the batch axis pinned to data × fsdp
+  (`sharding.activation_sharding`) at the model's inputs, at every probe site (the residual stream of
+  every layer, inside the layer scan) and at its outputs (the logits), where the sharding propagation
+  would otherwise be free to choose another layout for them."""
+  constrain = lambda x: sharding_lib.constrain_batch_axis(x, mesh)
+
+  class Constrained:
+    def __init__(self, model):
+      self.model = model
+
+    def __call__(self, inputs, **kwargs):  # The inputs come from the constrained batch.
+      return constrain(self.model(inputs, **kwargs))
+
+  def constrained_loss(model, batch, dropout_key, probe=no_probe):
+    constrained_probe = lambda site, x, layer: probe(site, constrain(x), layer)
+    return loss_fn(Constrained(model), jax.tree.map(constrain, batch), dropout_key, constrained_probe)
+  return constrained_loss
+
+
+def make_train_step(config, setup: state_lib.TrainSetup, mesh, state_shardings, **step_kwargs):
+  """The run's jitted train step: `step.make_train_step` on the activation-constrained loss, with the
+  state on its shardings (donated), the batch split over data × fsdp and the metrics replicated.
+  `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver)."""
+  use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
+  loss_fn = activation_constrained(step_lib.LOSSES[config.model.name], mesh)
+  step_fn = step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
+                                     use_dropout, on_nonfinite=config.on_nonfinite,
+                                     microbatches=config.microbatches, **step_kwargs)
+  return jax.jit(step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+                 out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
+
+
+def make_eval_step(config, setup: state_lib.TrainSetup, mesh, state_shardings):
+  """The run's jitted eval step (summed statistics, replicated)."""
+  loss_fn = activation_constrained(step_lib.LOSSES[config.model.name], mesh)
+  return jax.jit(step_lib.make_eval_step(setup.graphdef, loss_fn),
+                 in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+                 out_shardings=sharding_lib.replicated(mesh))
 
 
 def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
@@ -122,8 +164,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   if prepared is not None:
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   setup = state_lib.make_setup(config, data_info, prepared)
-  graphdef, create_state, tx, schedule = setup.graphdef, setup.create_state, setup.tx, setup.schedule
-  abstract_state = jax.eval_shape(create_state)
+  abstract_state = jax.eval_shape(setup.create_state)
   state_shardings = sharding_lib.state_shardings(
       abstract_state, sharding_lib.logical_axes(setup.abstract_model), mesh)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
@@ -136,7 +177,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     train_data.set_state(data_state)
     logging.info('Resumed from step %d', int(state['step']))
   else:
-    state = jax.jit(create_state, out_shardings=state_shardings)()
+    state = jax.jit(setup.create_state, out_shardings=state_shardings)()
   first_step = int(state['step'])
   if is_chief:  # Every check has passed: now the workdir may change.
     lock.record_owner()
@@ -149,31 +190,23 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   # Compile: one jitted train step with explicit shardings and a donated state, compiled ahead of time
   # on the first batch (with its time and memory in the log).
   # ----------------------------------------------------------------------------------------------
-  loss_fn = step_lib.LOSSES[config.model.name]
-  use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-  jit_train_step = lambda step_fn, donate=True: jax.jit(
-      step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-      out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0 if donate else ())
-  make_step = lambda **kw: step_lib.make_train_step(graphdef, tx, loss_fn, config.seed, schedule, use_dropout,
-                                                   on_nonfinite=config.on_nonfinite, **kw)
+  jit_train_step = lambda **kw: make_train_step(config, setup, mesh, state_shardings, **kw)
   next_batch = lambda: sharding_lib.global_batch(next(train_data), mesh)
   batch = next_batch() if first_step < config.total_steps else None
   with jax.set_mesh(mesh):
     if batch is not None:
-      train_step, step_memory = _compile('train step', jit_train_step(make_step()), state, batch)
+      train_step, step_memory = _compile('train step', jit_train_step(), state, batch)
   # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
   # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
     moments = instrument_lib.Collector(workdir, enabled=is_chief, keep_records=False)  # Files only.
     receiver = moments.receive if config.instrument.delivery == 'callback' else None
-    instrumented_train_step = jit_train_step(make_step(instrument=True, moments_receiver=receiver))
+    instrumented_train_step = jit_train_step(instrument=True, moments_receiver=receiver)
     if batch is not None:
       with jax.set_mesh(mesh):
         instrumented_train_step, _ = _compile('instrumented train step', instrumented_train_step, state, batch)
-  eval_step = jax.jit(step_lib.make_eval_step(graphdef, loss_fn),
-                      in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-                      out_shardings=sharding_lib.replicated(mesh))
+  eval_step = make_eval_step(config, setup, mesh, state_shardings)
 
   def first_nonfinite_site(state, batch):
     """Replays a non-finite step with the instrumentation (with on_nonfinite='stop' the state is still
@@ -183,7 +216,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     # The instrumented step returns the statistics unless they go to a callback; then compile one
     # that returns them. Either may consume the state: the run ends here.
     replay = (instrumented_train_step if config.instrument.delivery == 'return'
-              else jit_train_step(make_step(instrument=True)))
+              else jit_train_step(instrument=True))
     _, replayed = jax.device_get(replay(state, batch))
     return instrument_lib.first_nonfinite(replayed['moments'])
 

@@ -1,13 +1,22 @@
-"""Device mesh and parameter/batch shardings (the `jax.jit`-with-shardings form of pjit).
+"""Device mesh and parameter/batch/activation shardings (the `jax.jit`-with-shardings form of pjit).
 
 Mesh axes are ('data', 'fsdp', 'tensor'), shape from `config.mesh.shape` (-1 = all remaining
 devices). The batch is split over data × fsdp. Every model array declares its *logical* axes where it is
 created (`axes=` metadata, `dsjax.models.layers.param`); `AXIS_RULES` maps them to mesh axes: the model
-width ('embed') over fsdp (ZeRO-3 style), attention width / FFN hidden / vocabulary over tensor
-(Megatron style); 'patch', 'seq' and None are replicated by decision. A dimension that does not divide
-evenly is replicated. Stacked block parameters carry a leading layer axis, which is never sharded.
-An array without logical axes, or an optimizer-state leaf that matches no parameter, is an error, never
-a silent replication.
+width ('embed') over fsdp (fully sharded data parallelism: ZeRO-3, Rajbhandari et al. 2020,
+arXiv:1910.02054), attention width / FFN hidden / vocabulary over tensor (Megatron-LM, Shoeybi et al.
+2019, arXiv:1909.08053); 'patch', 'seq' and None are replicated by decision. A dimension that does not
+divide evenly is replicated. Stacked block parameters carry a leading layer axis, which is never
+sharded. The optimizer state is sharded like the parameter each leaf belongs to. An array without
+logical axes, a logical axis without a rule, or an optimizer-state leaf that matches no parameter is an
+error, never a silent replication.
+
+Activations: the train and eval steps (`dsjax.train.loop`) pin the batch axis of the inputs, of the
+residual stream at every layer and of the model outputs to data × fsdp with `activation_sharding`, and
+leave their other axes to XLA's sharding propagation (GSPMD, Xu et al. 2021, arXiv:2105.04663).
+
+Several processes (`jax.distributed`): each process reads its own rows of every global batch
+(`dsjax.data`), so every batch shard must live on the devices of one process (`check_process_layout`).
 """
 
 from __future__ import annotations
@@ -58,7 +67,30 @@ def make_mesh(shape, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else list(devices)
   shape = resolve_mesh_shape(shape, len(devices))
   # Auto axes: shardings given at the jit boundary propagate through the step (GSPMD), as pjit did.
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  check_process_layout(np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices))
+  return mesh
+
+
+def check_process_layout(process_of_device_DFT: np.ndarray):
+  """With several processes, each batch shard (one data × fsdp position) must sit on the devices of one
+  process, and every process must hold as many batch shards: a process feeds only its own rows of each
+  batch (`global_batch`). `process_of_device_DFT`: the process index of each mesh device, in mesh
+  shape. A ValueError naming mesh.shape otherwise."""
+  processes = np.unique(process_of_device_DFT)
+  if len(processes) == 1:
+    return
+  shape = tuple(process_of_device_DFT.shape)
+  batch_shards = shape[0] * shape[1]
+  process_of_shard_ST = process_of_device_DFT.reshape(batch_shards, shape[2])
+  split = any(len(np.unique(row_T)) > 1 for row_T in process_of_shard_ST)
+  shards_per_process = {int((process_of_shard_ST[:, 0] == p).sum()) for p in processes}
+  if split or len(shards_per_process) > 1:
+    raise ValueError(f'mesh.shape {shape} does not fit {len(processes)} processes of '
+                     f'{process_of_device_DFT.size // len(processes)} devices: each data×fsdp position '
+                     f'must sit in one process and each process hold as many; make data×fsdp '
+                     f'({batch_shards}) a multiple of the process count and tensor at most the devices '
+                     'per process')
 
 
 def _key_name(entry) -> str | None:
@@ -129,6 +161,19 @@ def state_shardings(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def activation_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Axis 0 (the batch) over data × fsdp; the other axes unconstrained, for XLA to choose (e.g. heads
+  over tensor inside attention). Pinning the batch axis keeps the propagation from sharding the model
+  width of activations over fsdp after the fsdp-sharded weights, where fsdp is meant to gather the
+  weights instead (ZeRO-3)."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([P.UNCONSTRAINED] * (ndim - 1))))
+
+
+def constrain_batch_axis(x_B: jax.Array, mesh: Mesh) -> jax.Array:
+  """`x_B` (batch first, any rank ≥ 1) with its batch axis constrained to data × fsdp."""
+  return jax.lax.with_sharding_constraint(x_B, activation_sharding(mesh, x_B.ndim))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
