@@ -15,7 +15,9 @@ computes the forward statistics (kept as residuals: a few scalars); its backward
 gradient statistics and returns, as the cotangent of the sink, this site's row at [layer + 1, site]
 (zero elsewhere). The gradient of the loss w.r.t. the sink is therefore the table of all statistics of
 all layers: every entry written exactly once by construction, whatever scan, remat or sharding do,
-with no change to the model beyond its probe hook.
+with no change to the model beyond its probe hook. The identity keeps the probed dtype (a bfloat16
+activation returns its bfloat16 cotangent unchanged); the statistics are float32 whatever that dtype
+(`stats.py`, "Numerics"), and so is the sink.
 
 By default the table is returned from the jitted step and handed to the host `Collector` by the
 caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the same statistics
