@@ -23,7 +23,7 @@ def _build(config, info):
   return schemes.build_model(config, info, nnx.Rngs(params=0))
 
 
-def _qkv(dtype, shape=(2, 64, 4, 32)):
+def _qkv(dtype, shape):
   keys = jax.random.split(jax.random.key(0), 3)
   return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
 
@@ -33,17 +33,18 @@ def _attention_fns():
   fns = [('explicit', lambda q, k, v, causal: layers._attention_with_dropout(
       q, k, v, 32 ** -0.5, causal, 0.0, jax.random.key(0)), jnp.float32)]
   if ON_GPU:
-    fns.append(('cudnn', lambda q, k, v, causal: jax.nn.dot_product_attention(
-        q, k, v, scale=32 ** -0.5, is_causal=causal, implementation='cudnn'), jnp.bfloat16))
+    fns.append(('cudnn', lambda q, k, v, causal: layers._fused_attention(
+        q, k, v, 32 ** -0.5, causal, 'cudnn'), jnp.bfloat16))
   return fns
 
 
+@pytest.mark.parametrize('seq_len', [64, 37])  # 37: odd, padded for cuDNN
 @pytest.mark.parametrize('causal', [False, True])
 @pytest.mark.parametrize('name,fn,dtype', _attention_fns(), ids=[f[0] for f in _attention_fns()])
-def test_attention_implementations_match_xla(name, fn, dtype, causal):
+def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
   """Outputs and q/k/v gradients of each implementation equal those of jax's XLA attention."""
   del name
-  q, k, v = _qkv(dtype)
+  q, k, v = _qkv(dtype, (2, seq_len, 4, 32))
   xla = lambda q, k, v, causal: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, scale=32 ** -0.5, is_causal=causal, implementation='xla')
   cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)

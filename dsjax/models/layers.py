@@ -177,8 +177,8 @@ class Attention(nnx.Module):
       out_BLHK = _attention_with_dropout(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal,
                                          self.attn_dropout, dropout_key)
     else:
-      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=self.logit_scale,
-                                              is_causal=self.causal, implementation=self.implementation)
+      out_BLHK = _fused_attention(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal,
+                                  self.implementation)
     if self.mix_identity is not None:  # (α·I + β·A)·V = α·V + β·A·V
       mix = lambda a: a[...].astype(v_BLHK.dtype)
       out_BLHK = mix(self.mix_identity) * v_BLHK + mix(self.mix_attention) * out_BLHK
@@ -186,6 +186,23 @@ class Attention(nnx.Module):
 
 
 ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
+
+
+def _fused_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
+                     causal: bool, implementation: str) -> jax.Array:
+  """`jax.nn.dot_product_attention`. cuDNN's training kernels take only even sequence lengths, so an
+  odd one (ViT's patches plus the class token, e.g. 197) is padded by one position that the
+  sequence-length arguments mask out of every softmax, and cut off again."""
+  b, l = q_BLHK.shape[:2]
+  if implementation != 'cudnn' or l % 2 == 0:
+    return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=logit_scale, is_causal=causal,
+                                        implementation=implementation)
+  pad = lambda t: jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0)))
+  lengths_B = jnp.full((b,), l, jnp.int32)
+  out_BLHK = jax.nn.dot_product_attention(pad(q_BLHK), pad(k_BLHK), pad(v_BLHK), scale=logit_scale,
+                                          is_causal=causal, query_seq_lengths=lengths_B,
+                                          key_value_seq_lengths=lengths_B, implementation='cudnn')
+  return out_BLHK[:, :l]
 
 
 def _attention_with_dropout(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
