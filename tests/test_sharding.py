@@ -197,9 +197,12 @@ def _assert_sharded(array, spec, mesh_shape):
 
 
 @pytest.mark.parametrize('shape,dropout', MESHES)
-def test_gpt_on_a_mesh_trains_like_one_device_with_sharded_params_and_adam_moments(shape, dropout):
+def test_gpt_on_a_mesh_trains_like_one_device_with_sharded_params_and_adam_moments(shape, dropout, capfd):
   losses, state = _train('gpt', shape, dropout)
   _assert_same_training('gpt', dropout, losses, state)
+  # XLA's partitioner says so on stderr when it can only reshard by replicating a whole array (the
+  # embedding lookup did, before `sharding.gather_unstacked_over_fsdp`).
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   layer = ('trunk', 'stack', 'layers')
   q, o, ffn1 = layer + ('attn', 'q', 'kernel'), layer + ('attn', 'o', 'kernel'), layer + ('ffn', 'ffn1', 'kernel')
   expected = {q: P(None, 'fsdp', 'tensor'),             # (layer, embed, heads)
@@ -224,9 +227,10 @@ def test_microbatches_on_a_mesh_train_like_one_device_without():
 
 
 @pytest.mark.slow
-def test_vit_on_a_mesh_trains_like_one_device():
+def test_vit_on_a_mesh_trains_like_one_device(capfd):
   losses, state = _train('vit', (2, 2, 2), dropout=0.1)
   _assert_same_training('vit', 0.1, losses, state)
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   _assert_sharded(state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'),
                   (2, 2, 2))
 
@@ -244,6 +248,8 @@ def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logi
   b, l, d = config.batch_size, config.data.seq_len, config.model.width
   assert f'{b}x{l + 1}' in constrained                 # the tokens
   assert f'{b}x{l}x256' in constrained                 # the logits
+  # The embedding table is gathered over fsdp before the lookup; its vocabulary stays over tensor.
+  assert re.search(r'sdy.sharding_constraint \S+ <@mesh, \[\{"tensor"\}, \{\}\]> : tensor<256x32xf32>', hlo)
   # The residual stream: the embedding and, inside the layer scan, every probe site (forward and
   # backward).
   assert constrained.count(f'{b}x{l}x{d}') >= 5

@@ -31,12 +31,13 @@ def activation_constrained(loss_fn: Callable, mesh) -> Callable:
   """`loss_fn(model, batch, key, probe)` with the batch axis pinned to data × fsdp
   (`sharding.activation_sharding`) at the model's inputs, at every probe site (the residual stream of
   every layer, inside the layer scan) and at its outputs (the logits), where the sharding propagation
-  would otherwise be free to choose another layout for them."""
+  would otherwise be free to choose another layout for them; the model's arrays outside the layer scan
+  are gathered over fsdp where they are used (`sharding.gather_unstacked_over_fsdp`)."""
   constrain = lambda x: sharding_lib.constrain_batch_axis(x, mesh)
 
   class Constrained:
     def __init__(self, model):
-      self.model = model
+      self.model = sharding_lib.gather_unstacked_over_fsdp(model, mesh)
 
     def __call__(self, inputs, **kwargs):  # The inputs come from the constrained batch.
       return constrain(self.model(inputs, **kwargs))

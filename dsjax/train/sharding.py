@@ -15,14 +15,16 @@ Activations: the train and eval steps (`dsjax.train.loop`) pin the batch axis of
 residual stream at every layer and of the model outputs to data × fsdp with `activation_sharding`, and
 leave their other axes to XLA's sharding propagation (GSPMD, Xu et al. 2021, arXiv:2105.04663).
 
-Several processes (`jax.distributed`): each process reads its own rows of every global batch
-(`dsjax.data`), so every batch shard must live on the devices of one process (`check_process_layout`).
+Several processes (`jax.distributed`, initialised by `dsjax.main` from `distributed_settings`): each
+process reads its own rows of every global batch (`dsjax.data`), so every batch shard must live on the
+devices of one process (`check_process_layout`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from typing import Any, Mapping
 
 import jax
 import ml_collections
@@ -176,6 +178,26 @@ def constrain_batch_axis(x_B: jax.Array, mesh: Mesh) -> jax.Array:
   return jax.lax.with_sharding_constraint(x_B, activation_sharding(mesh, x_B.ndim))
 
 
+def gather_unstacked_over_fsdp(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """Constrains, in place, every array of `model` (merged inside a traced step) that is not stacked
+  over the layers to its layout with fsdp gathered: fully sharded data parallelism keeps a weight
+  sharded over fsdp between uses and gathers it where it is used (ZeRO-3). XLA does so by itself for
+  the stacked layer weights, one layer at a time inside the layer scan. For the arrays outside the
+  scan it does not always: an embedding table sharded over fsdp on its model width makes the lookup
+  come out sharded over fsdp on the width, which the batch sharding of the activations can only
+  undo by replicating the whole batch's embeddings on every device (XLA: "Involuntary full
+  rematerialization"); gathering the table first avoids it."""
+  for _, variable in nnx.iter_graph(model):
+    if not isinstance(variable, nnx.Variable):
+      continue
+    axes, value = variable.get_metadata().get('axes'), variable.get_value()
+    if axes is None or getattr(value, 'ndim', None) != len(axes):  # Stacked, or not an array.
+      continue
+    spec = [None if axis == 'fsdp' else axis for axis in spec_for(tuple(axes), value.shape, mesh)]
+    variable.set_value(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, P(*spec))))
+  return model
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
@@ -184,3 +206,80 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, ja
   """Assembles each process's share of the batch into global arrays sharded over data × fsdp."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Several processes: jax.distributed from flags or the environment (dsjax.main).
+# ------------------------------------------------------------------------------------------------
+
+# flag name → the environment variable it defaults to.
+DISTRIBUTED_ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_NUM_PROCESSES',
+                   'process_id': 'JAX_PROCESS_ID'}
+_NEEDED = ('a multi-process run needs --coordinator_address, --num_processes and --process_id (or '
+           'JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), or --jax_distributed to detect '
+           'them on a Cloud TPU pod, SLURM or Open MPI')
+
+
+def _int_setting(name: str, flag_value: int | None, environ: Mapping[str, str], least: int):
+  """(value, where it came from) of an integer setting: its flag, else its environment variable."""
+  if flag_value is not None:
+    where, value = f'--{name}={flag_value}', flag_value
+  elif environ.get(DISTRIBUTED_ENV[name], '').strip():
+    raw = environ[DISTRIBUTED_ENV[name]].strip()
+    where = f'{DISTRIBUTED_ENV[name]}={raw}'
+    try:
+      value = int(raw)
+    except ValueError:
+      raise ValueError(f'{where}: expected an integer ≥ {least}') from None
+  else:
+    return None, None
+  if value < least:
+    raise ValueError(f'{where}: expected an integer ≥ {least}')
+  return value, where
+
+
+def distributed_settings(coordinator_address: str | None, num_processes: int | None,
+                         process_id: int | None, detect: bool,
+                         environ: Mapping[str, str] = os.environ) -> dict | None:
+  """The keyword arguments of `jax.distributed.initialize` that the flags (or their environment
+  variables) ask for; None for a single-process run. A ValueError naming the flag (or variable) for a
+  value that cannot work, or a multi-process run that misses one of them without `detect`."""
+  settings, where = {}, {}
+  address = coordinator_address or environ.get(DISTRIBUTED_ENV['coordinator_address'], '').strip() or None
+  if address is not None:
+    where['coordinator_address'] = (f'--coordinator_address={address}' if coordinator_address
+                                    else f'JAX_COORDINATOR_ADDRESS={address}')
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f'{where["coordinator_address"]}: expected HOST:PORT with a port in 1…65535, '
+                       'e.g. 10.0.0.1:1234 (the address of process 0)')
+    settings['coordinator_address'] = address
+  for name, value, least in (('num_processes', num_processes, 1), ('process_id', process_id, 0)):
+    value, where[name] = _int_setting(name, value, environ, least)
+    if value is not None:
+      settings[name] = value
+  if 'process_id' in settings and 'num_processes' in settings and (
+      settings['process_id'] >= settings['num_processes']):
+    raise ValueError(f'{where["process_id"]}: must be below the number of processes '
+                     f'({where["num_processes"]})')
+  if detect:
+    return settings
+  if not settings:
+    return None
+  missing = [f'--{name}' for name in DISTRIBUTED_ENV if name not in settings]
+  if missing:
+    raise ValueError(f'{" and ".join(missing)} not given: {_NEEDED}')
+  return settings
+
+
+def initialize_distributed(settings: dict):
+  """`jax.distributed.initialize(**settings)`, before anything touches a device. On CPU the processes
+  exchange collectives through Gloo (the default of jax 0.10 on CPU, named here so that a CPU run does
+  not depend on the default; JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi still chooses MPI)."""
+  if not os.environ.get('JAX_CPU_COLLECTIVES_IMPLEMENTATION'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    jax.distributed.initialize(**settings)
+  except (ValueError, RuntimeError) as e:
+    given = ', '.join(f'{k}={v}' for k, v in settings.items()) or 'cluster detection'
+    raise ValueError(f'jax.distributed.initialize ({given}) failed: {e}') from None
