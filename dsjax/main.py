@@ -1,8 +1,20 @@
 """Entry point: `python -m dsjax.main --config=configs/vit_dnt.py --workdir=DIR [--config.key=value ...]`.
 
 Runs `dsjax.train.loop.train_and_evaluate`. Rerunning the same command resumes from the latest
-checkpoint in DIR. On a multi-host TPU pod / GPU cluster, run the same command on every host with
-`--jax_distributed` (initialises `jax.distributed` from the environment).
+checkpoint in DIR.
+
+Several processes (hosts, or several processes on one machine) run the same command, each with its own
+`--process_id`, and form one run through `jax.distributed` (README, "Scaling out"):
+
+    python -m dsjax.main --config=... --workdir=DIR --coordinator_address=HOST:PORT \\
+        --num_processes=2 --process_id=0     # and --process_id=1 in the second process
+
+The three flags default to the environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID. `--jax_distributed` lets JAX detect whatever is not given from the cluster (Cloud TPU
+pods, SLURM, Open MPI). With none of them the run is a single process and `jax.distributed` is not
+initialised. Process 0 writes the workdir's files (config, metrics, TensorBoard, moments) and logs
+progress; the others log warnings and errors only. Checkpoints are written by all processes together
+(Orbax), each its own shards.
 """
 
 from __future__ import annotations
@@ -12,20 +24,35 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from dsjax.train import cli, loop
+from dsjax.train import sharding as sharding_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and the config.')
-_DISTRIBUTED = flags.DEFINE_bool('jax_distributed', False,
-                                 'Call jax.distributed.initialize() (multi-host runs).')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None,
+    'HOST:PORT of the coordinator that process 0 starts, the same for every process (multi-process '
+    'runs). Default: $JAX_COORDINATOR_ADDRESS.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
+                                      'Number of processes of a multi-process run. Default: $JAX_NUM_PROCESSES.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None,
+                                   'This process, 0 … num_processes − 1 (0 writes the files). '
+                                   'Default: $JAX_PROCESS_ID.')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'jax_distributed', False,
+    'Initialise jax.distributed and let JAX detect what the three flags above leave unset from the '
+    'cluster (Cloud TPU pods, SLURM, Open MPI).')
 flags.mark_flags_as_required(['config', 'workdir'])
-
 
 def main(argv):
   del argv
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+  settings = sharding_lib.distributed_settings(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                               _DISTRIBUTED.value)
+  if settings is not None:
+    sharding_lib.initialize_distributed(settings, detect=_DISTRIBUTED.value)
   logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
+  if jax.process_index() > 0 and logging.get_verbosity() <= logging.INFO:
+    logging.set_verbosity(logging.WARNING)  # Process 0 reports progress; the others what goes wrong.
   # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
   logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   config = _CONFIG.value

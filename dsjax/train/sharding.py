@@ -272,14 +272,20 @@ def distributed_settings(coordinator_address: str | None, num_processes: int | N
   return settings
 
 
-def initialize_distributed(settings: dict):
-  """`jax.distributed.initialize(**settings)`, before anything touches a device. On CPU the processes
-  exchange collectives through Gloo (the default of jax 0.10 on CPU, named here so that a CPU run does
-  not depend on the default; JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi still chooses MPI)."""
+def initialize_distributed(settings: dict, detect: bool):
+  """`jax.distributed.initialize(**settings)` (JAX detects what is missing from the cluster when
+  `detect`), before anything touches a device. On CPU the processes exchange collectives through Gloo
+  (the default of jax 0.10 on CPU, named here so that a CPU run does not depend on the default;
+  JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi still chooses MPI)."""
   if not os.environ.get('JAX_CPU_COLLECTIVES_IMPLEMENTATION'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   try:
     jax.distributed.initialize(**settings)
   except (ValueError, RuntimeError) as e:
-    given = ', '.join(f'{k}={v}' for k, v in settings.items()) or 'cluster detection'
-    raise ValueError(f'jax.distributed.initialize ({given}) failed: {e}') from None
+    reason = ' '.join(str(e).split()) or type(e).__name__
+    if detect:
+      raise ValueError(f'--jax_distributed: JAX could not set up the processes ({reason}); outside a Cloud '
+                       'TPU pod, SLURM or Open MPI give --coordinator_address, --num_processes and '
+                       '--process_id') from None
+    given = ' '.join(f'--{k}={v}' for k, v in settings.items())
+    raise ValueError(f'jax.distributed.initialize with {given} failed: {reason}') from None

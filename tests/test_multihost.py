@@ -1,0 +1,157 @@
+"""Multi-process runs (`jax.distributed`): the flags that start one, and two processes of 4 CPU devices
+each training, checkpointing and resuming like one process of 8 devices.
+
+CPU processes exchange collectives through Gloo (`sharding.initialize_distributed`). The processes are
+real `python -m dsjax.main` runs on localhost, with a free port for the coordinator.
+"""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dsjax.train import loop
+from dsjax.train import sharding as sharding_lib
+from tests import multihost_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = 'tests/multihost_config.py'
+TIMEOUT_S = 300
+RTOL = 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags and environment.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('flags,environ,expected', [
+    ((None, None, None, False), {}, None),                       # one process: no jax.distributed
+    (('10.0.0.1:1234', 2, 1, False), {},
+     {'coordinator_address': '10.0.0.1:1234', 'num_processes': 2, 'process_id': 1}),
+    ((None, None, None, False),
+     {'JAX_COORDINATOR_ADDRESS': 'host:99', 'JAX_NUM_PROCESSES': '4', 'JAX_PROCESS_ID': '3'},
+     {'coordinator_address': 'host:99', 'num_processes': 4, 'process_id': 3}),
+    ((None, None, 0, False),                                      # a flag wins over its variable
+     {'JAX_COORDINATOR_ADDRESS': '[::1]:99', 'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '1'},
+     {'coordinator_address': '[::1]:99', 'num_processes': 2, 'process_id': 0}),
+    ((None, None, None, True), {}, {}),                           # all from the cluster (TPU, SLURM, MPI)
+    ((None, 8, None, True), {}, {'num_processes': 8}),
+])
+def test_distributed_settings_come_from_flags_then_environment(flags, environ, expected):
+  assert sharding_lib.distributed_settings(*flags, environ=environ) == expected
+
+
+@pytest.mark.parametrize('flags,environ,message', [
+    ((None, 2, 0, False), {}, '--coordinator_address not given: a multi-process run needs'),
+    (('h:1', None, None, False), {}, '--num_processes and --process_id not given'),
+    (('nohost', 2, 0, False), {}, '--coordinator_address=nohost: expected HOST:PORT'),
+    (('h:0', 2, 0, False), {}, '--coordinator_address=h:0: expected HOST:PORT with a port in 1…65535'),
+    (('h:1', 0, 0, False), {}, '--num_processes=0: expected an integer ≥ 1'),
+    (('h:1', 2, -1, False), {}, '--process_id=-1: expected an integer ≥ 0'),
+    (('h:1', 2, 2, False), {}, '--process_id=2: must be below the number of processes (--num_processes=2)'),
+    (('h:1', None, 0, False), {'JAX_NUM_PROCESSES': 'two'}, 'JAX_NUM_PROCESSES=two: expected an integer'),
+    ((None, None, None, False), {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': '2'},
+     '--process_id not given'),
+])
+def test_bad_distributed_settings_name_the_flag_or_variable(flags, environ, message):
+  with pytest.raises(ValueError, match=re.escape(message)) as error:
+    sharding_lib.distributed_settings(*flags, environ=environ)
+  assert '\n' not in str(error.value)
+
+
+def _env(devices_per_process: int) -> dict[str, str]:
+  """The test's environment (CPU, conftest's fast compilation) with `devices_per_process` simulated
+  devices in each process instead of conftest's 8."""
+  xla_flags = re.sub(r'--xla_force_host_platform_device_count=\d+', '', os.environ.get('XLA_FLAGS', ''))
+  xla_flags = f'{xla_flags} --xla_force_host_platform_device_count={devices_per_process}'.strip()
+  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_') or k == 'JAX_PLATFORMS'}
+  return {**env, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': xla_flags}
+
+
+def test_a_multi_process_run_missing_a_flag_fails_in_one_line_and_writes_nothing(tmp_path):
+  workdir = tmp_path / 'w'
+  proc = subprocess.run([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
+                         '--num_processes=2', '--process_id=0'],
+                        cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 2, proc.stderr
+  assert 'Traceback' not in proc.stderr, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith('dsjax.main: error: --coordinator_address not given: '), last
+  assert not workdir.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes × 4 devices against one process × 8 devices.
+# ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _run_two_processes(workdir, *overrides) -> list[subprocess.CompletedProcess]:
+  """`python -m dsjax.main` as processes 0 and 1 of one run; both must finish within TIMEOUT_S."""
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
+                             f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                             f'--process_id={i}', *overrides],
+                            cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  results = []
+  try:
+    for proc in procs:
+      _, stderr = proc.communicate(timeout=TIMEOUT_S)
+      results.append(subprocess.CompletedProcess(proc.args, proc.returncode, '', stderr))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  for i, result in enumerate(results):
+    assert result.returncode == 0, f'process {i}:\n{result.stderr[-3000:]}'
+  return results + [procs[0].pid]
+
+
+def _metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow  # About 2 minutes on 2 cores: two runs of two fresh processes, and the reference.
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path):
+  # One process, 8 devices: 4 steps, then a second invocation resumes from the checkpoint to step 6.
+  config = multihost_config.get_config()
+  one = str(tmp_path / 'one_process')
+  loop.train_and_evaluate(config, one)
+  config.total_steps = 6
+  loop.train_and_evaluate(config, one)
+
+  two = tmp_path / 'two_processes'
+  first = _run_two_processes(two)
+  second = _run_two_processes(two, '--config.total_steps=6')
+  assert 'Resumed from step 4' in second[0].stderr
+
+  expected, got = _metrics(one), _metrics(two)
+  assert [r['step'] for r in expected] == [1, 2, 3, 4, 5, 6]
+  assert [r['step'] for r in got] == [1, 2, 3, 4, 5, 6]  # Each step once: process 0 alone writes.
+  for row, reference in zip(got, expected):
+    for key in ('train/loss', 'train/grad_norm', 'eval/loss'):
+      if key in reference:
+        np.testing.assert_allclose(row[key], reference[key], rtol=RTOL, err_msg=f'step {row["step"]} {key}')
+  assert 'eval/loss' in got[3] and 'eval/loss' in got[5]
+
+  # Only process 0 writes the files and logs progress; the checkpoints are the processes' together.
+  assert sorted(os.listdir(two / 'checkpoints')) == ['4', '6']
+  assert len(os.listdir(two / 'tensorboard')) == 2              # one event file per invocation
+  assert (two / 'config.json').exists()
+  assert (two / '.dsjax.lock').read_text().startswith(f'pid {second[2]} ')
+  for run in (first, second):
+    assert re.search(r'step \d/\d \| loss', run[0].stderr)
+    assert not re.search(r'step \d/\d \| loss', run[1].stderr), run[1].stderr[-2000:]
