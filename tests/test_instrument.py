@@ -270,6 +270,40 @@ def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
   assert {'step': 4, 'layer': -1, 'site': 'weight/q', 'stat': 'grad_kurtosis', 'value': 3.0} in rows
 
 
+def _tensorboard_scalars(directory):
+  """{(step, tag): value} of every scalar in the event files of `directory` (TFRecord framing: length,
+  its CRC, the serialized Event, its CRC)."""
+  import struct
+  from tensorboardX.proto.event_pb2 import Event
+  scalars = {}
+  for name in os.listdir(directory):
+    with open(os.path.join(directory, name), 'rb') as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack('<Q', data[pos:pos + 8])
+      event = Event.FromString(data[pos + 12:pos + 12 + length])
+      pos += 12 + length + 4
+      scalars.update({(event.step, v.tag): v.simple_value for v in event.summary.value})
+  return scalars
+
+
+def test_collector_writes_every_finite_record_to_tensorboard(tmp_path):
+  collector = instrument_lib.Collector(str(tmp_path))
+  moments = _fake_moments(depth=2)
+  moments['activations'][1, 1, 0] = np.nan                # layer 0, attn_branch, mean: not written
+  collector.add(3, moments)
+  collector.add(5, _fake_moments(depth=2, offset=0.5))
+  collector.close()
+  scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
+  where = lambda r: 'all' if r['layer'] == -1 else f'layer_{r["layer"]:03d}'  # noqa: E731
+  expected = {(r['step'], f'moments/{r["site"]}/{r["stat"]}/{where(r)}'): r['value']
+              for r in collector.records if np.isfinite(r['value'])}
+  assert len(expected) == len(collector.records) - 1
+  assert scalars.keys() == expected.keys()
+  np.testing.assert_allclose([scalars[k] for k in expected], list(expected.values()), rtol=1e-6)
+
+
 def test_is_instrumented_step():
   assert [s for s in range(1, 11) if instrument_lib.is_instrumented_step(s, 4)] == [1, 4, 8]
   assert not any(instrument_lib.is_instrumented_step(s, 0) for s in range(1, 11))

@@ -95,8 +95,11 @@ class Collector:
       os.makedirs(workdir, exist_ok=True)
       self._jsonl = open(os.path.join(workdir, MOMENTS_FILE), 'a')
       if tensorboard:
-        from tensorboardX import SummaryWriter  # Event files without TensorFlow.
-        self._tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+        # Event files without TensorFlow. A FileWriter, not a SummaryWriter: the records of one step go
+        # into one event (`_write`) rather than one event per scalar, each of which passes a
+        # multiprocessing queue (~0.4 ms: ~0.2 s per step for GPT-2-small's ~470 records).
+        from tensorboardX import FileWriter
+        self._tensorboard = FileWriter(os.path.join(workdir, 'tensorboard'))
 
   def add(self, step: int, moments: Moments):
     """Queues the moments of loop step `step` (device arrays are fine; nothing is fetched yet)."""
@@ -142,11 +145,16 @@ class Collector:
       self._jsonl.writelines(json.dumps({**r, 'value': json_value(r['value'])}) + '\n' for r in new)
       self._jsonl.flush()
     if self._tensorboard is not None and new:
+      from tensorboardX.proto.summary_pb2 import Summary
+      by_step = collections.defaultdict(list)
       for r in new:
         if not np.isfinite(r['value']):
           continue
         where = 'all' if r['layer'] == NO_LAYER else f'layer_{r["layer"]:03d}'
-        self._tensorboard.add_scalar(f'moments/{r["site"]}/{r["stat"]}/{where}', r['value'], r['step'])
+        by_step[r['step']].append(Summary.Value(tag=f'moments/{r["site"]}/{r["stat"]}/{where}',
+                                                simple_value=r['value']))
+      for step, values in sorted(by_step.items()):
+        self._tensorboard.add_summary(Summary(value=values), step)
       self._tensorboard.flush()
 
   def close(self):
