@@ -201,7 +201,7 @@ def test_gpt_on_a_mesh_trains_like_one_device_with_sharded_params_and_adam_momen
   losses, state = _train('gpt', shape, dropout)
   _assert_same_training('gpt', dropout, losses, state)
   # XLA's partitioner says so on stderr when it can only reshard by replicating a whole array (the
-  # embedding lookup did, before `sharding.gather_unstacked_over_fsdp`).
+  # embedding lookup did, before `sharding.gather_tables_over_fsdp`).
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   layer = ('trunk', 'stack', 'layers')
   q, o, ffn1 = layer + ('attn', 'q', 'kernel'), layer + ('attn', 'o', 'kernel'), layer + ('ffn', 'ffn1', 'kernel')

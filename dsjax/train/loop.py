@@ -31,16 +31,19 @@ def activation_constrained(loss_fn: Callable, mesh) -> Callable:
   """`loss_fn(model, batch, key, probe)` with the batch axis pinned to data × fsdp
   (`sharding.activation_sharding`) at the model's inputs, at every probe site (the residual stream of
   every layer, inside the layer scan) and at its outputs (the logits), where the sharding propagation
-  would otherwise be free to choose another layout for them; the model's arrays outside the layer scan
-  are gathered over fsdp where they are used (`sharding.gather_unstacked_over_fsdp`)."""
+  would otherwise be free to choose another layout for them; the embedding tables and heads are
+  gathered over fsdp where they are used (`sharding.gather_tables_over_fsdp`)."""
   constrain = lambda x: sharding_lib.constrain_batch_axis(x, mesh)
 
   class Constrained:
     def __init__(self, model):
-      self.model = sharding_lib.gather_unstacked_over_fsdp(model, mesh)
+      self.model = sharding_lib.gather_tables_over_fsdp(model, mesh)
 
     def __call__(self, inputs, **kwargs):  # The inputs come from the constrained batch.
       return constrain(self.model(inputs, **kwargs))
+
+    def __getattr__(self, name):
+      return getattr(self.model, name)
 
   def constrained_loss(model, batch, dropout_key, probe=no_probe):
     constrained_probe = lambda site, x, layer: probe(site, constrain(x), layer)

@@ -178,20 +178,22 @@ def constrain_batch_axis(x_B: jax.Array, mesh: Mesh) -> jax.Array:
   return jax.lax.with_sharding_constraint(x_B, activation_sharding(mesh, x_B.ndim))
 
 
-def gather_unstacked_over_fsdp(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-  """Constrains, in place, every array of `model` (merged inside a traced step) that is not stacked
-  over the layers to its layout with fsdp gathered: fully sharded data parallelism keeps a weight
-  sharded over fsdp between uses and gathers it where it is used (ZeRO-3). XLA does so by itself for
-  the stacked layer weights, one layer at a time inside the layer scan. For the arrays outside the
-  scan it does not always: an embedding table sharded over fsdp on its model width makes the lookup
-  come out sharded over fsdp on the width, which the batch sharding of the activations can only
-  undo by replicating the whole batch's embeddings on every device (XLA: "Involuntary full
-  rematerialization"); gathering the table first avoids it."""
+def gather_tables_over_fsdp(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """Constrains, in place, the arrays of `model` (merged inside a traced step) that have a 'vocab'
+  axis — embedding tables and output heads — to their layout with fsdp gathered.
+
+  Fully sharded data parallelism keeps a weight sharded over fsdp between uses and gathers it where
+  it is used (ZeRO-3); XLA does so by itself for the matmul weights (for the stacked layers one layer
+  at a time, inside the layer scan). Not for a lookup: a table sharded over fsdp on its model width
+  makes the lookup come out sharded over fsdp on the width, which the batch sharding of the
+  activations can only undo by replicating the whole batch's embeddings on every device (XLA:
+  "Involuntary full rematerialization"), forward and backward. Gathered first, the lookup keeps the
+  batch sharding of its indices."""
   for _, variable in nnx.iter_graph(model):
     if not isinstance(variable, nnx.Variable):
       continue
     axes, value = variable.get_metadata().get('axes'), variable.get_value()
-    if axes is None or getattr(value, 'ndim', None) != len(axes):  # Stacked, or not an array.
+    if axes is None or 'vocab' not in axes:
       continue
     spec = [None if axis == 'fsdp' else axis for axis in spec_for(tuple(axes), value.shape, mesh)]
     variable.set_value(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, P(*spec))))
