@@ -142,9 +142,16 @@ def group_layer_grads(layer_grads: Any) -> dict[str, list[jax.Array]]:
 # each cumulative count is off by at most (number of bins)·2^−24 ≈ 8e-5 of the total, a shift of the
 # quantile's rank far inside the 1% accuracy above. (int32 cumulative counts wrap past 2^31 − 1 elements,
 # which one weight type of a large model has.)
+#
+# Contention. A scatter-add of many entries into few bins serialises on atomic updates of the same
+# addresses on a GPU; there entry i is counted in copy i mod _HISTOGRAM_COPIES of the histogram, and the
+# copies are summed (at most 1024 × 1281 int32). On the CPU the scatter is a sequential loop, for which
+# one small histogram is fastest (the copies double its time there).
 _BINS_PER_OCTAVE = 32
 _OCTAVES = 40
 _MAX_CHUNK = 2 ** 30
+_HISTOGRAM_COPIES = 1024
+_MIN_ENTRIES_PER_COPY = 2 ** 12
 
 
 def _leaves(g: jax.Array | Sequence[jax.Array]) -> list[jax.Array]:
@@ -167,6 +174,16 @@ def _total_sum(x: jax.Array) -> jax.Array:
   return x.reshape(x.shape[0], -1).sum(1).sum() if x.ndim >= 2 else x.sum()
 
 
+def _bin_counts(index: jax.Array, copies: int) -> jax.Array:
+  """int32 counts of the bin indices `index` (1-D, values in [0, 1281)), from `copies` interleaved
+  histograms (entry i counted in copy i mod copies)."""
+  length = _BINS_PER_OCTAVE * _OCTAVES + 1
+  if copies == 1:
+    return jnp.bincount(index, length=length)
+  copy = jnp.arange(index.size, dtype=jnp.int32) % copies
+  return jnp.bincount(copy * length + index, length=copies * length).reshape(copies, length).sum(0)
+
+
 def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) -> jax.Array:
   """Approximate quantiles of |g| at `probs`, over all entries of `g` (an array, or a list of arrays
   taken together without concatenating them), from a log-binned histogram."""
@@ -179,7 +196,10 @@ def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) 
     # Bin 0 holds the largest values; bin num_bins is the underflow bin.
     depth = -jnp.log2(jnp.maximum(abs_g / safe_top, 2.0 ** -(_OCTAVES + 1)))
     bins = jnp.minimum(jnp.floor(depth * _BINS_PER_OCTAVE), num_bins).astype(jnp.int32)
-    counts_ascending += jnp.bincount(num_bins - bins, length=num_bins + 1).astype(jnp.float32)
+    copies = max(1, min(_HISTOGRAM_COPIES, abs_g.size // _MIN_ENTRIES_PER_COPY))
+    counts_ascending += jax.lax.platform_dependent(
+        num_bins - bins, cpu=functools.partial(_bin_counts, copies=1),
+        default=functools.partial(_bin_counts, copies=copies)).astype(jnp.float32)
   cumulative = jnp.cumsum(counts_ascending)
   rank = jnp.asarray(probs, jnp.float32) * float(sum(leaf.size for leaf in leaves))
   k = jnp.clip(jnp.searchsorted(cumulative, rank), 0, num_bins)  # first bin reaching the rank
