@@ -30,7 +30,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.num_heads = 4
   m.mlp_ratio = 4                 # FFN hidden = mlp_ratio · d
   m.block = 'preln'               # 'preln' | 'postln' | 'dnt' | 'nonorm' (no norm anywhere)
-  m.dnt_setting = 'S5'            # DNT norm placement S1–S5 (Qi et al. 2025, §3 and Table 2); block='dnt'
+  m.dnt_setting = 'S5'            # DNT norm placement S1–S5 (Qi et al. 2025, §4.4, Fig. 7); block='dnt'
   m.final_norm = config_dict.placeholder(bool)  # None: the block's default (preln/dnt on, postln off)
   m.norm = 'layernorm'            # 'layernorm' | 'rmsnorm'
   m.norm_eps = 1e-6

@@ -52,7 +52,7 @@ class NormLayout:
 
   @classmethod
   def for_block(cls, block: str, dnt_setting: str = 'S5', final_norm: bool | None = None) -> 'NormLayout':
-    """The layout of `model.block` (and `model.dnt_setting` for DNT, Qi et al. 2025 Table 2).
+    """The layout of `model.block` (and `model.dnt_setting` for DNT, Qi et al. 2025 §4.4 and Fig. 7).
 
     'nonorm' has no norm anywhere (T-Fixup, SkipInit, ReZero)."""
     if block == 'preln':

@@ -5,7 +5,7 @@ One block covers every architecture the project studies:
     Pre-LN  (block='preln'):  x ← λ·x + β·Drop(f(Norm(x)))                       final Norm after the stack
     Post-LN (block='postln'): x ← Norm(λ·x + β·Drop(f(x)))                       no final Norm
     DNT     (block='dnt'):    x ← λ·x + β·Drop(MidNorm(f(PreNorm(x))))           InputNorm before the stack,
-                              QKNorm in attention; settings S1–S5 (Qi et al. 2025, Table 2) pick which.
+                              QKNorm in attention; settings S1–S5 (Qi et al. 2025, §4.4, Fig. 7) pick which.
     no norm (block='nonorm'): x ← λ·x + β·Drop(f(x))                             (T-Fixup, SkipInit, ReZero)
 
 f is attention for the first residual add of a layer and the FFN for the second. λ ("skip scale") and
