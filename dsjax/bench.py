@@ -5,9 +5,9 @@ r"""Train-step speed and memory: compile time, step time, throughput, model FLOP
 
 What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
 the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
-'return' (per-layer moments returned from the step, then fetched and written to moments.jsonl +
-TensorBoard, as the loop does) and 'callback' (the same statistics delivered by `jax.debug.callback`
-from inside the layer scan, waited for with `jax.effects_barrier`). Each mode is compiled ahead of time
+'return' (per-layer moments returned from the step and written to moments.jsonl + TensorBoard) and
+'callback' (the same statistics delivered by `jax.debug.callback` from inside the layer scan). As in
+the training loop, each step's moments are fetched and written while the next step runs. Each mode is compiled ahead of time
 (the compile time is reported), run for 2 warm-up steps, then for `--steps` timed steps, each one
 waited for; the median and the spread (min–max) are reported.
 
@@ -175,11 +175,9 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector) -> tu
   for i in range(WARMUP_STEPS + num_steps):
     start = time.perf_counter()
     state, metrics = compiled(state, batch)
-    if mode != 'off':  # As in the loop: fetch the moments and write them at once.
+    if mode != 'off':  # As in the loop: the previous steps' moments are written while this one runs.
       collector.add(i, metrics.pop('moments'))
-      if mode == 'callback':
-        jax.effects_barrier()
-      collector.flush()
+      collector.flush(before_step=i)
     jax.block_until_ready(metrics)
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
