@@ -26,6 +26,7 @@ def _quiet(config):
   return config
 
 
+@pytest.mark.slow  # The mesh tests of test_sharding.py cover the step; this one adds the whole loop.
 def test_one_device_and_eight_device_mesh_give_the_same_losses(tmp_path):
   assert jax.device_count() == 8, 'conftest sets 8 simulated CPU devices'
   results = {}
