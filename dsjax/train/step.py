@@ -137,8 +137,7 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
   probe site is visited once per step, so the instrumentation still delivers exactly one record per
   site and step. Returns moments None without `instrumented`.
   """
-  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  microbatches_ = split_microbatches(batch, microbatches)
+  split = split_microbatches(batch, microbatches)
   first = 0 if instrumented is None else 1
 
   def grad_of_sum(index, microbatch):
@@ -150,13 +149,13 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
   def add(carry, xs):
     grad_sum, loss_sum, count = carry
     grads, sums = grad_of_sum(*xs)
-    return (jax.tree.map(jnp.add, grad_sum, f32(grads)), loss_sum + sums['loss_sum'],
-            count + sums['count']), None
+    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+    return (grad_sum, loss_sum + sums['loss_sum'], count + sums['count']), None
 
   zero = jnp.zeros((), jnp.float32)
-  carry = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), zero, zero)
+  carry = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params), zero, zero)
   carry, _ = jax.lax.scan(add, carry, (jnp.arange(first, microbatches),
-                                       jax.tree.map(lambda x: x[first:], microbatches_)))
+                                       jax.tree.map(lambda x: x[first:], split)))
   grad_sum, loss_sum, count = carry
   as_params = lambda grads: jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
@@ -164,7 +163,7 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
     total = jnp.maximum(count, 1.0)
     return loss_sum / total, as_params(jax.tree.map(lambda g: g / total, grad_sum)), None
 
-  first_microbatch = jax.tree.map(lambda x: x[0], microbatches_)
+  first_microbatch = jax.tree.map(lambda x: x[0], split)
 
   def whole_batch_loss(params, probe):
     sums = sums_fn(params, first_microbatch, microbatch_dropout_key(key, 0), probe)
