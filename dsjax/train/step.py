@@ -201,19 +201,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     instrumented = (functools.partial(instrument_lib.value_and_grad, receiver=moments_receiver,
                                       step=state['step'] + 1) if instrument else None)
 
-    def sums_of(params, batch, key, probe: Probe = no_probe):
-      model = nnx.merge(graphdef, params, state['rest'])
-      return loss_fn(model, batch, key, probe)[1]
+    def losses(params, batch, key, probe: Probe = no_probe):  # (mean loss, sums)
+      return loss_fn(nnx.merge(graphdef, params, state['rest']), batch, key, probe)
 
     if microbatches > 1:
-      loss, grads, moments = accumulate_microbatches(sums_of, state['params'], batch, microbatches, key,
-                                                     instrumented)
+      loss, grads, moments = accumulate_microbatches(lambda *args: losses(*args)[1], state['params'], batch,
+                                                     microbatches, key, instrumented)
     else:
-      def loss_of_params(params, probe: Probe = no_probe):
-        model = nnx.merge(graphdef, params, state['rest'])
-        loss, _ = loss_fn(model, batch, key, probe)
-        return loss
-
+      loss_of_params = lambda params, probe=no_probe: losses(params, batch, key, probe)[0]
       if instrument:
         loss, grads, moments = instrumented(loss_of_params, state['params'])
       else:
