@@ -30,11 +30,11 @@ def _qkv(dtype, shape):
 
 def _attention_fns():
   """(name, f(q, k, v, causal) -> out, dtype) for every implementation this machine runs."""
-  fns = [('explicit', lambda q, k, v, causal: layers._attention_with_dropout(
-      q, k, v, 32 ** -0.5, causal, 0.0, jax.random.key(0)), jnp.float32)]
+  fns = [('explicit', lambda q, k, v, causal: layers._xla_attention(
+      q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32)]
   if ON_GPU:
-    fns.append(('cudnn', lambda q, k, v, causal: layers._fused_attention(
-        q, k, v, 32 ** -0.5, causal, 'cudnn'), jnp.bfloat16))
+    fns.append(('cudnn', lambda q, k, v, causal: layers._cudnn_attention(
+        q, k, v, 32 ** -0.5, causal), jnp.bfloat16))
   return fns
 
 
@@ -58,20 +58,21 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
 
 
 def test_attention_keeps_qknorm_logit_scale_and_mask():
-  """A DNT block (QKNorm) with a non-default logit scale computes the same through the explicit and
-  the jax.nn path; a causal model's outputs do not depend on later tokens."""
-  config = tiny_config('gpt', block='dnt', attn_dropout=0.1)
-  model = _build(config, TEXT_INFO)
+  """A DNT block (QKNorm) with a non-default logit scale equals QKNorm + jax.nn.dot_product_attention at
+  that scale; a causal model's outputs do not depend on later tokens."""
+  model = _build(tiny_config('gpt', block='dnt'), TEXT_INFO)
   graphdef, state = nnx.split(model.trunk.stack.layers.attn)  # stacked over layers; take layer 0
-  layer0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-  layer0.logit_scale = 0.3
+  attn = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+  attn.logit_scale = 0.3
   x = jax.random.normal(jax.random.key(3), (2, 16, 32))
-  fused = layer0(x, None)  # no key: the jax.nn path
-  layer0.attn_dropout = 1e-9  # with a key: the explicit path, dropping (almost) nothing
-  explicit = layer0(x, jax.random.key(4))
-  np.testing.assert_allclose(fused, explicit, rtol=1e-5, atol=1e-5)
+  heads = lambda t: t.reshape(2, 16, 4, 8)  # noqa: E731
+  q, k, v = attn.q_norm(heads(attn.q(x))), attn.k_norm(heads(attn.k(x))), heads(attn.v(x))
+  reference = attn.o(jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True,
+                                                  implementation='xla').reshape(2, 16, 32))
+  out = attn(x, None)
+  np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
   x2 = x.at[:, 8:].set(0.0)
-  np.testing.assert_allclose(layer0(x2, jax.random.key(4))[:, :8], explicit[:, :8], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(attn(x2, None)[:, :8], out[:, :8], rtol=1e-5, atol=1e-5)
 
 
 def test_auto_resolution():
