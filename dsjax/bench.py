@@ -56,14 +56,15 @@ from dsjax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
                                           lock_config=True)
-_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).')
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).',
+                              lower_bound=1)
 INSTRUMENT_MODES = ('off', 'return', 'callback')
 _INSTRUMENT = flags.DEFINE_list('instrument', list(INSTRUMENT_MODES),
                                 f'Modes to time, any of {list(INSTRUMENT_MODES)}.')
 INPUTS = ('random', 'real')
 _INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list(INPUTS)}.')
 _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for MFU (default: looked up '
-                           'from the device kind; on a CPU, measured).')
+                           'from the device kind; on a CPU, measured).', lower_bound=1e-9)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
 
 WARMUP_STEPS = 2

@@ -98,6 +98,12 @@ CASES = [
     ('export-missing-workdir', 'export', ['--out={tmp}/out'], '--workdir'),
     # dsjax.bench (writes only to a temporary directory of its own)
     ('bench-zero-steps', 'bench', ['--steps=0'], '--steps=0'),
+    ('bench-unknown-instrument-mode', 'bench', ['--instrument=off,sometimes'], '--instrument'),
+    ('bench-unknown-inputs', 'bench', ['--inputs=zeros'], '--inputs'),
+    ('bench-zero-peak', 'bench', ['--peak_tflops=0'], '--peak_tflops=0'),
+    ('bench-json-is-directory', 'bench', ['--json={tmp}'], '--json={tmp} is a directory'),
+    ('bench-cudnn-on-cpu', 'bench', ['--config.model.attention=cudnn', '--config.model.dtype=bfloat16'],
+     'model.attention=cudnn'),
     ('bench-unknown-scheme', 'bench', ['--config.model.scheme=nope'], 'model.scheme'),
     ('bench-heads-do-not-divide-width', 'bench', ['--config.model.num_heads=5'], 'model.num_heads'),
     # dsjax.sensitivity
