@@ -276,6 +276,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         finish(pending)
       pending = {'step': step, 'train': train_metrics, 'eval': {}, 'batch': batch}
       if step % config.eval_every == 0 or step == config.total_steps:
+        # The step runs asynchronously: wait for it, so that its time is not counted as evaluation's.
+        jax.block_until_ready(train_metrics)
         t0 = time.perf_counter()
         pending['eval'] = last_eval = evaluate(eval_step, state, config, mesh, process)
         progress.exclude(time.perf_counter() - t0)
