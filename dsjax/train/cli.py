@@ -107,6 +107,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(_parse_error_message(e, argv))
 
 
+OUT_OF_MEMORY_ADVICE = ('raise microbatches (the same update in smaller pieces), set model.remat, lower '
+                        'batch_size or data.seq_len, or use more devices (dsjax.bench prints the '
+                        'compiled step\'s memory)')
+
+
 def out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
 
@@ -136,8 +141,7 @@ def user_error_message(error: BaseException) -> str | None:
     return str(error)
   if out_of_memory(error):
     first = str(error).strip().splitlines()[0]
-    return (f'out of device memory ({first[:300]}); lower batch_size or data.seq_len, set '
-            'model.remat, or use more devices (dsjax.bench prints the compiled step\'s memory)')
+    return f'out of device memory ({first[:300]}); {OUT_OF_MEMORY_ADVICE}'
   return None
 
 

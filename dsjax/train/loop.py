@@ -109,7 +109,7 @@ def _compile(name: str, step_fn, state, batch):
 
 def _out_of_memory(error: Exception, memory: str) -> ValueError:
   return ValueError(f'out of device memory running the train step (compiled estimate: {memory or "unknown"}); '
-                    'lower batch_size or data.seq_len, set model.remat=full, or use more devices')
+                    f'{cli.OUT_OF_MEMORY_ADVICE}')
 
 
 def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None, last_saved) -> str:
