@@ -1,43 +1,39 @@
-"""The benchmark's model-FLOPs formula, a tiny run, and its argument checks."""
+"""`python -m dsjax.bench` on a tiny model: its JSON, the model-FLOPs formula and the parameter count.
 
+Run as a subprocess: the CLI defines absl flags (`--config`) that other CLIs imported by the test
+session define too.
+"""
+
+import json
 import math
+import os
+import subprocess
+import sys
 
-import pytest
-
-from dsjax import bench, models
-from dsjax.train import config as config_lib
-from tests.helpers import tiny_config
-
-
-def test_model_flops_formula():
-  """(6·N + 12·depth·d·L) per position, positions = batch × sequence length."""
-  config = tiny_config('gpt')
-  dims = models.model_dims(config, config_lib.validate_single_device_run(config, training=True))
-  flops, positions = bench.model_flops_per_step(config, dims, num_params=1000)
-  assert positions == config.batch_size * config.data.seq_len
-  assert flops == (6 * 1000 + 12 * config.model.depth * config.model.width * config.data.seq_len) * positions
+DEPTH, WIDTH, SEQ_LEN, BATCH, VOCAB = 2, 32, 16, 8, 256
 
 
-def test_a_tiny_benchmark_reports_its_modes(tmp_path):
-  config = tiny_config('gpt')
-  results = bench.run_benchmark(config, num_steps=1, modes=['off', 'callback'], inputs='random',
-                                peak_tflops=1.0, workdir=str(tmp_path))
-  assert set(results['modes']) == {'off', 'callback'}
-  assert results['inputs'] == 'random' and results['config']['attention'] == 'xla'
-  # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms.
-  params_per_layer = 4 * (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32) + 2 * 2 * 32
-  assert results['matmul_params'] == 2 * params_per_layer + 2 * 32 + 32 * 256  # + final norm, head
+def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'dsjax.bench', '--config=configs/gpt_preln.py', f'--config.model.depth={DEPTH}',
+       f'--config.model.width={WIDTH}', f'--config.batch_size={BATCH}', f'--config.data.seq_len={SEQ_LEN}',
+       '--steps=1', '--instrument=off,callback', '--peak_tflops=1', f'--json={out}'],
+      capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'instrumentation overhead (callback)' in proc.stdout
+  results = json.loads(out.read_text())
+  assert set(results['modes']) == {'off', 'callback'} and results['inputs'] == 'random'
+  # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms per
+  # layer, then the final norm and the head (no bias).
+  per_layer = 4 * (WIDTH * WIDTH + WIDTH) + 2 * (4 * WIDTH * WIDTH) + 4 * WIDTH + WIDTH + 2 * 2 * WIDTH
+  num_params = DEPTH * per_layer + 2 * WIDTH + WIDTH * VOCAB
+  assert results['matmul_params'] == num_params
+  positions = BATCH * SEQ_LEN
+  assert results['positions_per_step'] == positions
+  assert results['model_flops_per_step'] == (6 * num_params + 12 * DEPTH * WIDTH * SEQ_LEN) * positions
   for r in results['modes'].values():
     assert r['step_ms_min'] <= r['step_ms_median'] <= r['step_ms_max']
     assert r['compile_s'] > 0 and r['memory']['total_gib'] > 0
-    assert math.isclose(r['mfu'], r['model_tflops_per_s'] / 1.0)
-  assert 'instrumentation overhead (callback)' in bench.report(results)
-
-
-@pytest.mark.parametrize('kwargs,message', [
-    (dict(num_steps=0), '--steps'), (dict(modes=['sometimes']), '--instrument'),
-    (dict(inputs='zeros'), '--inputs'), (dict(peak_tflops=-1.0), '--peak_tflops')])
-def test_bad_arguments_are_one_line_errors(kwargs, message):
-  args = dict(num_steps=1, modes=['off'], inputs='random', peak_tflops=None) | kwargs
-  with pytest.raises(ValueError, match=message):
-    bench.check_args(tiny_config('gpt'), **args)
+    assert math.isclose(r['mfu'], r['model_tflops_per_s'])  # peak 1 TFLOP/s
