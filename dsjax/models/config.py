@@ -142,6 +142,8 @@ def attention_implementation(m, backend: str | None = None) -> str:
   (the kernel never forms the probabilities to drop), a head dimension the kernel supports (a multiple
   of 8, at most 128) — and the XLA path elsewhere. An explicit 'cudnn' that cannot apply is an error.
   """
+  if m.attention == 'xla':
+    return 'xla'
   backend = backend or jax.default_backend()
   head_dim = m.width // m.num_heads
   blockers = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernel has no dropout)'),
@@ -150,8 +152,6 @@ def attention_implementation(m, backend: str | None = None) -> str:
                                                 f'(the head dimension, {head_dim}) must be a multiple of 8 '
                                                 'and at most 128'),
               'the backend': (backend != 'gpu', f'must be a GPU, not {backend}')}
-  if m.attention == 'xla':
-    return 'xla'
   blocked = [(key, why) for key, (is_blocked, why) in blockers.items() if is_blocked]
   if m.attention == 'cudnn' and blocked:
     key, why = blocked[0]
