@@ -1,0 +1,44 @@
+"""The population trainer of the experiments: a member is the run the real loop does with its lr and seed."""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+from experiments import population  # noqa: E402
+from dsjax.train import config as config_lib  # noqa: E402
+from dsjax.train import loop  # noqa: E402
+
+
+def _tiny_gpt(optimizer: str):
+  c = config_lib.base_config('gpt', optimizer_name=optimizer)
+  c.model.depth, c.model.width, c.model.num_heads = 2, 32, 2
+  c.data.seq_len = 32
+  c.batch_size, c.eval_batch_size = 8, 64
+  c.total_steps = c.eval_every = c.checkpoint_every = 6
+  c.optimizer.warmup_steps = 2
+  return c
+
+
+def test_member_matches_the_loop(tmp_path):
+  c = _tiny_gpt('msgdw')
+  c.model.block, c.model.dnt_setting, c.model.norm = 'dnt', 'S5', 'rmsnorm'
+  lrs, seeds = (0.3, 0.05), (0, 1)
+  result = population.train(c, population.grid(lrs, seeds), verbose=False)
+  for member in result['members'][::3]:  # (0.3, seed 0) and (0.05, seed 1)
+    run = c.copy_and_resolve_references()
+    run.optimizer.lr, run.seed = member['lr'], member['seed']
+    final = loop.train_and_evaluate(run, str(tmp_path / f"{member['lr']}_{member['seed']}"))
+    np.testing.assert_allclose(member['final']['eval/loss'], final['eval/loss'], rtol=2e-5)
+  assert not any(m['diverged'] for m in result['members'])
+  assert len({m['final']['eval/loss'] for m in result['members']}) == 4  # lrs and seeds both matter.
+
+
+def test_divergent_member_is_reported_and_others_train():
+  c = _tiny_gpt('adamw')
+  result = population.train(c, population.grid((1e-3, 1e4), (0,)), verbose=False)
+  ok, bad = result['members']
+  assert not ok['diverged'] and np.isfinite(ok['final']['eval/loss'])
+  assert bad['diverged'] or bad['final']['eval/loss'] > ok['final']['eval/loss']
