@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import numpy as np
 from absl import app, flags
@@ -71,31 +70,16 @@ def task_config(task: str, setting: str, optimizer: str, steps: int):
 
 
 def run_cell(task, setting, optimizer, steps, num_seeds) -> dict:
-  config = task_config(task, setting, optimizer, steps)
-  grid = LR_GRIDS[optimizer]
-  t0 = time.time()
-  print(f'{task} {setting} {optimizer}: sweep {grid}', flush=True)
-  sweep = population.train(config, population.grid(grid, [0]))
-  losses = [m['final']['eval/loss'] for m in sweep['members']]
-  best = int(np.nanargmin(np.where(np.isfinite(losses), losses, np.nan)))
-  print(f'  best lr {grid[best]}; seeds 1..{num_seeds - 1}', flush=True)
-  seeds = population.train(config, population.grid([grid[best]], range(1, num_seeds)))
-  for r in sweep['members'] + seeds['members']:
-    r['eval'] = {str(k): v for k, v in r['eval'].items()}
-  return {'setting': setting, 'optimizer': optimizer, 'grid': list(grid), 'best_lr': grid[best],
-          'best_at_edge': best in (0, len(grid) - 1), 'sweep': sweep['members'],
-          'best_seeds': [sweep['members'][best]] + seeds['members'], 'seconds': time.time() - t0}
+  print(f'{task} {setting} {optimizer}: sweep {LR_GRIDS[optimizer]}', flush=True)
+  cell = population.sweep_then_seeds(task_config(task, setting, optimizer, steps), LR_GRIDS[optimizer],
+                                     num_seeds)
+  return {'setting': setting, 'optimizer': optimizer, **cell}
 
 
 def cell_summary(cell: dict) -> dict:
   finals = [m['final'] for m in cell['best_seeds']]
-  out = {}
-  for key in ('eval/loss', 'eval/accuracy'):
-    if key in finals[0]:
-      v = np.asarray([f[key] for f in finals])
-      out[key] = {'mean': float(v.mean()), 'sd': float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-                  'min': float(v.min()), 'max': float(v.max()), 'values': v.tolist()}
-  return out
+  return {key: population.spread([f[key] for f in finals]) for key in ('eval/loss', 'eval/accuracy')
+          if key in finals[0]}
 
 
 def write_summary(task: str, cells: list[dict], out: str):

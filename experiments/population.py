@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +75,11 @@ def _member_config(config, seed: int):
 
 
 def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), log_every: int = 10,
-          verbose: bool = True) -> dict[str, Any]:
+          verbose: bool = True, final_variants: dict[str, Callable[[Any], Any]] | None = None
+          ) -> dict[str, Any]:
   """Trains every member for `config.total_steps` steps; evaluates all at `eval_steps` and at the end.
+  `final_variants` {name: params → params} are also evaluated at the end, as 'final/<name>' (e.g. the
+  trained weights cast to FP8 and back).
 
   Returns {'members': [{'lr', 'seed', 'diverged', 'nonfinite_steps', 'eval': {step: metrics},
   'final': metrics of the last step, 'train_loss': [(step, mean loss over the last `log_every` steps)]}],
@@ -144,5 +147,34 @@ def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), 
     r['nonfinite_steps'] = int(n)
     r['final'] = r['eval'][config.total_steps]
     r['diverged'] = bool(n > 0 or not math.isfinite(r['final']['eval/loss']))
+  for name, transform in (final_variants or {}).items():
+    variant_K = dict(state_K, params=jax.jit(transform)(state_K['params']))
+    for r, ev in zip(records, evaluate(variant_K)):
+      r[f'final/{name}'] = ev
   return {'members': records, 'seconds': time.time() - t0, 'steps': config.total_steps,
           'state': state_K}
+
+
+def sweep_then_seeds(config, lrs: Sequence[float], num_seeds: int,
+                     final_variants: dict[str, Callable[[Any], Any]] | None = None) -> dict[str, Any]:
+  """The sweep protocol of the experiments: every lr with seed 0, then the lr with the lowest final eval
+  loss with seeds 1..num_seeds-1. Returns {'grid', 'best_lr', 'best_at_edge', 'sweep': members,
+  'best_seeds': the best lr's members (seed 0 first), 'seconds'}; `final_variants` are evaluated on the
+  seeds 1.. members."""
+  t0 = time.time()
+  sweep = train(config, grid(lrs, [0]))['members']
+  losses = np.asarray([m['final']['eval/loss'] for m in sweep], np.float64)
+  best = int(np.nanargmin(np.where(np.isfinite(losses), losses, np.nan)))
+  seeds = (train(config, grid([lrs[best]], range(1, num_seeds)), final_variants=final_variants)['members']
+           if num_seeds > 1 else [])
+  for r in sweep + seeds:
+    r['eval'] = {str(k): v for k, v in r['eval'].items()}
+  return {'grid': [float(x) for x in lrs], 'best_lr': float(lrs[best]), 'best_at_edge': best in (0, len(lrs) - 1),
+          'sweep': sweep, 'best_seeds': [sweep[best]] + seeds, 'seconds': time.time() - t0}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+  """mean, sample sd, min, max and the values."""
+  v = np.asarray(values, np.float64)
+  return {'mean': float(v.mean()), 'sd': float(v.std(ddof=1)) if len(v) > 1 else 0.0, 'min': float(v.min()),
+          'max': float(v.max()), 'values': v.tolist()}
