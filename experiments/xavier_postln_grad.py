@@ -47,8 +47,9 @@ def set_causal(model: nnx.Module, causal: bool) -> nnx.Module:
   return model
 
 
-def grad_by_perturbation(model, config, batches) -> np.ndarray:
-  """Variance of ∂loss/∂(layer n output) for n = 0..N-1, by `jax.grad` w.r.t. an added zero tensor."""
+def grad_by_perturbation(model, config, batches) -> tuple[np.ndarray, np.ndarray]:
+  """Variance of ∂loss/∂(layer n output) for n = 0..N-1, by `jax.grad` w.r.t. an added zero tensor:
+  pooled (N,) and per token position (N, L) (over batch and hidden units)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   depth = config.model.depth
 
@@ -63,14 +64,16 @@ def grad_by_perturbation(model, config, batches) -> np.ndarray:
       return step_lib.lm_loss(nnx.merge(graphdef, params, rest), batch, key, probe)[0]
 
     g_NBLD = jax.grad(loss_of_deltas)(deltas_NBLD)
-    return jnp.var(g_NBLD, axis=(1, 2, 3))
+    return jnp.var(g_NBLD, axis=(1, 2, 3)), jnp.var(g_NBLD, axis=(1, 3))
 
-  per_batch = [np.asarray(layer_grads(b, step_lib.dropout_key_for_step(config.seed, i)))
+  per_batch = [jax.device_get(layer_grads(b, step_lib.dropout_key_for_step(config.seed, i)))
                for i, b in enumerate(batches, start=1)]
-  return np.mean(per_batch, axis=0)
+  return (np.mean([pooled for pooled, _ in per_batch], axis=0),
+          np.mean([by_position for _, by_position in per_batch], axis=0))
 
 
 def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) -> dict:
+  """One model: both measurements, per-position gradient variances, and the theory (causal only)."""
   config = dslm_moments.case_config('xavier_postln', depth=depth, width=256, num_heads=4, seq_len=128,
                                     batch_size=4, activation=activation)
   data_info = data_lib.dataset_info(config.data)
@@ -79,11 +82,11 @@ def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) 
                                     process_index=0, process_count=1, train=True)
   batches = [jax.device_put(b) for b in itertools.islice(pipeline, num_batches)]
   t0 = time.time()
-  plain = grad_by_perturbation(model, config, batches)
+  plain, by_position_NL = grad_by_perturbation(model, config, batches)
   measured, _ = moments.measure(model, config, batches)
   probe = np.asarray([measured[('ffn_residual', 'grad_var')][n] for n in range(config.model.depth)])
   row = {'activation': activation, 'causal': causal, 'plain_grad_var': plain.tolist(),
-         'probe_grad_var': probe.tolist(),
+         'probe_grad_var': probe.tolist(), 'grad_var_by_position': by_position_NL.tolist(),
          'corr_seq': [measured[('ffn_residual', 'corr_seq')][n] for n in range(config.model.depth)],
          'grad_corr_seq': [measured[('ffn_residual', 'grad_corr_seq')][n] for n in range(config.model.depth)]}
   if causal:  # The theory models causal attention for the GPT.
@@ -97,10 +100,12 @@ def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) 
 
 def summary_lines(rows) -> list[str]:
   lines = ['| activation | attention | grad var layer 1 / layer N, jax.grad | same, probe | theory | '
-           'max |jax.grad/probe − 1| over layers | grad token corr layer 1 / N (theory) |',
-           '|---|---|---|---|---|---|---|']
+           'max |jax.grad/probe − 1| over layers | grad token corr layer 1 / N (theory) | '
+           'layer 1 / N at position 0 | same, positions ≥ 16 |',
+           '|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     plain, probe = np.asarray(r['plain_grad_var']), np.asarray(r['probe_grad_var'])
+    position = np.asarray(r['grad_var_by_position'])
     theory = (f"{r['predicted_grad_var'][0] / r['predicted_grad_var'][-1]:.3g}"
               if 'predicted_grad_var' in r else '–')
     gc = r['grad_corr_seq']
@@ -108,7 +113,9 @@ def summary_lines(rows) -> list[str]:
                  if 'predicted_grad_corr_seq' in r else '')
     lines.append(f"| {r['activation']} | {'causal' if r['causal'] else 'bidirectional'} | "
                  f'{plain[0] / plain[-1]:.3g} | {probe[0] / probe[-1]:.3g} | {theory} | '
-                 f'{np.max(np.abs(plain / probe - 1)):.2e} | {gc[0]:.2f} / {gc[-1]:.2f}{gc_theory} |')
+                 f'{np.max(np.abs(plain / probe - 1)):.2e} | {gc[0]:.2f} / {gc[-1]:.2f}{gc_theory} | '
+                 f'{position[0, 0] / position[-1, 0]:.3g} | '
+                 f'{position[0, 16:].mean() / position[-1, 16:].mean():.3g} |')
   return lines
 
 
@@ -145,9 +152,10 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', required=True, help='Output directory.')
   parser.add_argument('--batches', type=int, default=2, help='Batches averaged per case.')
+  parser.add_argument('--depth', type=int, default=192, help='Layers.')
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  rows = [run_case(act, causal, args.batches) for act in ('relu', 'gelu') for causal in (True, False)]
+  rows = [run_case(act, causal, args.batches, args.depth) for act in ('relu', 'gelu') for causal in (True, False)]
   with open(os.path.join(args.out, 'results.json'), 'w') as f:
     json.dump(rows, f)
   lines = summary_lines(rows)
