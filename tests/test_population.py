@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
@@ -22,6 +23,7 @@ def _tiny_gpt(optimizer: str):
   return c
 
 
+@pytest.mark.slow  # ~35 s: two runs of the real loop next to the population.
 def test_member_matches_the_loop(tmp_path):
   c = _tiny_gpt('msgdw')
   c.model.block, c.model.dnt_setting, c.model.norm = 'dnt', 'S5', 'rmsnorm'
@@ -36,6 +38,7 @@ def test_member_matches_the_loop(tmp_path):
   assert len({m['final']['eval/loss'] for m in result['members']}) == 4  # lrs and seeds both matter.
 
 
+@pytest.mark.slow
 def test_divergent_member_is_reported_and_others_train():
   c = _tiny_gpt('adamw')
   result = population.train(c, population.grid((1e-3, 1e4), (0,)), verbose=False)
