@@ -15,7 +15,7 @@ Training it on the embedded byte corpus is possible too (byte vocabulary, 86M pa
   python -m dsjax.main --config=configs/gpt2_small.py --workdir=/tmp/gpt2_small
 
 Settings: the GPT-2 small architecture (Radford et al. 2019) with the DNT paper's AdamW GPT-2 recipe
-(Qi et al. 2025, arXiv:2507.22297, Table 5: lr 6e-4, weight decay 0.1, betas (0.9, 0.95), warmup 2000,
+(Qi et al. 2025, arXiv:2507.17501, Table 5: lr 6e-4, weight decay 0.1, betas (0.9, 0.95), warmup 2000,
 cosine to a minimum of 6e-5) at the batch that fits one GPU (the paper's is 480 × 1024 tokens).
 """
 

@@ -15,7 +15,7 @@ Training it needs ImageNet prepared for TFDS (`imagenet2012`, which cannot be do
 Without it the run stops with one line saying how to prepare it.
 
 Settings: ViT-B/16 (Dosovitskiy et al. 2021, arXiv:2010.11929, Table 1: 12 layers, width 768, 12 heads,
-MLP 3072, patch 16) with the DNT paper's AdamW ViT recipe (Qi et al. 2025, arXiv:2507.22297, Table 4:
+MLP 3072, patch 16) with the DNT paper's AdamW ViT recipe (Qi et al. 2025, arXiv:2507.17501, Table 4:
 lr 1e-3, weight decay 0.1, betas (0.9, 0.99), minimum lr 1e-8), class token pooling as in the ViT paper,
 at the per-GPU batch of 128 (the paper's global batch is 1024).
 """
