@@ -11,9 +11,9 @@ seq 128, batch 4, 2 batches of the embedded Python-documentation corpus; ReLU an
 and bidirectional (the same weights with the causal mask switched off — the loss is still next-token
 cross-entropy, which is only a scalar read-out here: the model is at initialisation).
 
-Writes OUT/results.json (per case and layer: the two measurements, the theory's prediction for the causal
-models, measured and predicted token correlations of the activations and of the gradient), OUT/summary.md
-and OUT/grad.png.
+Writes OUT/results.json (per case and layer: the two measurements, per token position the jax.grad one,
+the theory's prediction — `dsjax.theory` with the attention mask of the case — and measured and predicted
+token correlations of the activations and of the gradient), OUT/summary.md and OUT/grad.png.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def grad_by_perturbation(model, config, batches) -> tuple[np.ndarray, np.ndarray
 
 
 def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) -> dict:
-  """One model: both measurements, per-position gradient variances, and the theory (causal only)."""
+  """One model: both measurements, per-position gradient variances, and the theory."""
   config = dslm_moments.case_config('xavier_postln', depth=depth, width=256, num_heads=4, seq_len=128,
                                     batch_size=4, activation=activation)
   data_info = data_lib.dataset_info(config.data)
@@ -89,13 +89,16 @@ def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) 
          'probe_grad_var': probe.tolist(), 'grad_var_by_position': by_position_NL.tolist(),
          'corr_seq': [measured[('ffn_residual', 'corr_seq')][n] for n in range(config.model.depth)],
          'grad_corr_seq': [measured[('ffn_residual', 'grad_corr_seq')][n] for n in range(config.model.depth)]}
-  if causal:  # The theory models causal attention for the GPT.
-    predicted, _ = theory_adapter.predict(config, model, data_info, measured)
-    row.update(predicted_grad_var=np.asarray(predicted['grad_var']).tolist(),
+  predicted, _ = theory_adapter.predict(config, model, data_info, measured, causal=causal)
+  row.update(predicted_grad_var=np.asarray(predicted['grad_var']).tolist(),
                predicted_corr_seq=np.asarray(predicted['corr_seq']).tolist(),
                predicted_grad_corr_seq=np.asarray(predicted['grad_corr_seq']).tolist())
   row['seconds'] = time.time() - t0
   return row
+
+
+def ratio_text(ratio: float) -> str:
+  return f'{ratio:.3g}' if ratio > 0 else '0 (float32 underflow)'
 
 
 def summary_lines(rows) -> list[str]:
@@ -115,7 +118,7 @@ def summary_lines(rows) -> list[str]:
                  f'{plain[0] / plain[-1]:.3g} | {probe[0] / probe[-1]:.3g} | {theory} | '
                  f'{np.max(np.abs(plain / probe - 1)):.2e} | {gc[0]:.2f} / {gc[-1]:.2f}{gc_theory} | '
                  f'{position[0, 0] / position[-1, 0]:.3g} | '
-                 f'{position[0, 16:].mean() / position[-1, 16:].mean():.3g} |')
+                 f'{ratio_text(position[0, 16:].mean() / position[-1, 16:].mean())} |')
   return lines
 
 
@@ -153,10 +156,21 @@ def main(argv=None):
   parser.add_argument('--out', required=True, help='Output directory.')
   parser.add_argument('--batches', type=int, default=2, help='Batches averaged per case.')
   parser.add_argument('--depth', type=int, default=192, help='Layers.')
+  parser.add_argument('--cases', default='relu_causal,relu_bidirectional,gelu_causal,gelu_bidirectional',
+                      help='Comma-separated <activation>_<causal|bidirectional>; others are kept from '
+                           'OUT/results.json.')
   args = parser.parse_args(argv)
+  cases = args.cases.split(',')
+  for case in cases:
+    if case.split('_')[0] not in ('relu', 'gelu') or case.split('_')[-1] not in ('causal', 'bidirectional'):
+      parser.error(f'--cases: {case!r} is not <relu|gelu>_<causal|bidirectional>')
   os.makedirs(args.out, exist_ok=True)
-  rows = [run_case(act, causal, args.batches, args.depth) for act in ('relu', 'gelu') for causal in (True, False)]
-  with open(os.path.join(args.out, 'results.json'), 'w') as f:
+  path = os.path.join(args.out, 'results.json')
+  kept = json.load(open(path)) if os.path.exists(path) else []
+  name = lambda r: f"{r['activation']}_{'causal' if r['causal'] else 'bidirectional'}"
+  new = {c: run_case(c.split('_')[0], c.endswith('_causal'), args.batches, args.depth) for c in cases}
+  rows = [new.pop(name(r), r) for r in kept] + list(new.values())
+  with open(path, 'w') as f:
     json.dump(rows, f)
   lines = summary_lines(rows)
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:

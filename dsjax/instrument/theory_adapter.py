@@ -101,13 +101,17 @@ def input_stats(desc: ModelDescription, measured, input_moments: str) -> Stats:
 
 
 def predict(config, model, data_info, measured, *, input_moments: str = 'measured',
-            form: str = 'exact') -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+            form: str = 'exact', causal: bool | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   """Predicted per-layer moments of the layer outputs and the settings used (for moments.json).
 
   `measured`: {(site, stat): {layer: value}} from `dsjax.moments.measure`. `form`: the theory's
-  formulas, 'exact' (default) | 'paper' | 'simple' (see `dsjax.theory.model.propagate`).
+  formulas, 'exact' (default) | 'paper' | 'simple' (see `dsjax.theory.model.propagate`). `causal`
+  overrides the model's attention mask (None: the model's own; e.g. False for GPT weights run without
+  the mask).
   """
   desc = describe(config, model, data_info)
+  if causal is not None:
+    desc = dataclasses.replace(desc, causal=causal)
   if desc.block not in theory_model.BLOCKS:
     raise ValueError(f'the theory covers model.block in {list(theory_model.BLOCKS)}, got {desc.block!r}')
   x0 = input_stats(desc, measured, input_moments)
