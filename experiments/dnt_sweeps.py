@@ -131,9 +131,7 @@ def plot(task: str, cells: list[dict], out: str):
 def main(argv):
   del argv
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, 'results.json')
-  done = json.load(open(path)) if os.path.exists(path) else {'cells': []}  # Resumes by cell.
+  path, done = population.load_results(out, 'cells')  # Resumes after the last finished cell.
   for setting in _SETTINGS.value:
     for optimizer in _OPTIMIZERS.value:
       if any(c['setting'] == setting and c['optimizer'] == optimizer for c in done['cells']):

@@ -38,7 +38,6 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from dsjax.train import config as config_lib  # noqa: E402
 from experiments import population  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
@@ -58,18 +57,9 @@ def cast_through(dtype):
 
 def model_config(model: str, depth: int, width: int, steps: int):
   scheme, block = model.split('_')
-  c = config_lib.base_config('gpt', optimizer_name='adamw')
-  c.total_steps = c.eval_every = c.checkpoint_every = steps
-  c.data.seq_len, c.batch_size, c.eval_batch_size = 64, 16, 256
-  c.model.depth, c.model.width, c.model.num_heads = depth, width, max(1, width // 16)
-  c.model.block, c.model.scheme = block, scheme
-  c.model.dropout = 0.1
-  c.model.tie_embeddings = True
+  c = population.gpt_config(scheme, block, depth, width, steps)
   if scheme == 'dslm':
     c.model.dslm.init = 'simple'
-    c.model.dslm.output_scale = 'sqrt_embed_var_d'
-  c.optimizer.weight_decay, c.optimizer.clip_norm = 0.01, 1.0
-  c.optimizer.warmup_steps, c.optimizer.min_lr_ratio = steps // 10, 0.0
   return c
 
 
@@ -113,9 +103,7 @@ def plot(cells: list[dict], path: str):
 def main(argv):
   del argv
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, 'results.json')
-  done = json.load(open(path)) if os.path.exists(path) else {'cells': []}  # Resumes by cell.
+  path, done = population.load_results(out, 'cells')  # Resumes after the last finished cell.
   for shape in _SHAPES.value:
     depth, width = (int(x) for x in shape.split('x'))
     for model in _MODELS.value:

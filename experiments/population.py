@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -178,3 +180,30 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
   v = np.asarray(values, np.float64)
   return {'mean': float(v.mean()), 'sd': float(v.std(ddof=1)) if len(v) > 1 else 0.0, 'min': float(v.min()),
           'max': float(v.max()), 'values': v.tolist()}
+
+
+def load_results(out: str, key: str) -> tuple[str, dict[str, list]]:
+  """OUT/results.json (created with an empty list under `key` if missing) and its path: an experiment
+  appends each finished cell and rewrites the file, so a rerun resumes after the last finished cell."""
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'results.json')
+  if not os.path.exists(path):
+    return path, {key: []}
+  with open(path) as f:
+    return path, json.load(f)
+
+
+def gpt_config(scheme: str, block: str, depth: int, width: int, steps: int, tie_embeddings: bool = True):
+  """The deep-narrow GPT of these experiments with `model.scheme` = scheme in `block`."""
+  c = config_lib.base_config('gpt', optimizer_name='adamw')
+  c.total_steps = c.eval_every = c.checkpoint_every = steps
+  c.data.seq_len, c.batch_size, c.eval_batch_size = 64, 16, 256
+  c.model.depth, c.model.width, c.model.num_heads = depth, width, max(1, width // 16)
+  c.model.block, c.model.scheme = block, scheme
+  c.model.dropout = 0.1
+  c.model.tie_embeddings = tie_embeddings
+  if scheme == 'dslm' and tie_embeddings:
+    c.model.dslm.output_scale = 'sqrt_embed_var_d'  # The reference code's, with the tied head.
+  c.optimizer.weight_decay, c.optimizer.clip_norm = 0.01, 1.0
+  c.optimizer.warmup_steps, c.optimizer.min_lr_ratio = steps // 10, 0.0
+  return c

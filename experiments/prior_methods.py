@@ -25,7 +25,6 @@ from absl import app, flags
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
 from dsjax import schemes  # noqa: E402
-from dsjax.train import config as config_lib  # noqa: E402
 from experiments import population  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
@@ -43,24 +42,14 @@ def arms() -> list[tuple[str, str]]:
 
 
 def arm_config(scheme: str, block: str, depth: int, width: int, steps: int):
-  c = config_lib.base_config('gpt', optimizer_name='adamw')
-  c.total_steps = c.eval_every = c.checkpoint_every = steps
-  c.data.seq_len, c.batch_size, c.eval_batch_size = 64, 16, 256
-  c.model.depth, c.model.width, c.model.num_heads = depth, width, max(1, width // 16)
-  c.model.scheme, c.model.block = scheme, block
-  c.model.dropout = 0.1
-  c.model.tie_embeddings = False  # Catformer's head reads its wider concatenated stream.
-  c.optimizer.weight_decay, c.optimizer.clip_norm = 0.01, 1.0
-  c.optimizer.warmup_steps, c.optimizer.min_lr_ratio = steps // 10, 0.0
-  return c
+  # The untied head: Catformer's head reads its wider concatenated stream.
+  return population.gpt_config(scheme, block, depth, width, steps, tie_embeddings=False)
 
 
 def main(argv):
   del argv
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, 'results.json')
-  done = json.load(open(path)) if os.path.exists(path) else {'arms': []}
+  path, done = population.load_results(out, 'arms')  # Resumes after the last finished arm.
   for scheme, block in arms():
     name = f'{scheme}_{block}'
     if (_ONLY.value and scheme not in _ONLY.value and name not in _ONLY.value) or any(
