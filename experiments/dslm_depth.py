@@ -33,7 +33,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
