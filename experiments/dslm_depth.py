@@ -59,6 +59,7 @@ def model_config(model: str, depth: int, width: int, steps: int):
   c = population.gpt_config(scheme, block, depth, width, steps)
   if scheme == 'dslm':
     c.model.dslm.init = 'simple'
+    c.model.dslm.output_scale = 'sqrt_embed_var_d'  # The reference code's, with the tied head.
   return c
 
 
