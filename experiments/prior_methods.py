@@ -9,7 +9,7 @@ cosine to 0). Each method (`model.scheme`) runs in the first block its file list
 vanilla in Pre-LN and Post-LN) with its published constants (the `model.<scheme>` defaults). Tuning
 effort is the same for every method: 3 peak learning rates (1e-3, 3e-3, 1e-2), seed 0; the best final eval
 loss is reported, 'diverged' when every lr's run turned non-finite. One seed: differences smaller than the
-seed spread of `experiments/dslm_depth.py` (≈0.01–0.03 nats at this size) are not resolved.
+seed spread of `experiments/dslm_depth.py` (sd 0.006–0.11 nats at 4–16 layers) are not resolved.
 
 Writes OUT/results.json and OUT/summary.md.
 """
