@@ -52,6 +52,7 @@ def _check_dslm(summary):
     assert low <= s['grad_ratio_1_N'] <= high, (name, s['grad_ratio_1_N'], s['predicted_grad_ratio_1_N'])
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_dslm_moments_small(tmp_path):
   summary = _run_cases(str(tmp_path), DSLM_CASES + ['xavier_preln'], depth=48, width=128, num_heads=4,
                        seq_len=64, batch_size=4, activation='relu')

@@ -516,6 +516,7 @@ def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path, delive
   assert os.listdir(os.path.join(tmp_path, 'tensorboard'))
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_moments_cli_reads_a_checkpoint(tmp_path):
   """`dsjax.moments --checkpoint=WORKDIR` measures the trained model, not the initial one."""
   from dsjax import moments

@@ -65,6 +65,7 @@ def test_microbatches_give_the_update_of_the_whole_batch():
     _assert_same_update(step_4, step_1, state, {**batch, 'mask': mask})
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_instrumented_microbatches_measure_microbatch_0_against_the_whole_batch():
   """M = 4 with the per-site statistics sent to a receiver: the update is the whole batch's; every
   site's statistics arrive exactly once and are those of microbatch 0's rows under the whole batch's

@@ -121,6 +121,7 @@ def test_bfloat16_params_keep_float32_optimizer_state():
   chex.assert_trees_all_equal_dtypes(new_params, params)
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_layer_stack_options_compute_the_same():
   """Unrolled scans, the Python loop and rematerialisation change how, not what: same loss and grads."""
   def loss_and_grads(**overrides):

@@ -138,6 +138,7 @@ def _has_rows(workdir, rows):
   return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= rows
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exactly(tmp_path):
   interrupted = tmp_path / 'interrupted'
   process = _start(interrupted, total_steps=100000, checkpoint_every=100000)
@@ -159,6 +160,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exactly(tmp_pa
   assert rows == sorted(set(rows))  # No duplicate rows from the resumed part.
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (~35 s).
 @pytest.mark.parametrize('kills', [2])
 def test_repeated_kill_9_during_saves_loses_nothing(tmp_path, kills):
   killed = tmp_path / 'killed'

@@ -432,6 +432,7 @@ def test_three_training_steps(tmp_path, scheme, name):
   assert not os.path.exists(os.path.join(tmp_path, schemes.PREPARATION_FILE))
 
 
+@pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_admin_training_profiles_saves_and_resumes_from_the_saved_profile(tmp_path, monkeypatch):
   config = _smoke_config('admin', 'gpt')
   final = _train(config, tmp_path)
