@@ -25,12 +25,18 @@ FLOPs). MFU = model FLOP/s ÷ the peak: `--peak_tflops` when given, else the dev
 bf16 (or fp32) peak from `PEAK_TFLOPS`; on a CPU there is no data-sheet number, so the benchmark measures
 its own matmul peak (a large matmul in the compute dtype) and reports the fraction of it.
 
+Profile (`--profile=DIR`): after the timed steps of the first mode, 3 more steps run under
+`jax.profiler.trace(DIR)`; the benchmark prints the busiest XLA ops (device time per step, summed over
+the kernels each op launched) and the share of the step the device was busy, and writes the compiled
+step's HLO to DIR/step.hlo.txt, where the op names can be looked up.
+
 Memory: the compiled step's `memory_analysis()` (arguments, outputs, temporaries: what the step needs
 before it runs), and on GPUs the device's peak bytes in use after the timed steps.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -66,6 +72,9 @@ _INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list
 _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for MFU (default: looked up '
                            'from the device kind; on a CPU, measured).', lower_bound=1e-9)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
+_PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first mode with the JAX profiler '
+                               'into this directory (TensorBoard/XProf) and print the device time per XLA '
+                               'op, with the compiled step\'s HLO text beside it.')
 
 WARMUP_STEPS = 2
 # Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
@@ -164,28 +173,92 @@ def memory_of(compiled) -> dict[str, float]:
   return out
 
 
-def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector) -> tuple[dict, object]:
-  """Compiles `step_fn` ahead of time, runs warm-up + timed steps; returns (results, final state)."""
+PROFILED_STEPS = 3
+REPORTED_KERNELS = 30  # in the printed report; the JSON lists every kernel
+
+
+def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
+              profile_dir: str | None = None) -> tuple[dict, object]:
+  """Compiles `step_fn` ahead of time, runs warm-up + timed steps (then, with `profile_dir`, traced
+  steps); returns (results, final state)."""
   start = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
   compile_s = time.perf_counter() - start
-  times = []
-  for i in range(WARMUP_STEPS + num_steps):
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    if mode != 'off':  # As in the loop: the previous steps' moments are written while this one runs.
-      collector.add(i, metrics.pop('moments'))
-      collector.flush(before_step=i)
-    jax.block_until_ready(metrics)
-    if i >= WARMUP_STEPS:
+
+  def run_steps(first: int, count: int) -> list[float]:
+    nonlocal state
+    times = []
+    for i in range(first, first + count):
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      if mode != 'off':  # As in the loop: the previous steps' moments are written while this one runs.
+        collector.add(i, metrics.pop('moments'))
+        collector.flush(before_step=i)
+      jax.block_until_ready(metrics)
       times.append(time.perf_counter() - start)
-  return {'compile_s': compile_s, 'step_ms_median': 1e3 * statistics.median(times),
-          'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
-          'memory': memory_of(compiled)}, state
+    return times
+
+  run_steps(0, WARMUP_STEPS)
+  times = run_steps(WARMUP_STEPS, num_steps)
+  results = {'compile_s': compile_s, 'step_ms_median': 1e3 * statistics.median(times),
+             'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
+             'memory': memory_of(compiled)}
+  if profile_dir:
+    with jax.profiler.trace(profile_dir):
+      run_steps(WARMUP_STEPS + num_steps, PROFILED_STEPS)
+    with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
+      f.write(compiled.as_text())
+    results['profile'] = device_time_per_op(profile_dir, PROFILED_STEPS)
+  return results, state
+
+
+def device_time_per_op(profile_dir: str, num_steps: int) -> dict:
+  """Device time per step of each kernel in the newest trace under `profile_dir`, summed over its
+  launches and divided by the traced steps, with the XLA op that launched it (a fusion's kernel is named
+  after the fusion; kernels that run in a command buffer (CUDA graph) name it as their op). Kernels are
+  the events on the GPU planes' stream lines; the CPU has no device plane, so there the XLA ops are read
+  from the host plane."""
+  paths = sorted(glob.glob(os.path.join(profile_dir, '**', '*.xplane.pb'), recursive=True),
+                 key=os.path.getmtime)
+  planes = list(jax.profiler.ProfileData.from_file(paths[-1]).planes)
+  device_planes = [p for p in planes if p.name.startswith('/device:')] or [
+      p for p in planes if p.name == '/host:CPU']
+  per_kernel_ns: dict[str, float] = {}
+  op_of: dict[str, str] = {}
+  for plane in device_planes:
+    lines = list(plane.lines)
+    streams = [line for line in lines if line.name.startswith('Stream')] or lines
+    for line in streams:
+      for event in line.events:
+        hlo_op = {name: value for name, value in event.stats}.get('hlo_op')
+        if hlo_op is None:
+          continue
+        per_kernel_ns[event.name] = per_kernel_ns.get(event.name, 0.0) + event.duration_ns
+        op_of.setdefault(event.name, hlo_op)
+  ranked = sorted(per_kernel_ns.items(), key=lambda kv: -kv[1])
+  kernels = [{'kernel': name[:90], 'hlo_op': op_of[name], 'ms_per_step': ns / num_steps / 1e6}
+             for name, ns in ranked]
+  return {'busy_ms_per_step': sum(per_kernel_ns.values()) / num_steps / 1e6, 'trace': paths[-1],
+          'ms_per_step_by_kind': ms_by_kind(kernels), 'kernels': kernels}
+
+
+# Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
+# fused attention kernels (and its helper kernels) are attention; everything else (XLA's elementwise and
+# reduction fusions: norms, activations, residual adds, casts, bias gradients, the optimizer) is 'other'.
+KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'), 'attention': ('sdpa', 'cudnn', 'fmha', 'flash')}
+
+
+def ms_by_kind(kernels: list[dict]) -> dict[str, float]:
+  totals = {kind: 0.0 for kind in (*KERNEL_KINDS, 'other')}
+  for k in kernels:
+    name = k['kernel'].lower()
+    kind = next((kind for kind, marks in KERNEL_KINDS.items() if any(m in name for m in marks)), 'other')
+    totals[kind] += k['ms_per_step']
+  return totals
 
 
 def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,
-                  workdir: str) -> dict:
+                  workdir: str, profile_dir: str | None = None) -> dict:
   data_info = check_args(config, modes, inputs)
   device = jax.devices()[0]
   if inputs == 'real':
@@ -227,7 +300,8 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
     # One collector per mode, so that no mode de-duplicates another's records.
     collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
     step_fn = make(mode != 'off', collector.receive if mode == 'callback' else None)
-    r, state = time_mode(mode, step_fn, state, batch, num_steps, collector)
+    r, state = time_mode(mode, step_fn, state, batch, num_steps, collector,
+                         profile_dir if mode == modes[0] else None)
     collector.close()
     seconds = r['step_ms_median'] / 1e3
     r['examples_per_s'] = config.batch_size / seconds
@@ -276,19 +350,30 @@ def report(results: dict) -> str:
       lines.append(f'  instrumentation overhead ({mode}): {ratio:.2f}x the plain step')
   if 'device_peak_memory_gib' in results:
     lines.append(f"  device peak memory in use: {results['device_peak_memory_gib']:.2f} GiB")
+  for mode, r in results['modes'].items():
+    if 'profile' in r:
+      p = r['profile']
+      lines.append(f"profile of '{mode}' ({p['trace']}): device busy {p['busy_ms_per_step']:.2f} ms per "
+                   f"step: " + ', '.join(f'{kind} {ms:.2f} ms' for kind, ms in p['ms_per_step_by_kind'].items())
+                   + "; busiest kernels (ms per step, share of busy time, kernel, XLA op):")
+      lines += [f"  {k['ms_per_step']:8.3f}  {100 * k['ms_per_step'] / p['busy_ms_per_step']:5.1f}%  "
+                f"{k['kernel']:60s} {k['hlo_op']}" for k in p['kernels'][:REPORTED_KERNELS]]
   return '\n'.join(lines)
 
 
 def main(argv):
   del argv
   config = _CONFIG.value
-  json_path = _JSON.value
+  json_path, profile_dir = _JSON.value, _PROFILE.value
   if json_path:
     if os.path.isdir(json_path):
       raise ValueError(f'--json={json_path} is a directory; name a file')
     cli.check_output_dir('--json', os.path.dirname(os.path.abspath(json_path)))
+  if profile_dir:
+    cli.check_output_dir('--profile', os.path.abspath(profile_dir))
   with tempfile.TemporaryDirectory() as workdir:
-    results = run_benchmark(config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir)
+    results = run_benchmark(config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir,
+                            profile_dir)
   print(report(results))
   if json_path:
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)

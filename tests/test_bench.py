@@ -19,7 +19,8 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'dsjax.bench', '--config=configs/gpt_preln.py', f'--config.model.depth={DEPTH}',
        f'--config.model.width={WIDTH}', f'--config.batch_size={BATCH}', f'--config.data.seq_len={SEQ_LEN}',
-       '--steps=1', '--instrument=off,callback', '--peak_tflops=1', f'--json={out}'],
+       '--steps=1', '--instrument=off,callback', '--peak_tflops=1', f'--json={out}',
+       f'--profile={tmp_path / "profile"}'],
       capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert 'instrumentation overhead (callback)' in proc.stdout
@@ -37,3 +38,9 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
     assert r['step_ms_min'] <= r['step_ms_median'] <= r['step_ms_max']
     assert r['compile_s'] > 0 and r['memory']['total_gib'] > 0
     assert math.isclose(r['mfu'], r['model_tflops_per_s'])  # peak 1 TFLOP/s
+  # --profile traces the first mode: the time per XLA op (the CPU's ops stand in for kernels) and the HLO.
+  profile = results['modes']['off']['profile']
+  assert profile['busy_ms_per_step'] > 0 and profile['kernels']
+  assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
+  assert 'profile' not in results['modes']['callback']
+  assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')

@@ -102,6 +102,7 @@ CASES = [
     ('bench-unknown-inputs', 'bench', ['--inputs=zeros'], '--inputs'),
     ('bench-zero-peak', 'bench', ['--peak_tflops=0'], '--peak_tflops=0'),
     ('bench-json-is-directory', 'bench', ['--json={tmp}'], '--json={tmp} is a directory'),
+    ('bench-profile-is-file', 'bench', ['--profile={tmp}/file'], '--profile={tmp}/file exists'),
     ('bench-cudnn-on-cpu', 'bench', ['--config.model.attention=cudnn', '--config.model.dtype=bfloat16'],
      'model.attention=cudnn'),
     ('bench-unknown-scheme', 'bench', ['--config.model.scheme=nope'], 'model.scheme'),
