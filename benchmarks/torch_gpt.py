@@ -1,0 +1,116 @@
+r"""The default GPT's train step written plainly in PyTorch (eager), timed like `dsjax.bench`: a peer to
+compare dsjax's CPU speed with.
+
+  python benchmarks/torch_gpt.py [--steps=20] [--threads=N] [--json=FILE]
+
+next to
+
+  python -m dsjax.bench --config=configs/gpt_preln.py --instrument=off --steps=20
+
+Needs PyTorch (`pip install torch`; not a dependency of dsjax). The model is `configs/gpt_preln.py`'s:
+byte vocabulary (256), learned position embeddings, 4 Pre-LN layers of width 128 with 4 heads,
+separate q/k/v/o projections with biases, FFN 512 with the exact GELU, LayerNorm (eps 1e-6) before
+each branch and after the stack, an untied head without bias; float32; mean next-token cross-entropy
+over batch 32 × seq 128 of random tokens; gradient clipping at global norm 1 and AdamW (lr 6e-4,
+betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, as `dsjax.train.optimizers` does).
+Attention is `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`, what a
+straightforward modern implementation uses. Each timed step runs forward, backward, clipping and the
+update; the median and min–max over `--steps` steps after 2 warm-up steps are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, DEPTH, WIDTH, HEADS, SEQ_LEN, BATCH = 256, 4, 128, 4, 128, 32
+WARMUP_STEPS = 2
+
+
+class Block(nn.Module):
+
+  def __init__(self, d: int, heads: int):
+    super().__init__()
+    self.heads = heads
+    self.norm1, self.norm2 = nn.LayerNorm(d, eps=1e-6), nn.LayerNorm(d, eps=1e-6)
+    self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+    self.ffn1, self.ffn2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+  def attention(self, x_BLD: torch.Tensor) -> torch.Tensor:
+    b, l, d = x_BLD.shape
+    split = lambda t: t.view(b, l, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+    out_BHLK = F.scaled_dot_product_attention(split(self.q(x_BLD)), split(self.k(x_BLD)),
+                                              split(self.v(x_BLD)), is_causal=True)
+    return self.o(out_BHLK.transpose(1, 2).reshape(b, l, d))
+
+  def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+    x_BLD = x_BLD + self.attention(self.norm1(x_BLD))
+    return x_BLD + self.ffn2(F.gelu(self.ffn1(self.norm2(x_BLD))))
+
+
+class GPT(nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.token_embed = nn.Embedding(VOCAB, WIDTH)
+    self.pos_embed = nn.Parameter(torch.randn(SEQ_LEN, WIDTH) * 0.02)
+    self.blocks = nn.ModuleList(Block(WIDTH, HEADS) for _ in range(DEPTH))
+    self.final_norm = nn.LayerNorm(WIDTH, eps=1e-6)
+    self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+  def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+    x_BLD = self.token_embed(tokens_BL) + self.pos_embed[:tokens_BL.shape[1]]
+    for block in self.blocks:
+      x_BLD = block(x_BLD)
+    return self.head(self.final_norm(x_BLD))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--steps', type=int, default=20, help='Timed steps (after 2 warm-up steps).')
+  parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (default: torch\'s).')
+  parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
+  args = parser.parse_args()
+  if args.steps < 1:
+    parser.error(f'--steps must be >= 1, got {args.steps}')
+  if args.threads is not None:
+    torch.set_num_threads(args.threads)
+  torch.manual_seed(0)
+  model = GPT()
+  optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+  tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1))
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  times = []
+  for i in range(WARMUP_STEPS + args.steps):
+    start = time.perf_counter()
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    loss.item()
+    if i >= WARMUP_STEPS:
+      times.append(time.perf_counter() - start)
+  results = {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'steps': args.steps,
+             'date': time.strftime('%Y-%m-%d'), 'step_ms_median': 1e3 * statistics.median(times),
+             'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
+             'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times)}
+  print(f"PyTorch {results['torch']} eager, {results['threads']} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, "
+        f"batch {BATCH}: {results['step_ms_median']:.1f} ms/step median of {args.steps} "
+        f"(min {results['step_ms_min']:.1f}, max {results['step_ms_max']:.1f}), "
+        f"{results['tokens_per_s']:,.0f} tokens/s")
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
