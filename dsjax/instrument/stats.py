@@ -202,7 +202,10 @@ def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) 
         default=functools.partial(_bin_counts, copies=copies)).astype(jnp.float32)
   cumulative = jnp.cumsum(counts_ascending)
   rank = jnp.asarray(probs, jnp.float32) * float(sum(leaf.size for leaf in leaves))
-  k = jnp.clip(jnp.searchsorted(cumulative, rank), 0, num_bins)  # first bin reaching the rank
+  # First bin reaching the rank. 'compare_all' (a few thousand comparisons) rather than the default
+  # binary-search loop, whose every iteration is a device-to-host round trip on a GPU (XLA while loop):
+  # the 7 weight types' searches left the H100 idle ~2.6 ms per step at GPT-2-small size.
+  k = jnp.clip(jnp.searchsorted(cumulative, rank, method='compare_all'), 0, num_bins)
   below = cumulative[k] - counts_ascending[k]
   within = jnp.clip((rank - below) / jnp.maximum(counts_ascending[k], 1.0), 0.0, 1.0)
   # Ascending index k covers |g| in top·2^(−(num_bins − k + 1)/B) .. top·2^(−(num_bins − k)/B).
