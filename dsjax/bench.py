@@ -1,7 +1,8 @@
 r"""Train-step speed and memory: compile time, step time, throughput, model FLOPs, MFU, device memory.
 
   python -m dsjax.bench --config=configs/gpt2_small.py [--steps=20] [--instrument=off,return,callback]
-                        [--inputs=random|real] [--peak_tflops=...] [--json=bench.json] [--config.*=...]
+                        [--inputs=random|real] [--peak_tflops=...] [--json=bench.json] [--profile=DIR]
+                        [--config.*=...]
 
 What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
 the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
@@ -26,9 +27,11 @@ bf16 (or fp32) peak from `PEAK_TFLOPS`; on a CPU there is no data-sheet number, 
 its own matmul peak (a large matmul in the compute dtype) and reports the fraction of it.
 
 Profile (`--profile=DIR`): after the timed steps of the first mode, 3 more steps run under
-`jax.profiler.trace(DIR)`; the benchmark prints the busiest XLA ops (device time per step, summed over
-the kernels each op launched) and the share of the step the device was busy, and writes the compiled
-step's HLO to DIR/step.hlo.txt, where the op names can be looked up.
+`jax.profiler.trace(DIR)` (open it with TensorBoard/XProf); the benchmark prints the device's busy time
+per step split into matmul, attention and other kernels (`KERNEL_KINDS`, by GPU kernel name; on a CPU,
+whose XLA ops stand in for kernels, everything counts as 'other') and the busiest kernels with the XLA op
+that launched each, and writes the compiled step's HLO to DIR/step.hlo.txt, where fusion names can be
+looked up; the JSON lists every kernel.
 
 Memory: the compiled step's `memory_analysis()` (arguments, outputs, temporaries: what the step needs
 before it runs), and on GPUs the device's peak bytes in use after the timed steps.
@@ -73,8 +76,8 @@ _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for 
                            'from the device kind; on a CPU, measured).', lower_bound=1e-9)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
 _PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first mode with the JAX profiler '
-                               'into this directory (TensorBoard/XProf) and print the device time per XLA '
-                               'op, with the compiled step\'s HLO text beside it.')
+                               'into this directory (TensorBoard/XProf) and print the device time per '
+                               'kernel, with the compiled step\'s HLO text beside it.')
 
 WARMUP_STEPS = 2
 # Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
