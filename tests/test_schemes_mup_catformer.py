@@ -291,7 +291,9 @@ def test_catformer_built_values_probe_sites_and_remat():
     loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, dropout_key=jax.random.key(1)).mean()
     jaxpr = jax.make_jaxpr(loss)(params)
     return sum(eqn.primitive.name.startswith(('checkpoint', 'remat')) for eqn in jaxpr.jaxpr.eqns)
-  assert checkpoints(graphdef) == 0
+  # Without remat the only checkpoints are the exact GELU's, one per FFN (it is recomputed in the
+  # backward pass, `dsjax.models.layers.ACTIVATIONS`); with remat they sit inside the modules' own.
+  assert checkpoints(graphdef) == 2
   assert checkpoints(remat_graphdef) == 2 * 2
 
 
