@@ -211,11 +211,11 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
       run_steps(WARMUP_STEPS + num_steps, PROFILED_STEPS)
     with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
       f.write(compiled.as_text())
-    results['profile'] = device_time_per_op(profile_dir, PROFILED_STEPS)
+    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS)
   return results, state
 
 
-def device_time_per_op(profile_dir: str, num_steps: int) -> dict:
+def device_time_per_kernel(profile_dir: str, num_steps: int) -> dict:
   """Device time per step of each kernel in the newest trace under `profile_dir`, summed over its
   launches and divided by the traced steps, with the XLA op that launched it (a fusion's kernel is named
   after the fusion; kernels that run in a command buffer (CUDA graph) name it as their op). Kernels are
