@@ -45,5 +45,5 @@ class GPT(nnx.Module):
     """Next-token logits (B, L, vocab)."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      return x_BLD @ self.token_embed[...].astype(self.dtype).T
+      return layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T)
     return self.head(x_BLD)

@@ -70,6 +70,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+def matmul_last_axis(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x (..., d_in) @ kernel (d_in, d_out), written as one 2-D matmul over all leading axes: with
+  (B, L) kept as two axes, the weight gradient contracts over both, and XLA's CPU backend then transposed
+  the output gradient and fell back to a matmul kernel ~3x slower than the forward one."""
+  return (x.reshape(-1, x.shape[-1]) @ kernel).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
 class Dense(nnx.Module):
   """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`.
 
@@ -84,11 +91,8 @@ class Dense(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     # The matmul runs in the input's dtype (the compute dtype the block casts its branch input to),
-    # whatever the parameters are stored in. It is written as one 2-D matmul over all leading axes:
-    # with (B, L) kept as two contracting axes, the weight gradient's layout led XLA's CPU backend to
-    # transpose the output gradient and fall back to a kernel ~3x slower (the GPU compiles both alike).
-    kernel = self.kernel[...].astype(x.dtype)
-    y = (x.reshape(-1, x.shape[-1]) @ kernel).reshape(*x.shape[:-1], kernel.shape[-1])
+    # whatever the parameters are stored in.
+    y = matmul_last_axis(x, self.kernel[...].astype(x.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(x.dtype)
     return y
@@ -215,8 +219,8 @@ def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logi
   l = q_BLHK.shape[1]
   # Heads are moved next to the batch first, so both matmuls are batched over leading axes: on XLA's
   # CPU backend that halves the forward time against contracting the (B, L, H, K) layout directly.
-  heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
-  q_BHLK, k_BHLK, v_BHLK = heads_first(q_BLHK), heads_first(k_BLHK), heads_first(v_BLHK)
+  swap_heads = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
+  q_BHLK, k_BHLK, v_BHLK = swap_heads(q_BLHK), swap_heads(k_BLHK), swap_heads(v_BLHK)
   logits_BHLL = jnp.einsum('bhqk,bhtk->bhqt', q_BHLK, k_BHLK, preferred_element_type=jnp.float32)
   logits_BHLL = logits_BHLL * logit_scale
   if causal:
@@ -224,7 +228,7 @@ def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logi
                             jnp.finfo(jnp.float32).min)
   probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1).astype(v_BHLK.dtype)
   probs_BHLL = dropout(probs_BHLL, dropout_rate, dropout_key)
-  return heads_first(jnp.einsum('bhqt,bhtk->bhqk', probs_BHLL, v_BHLK))
+  return swap_heads(jnp.einsum('bhqt,bhtk->bhqk', probs_BHLL, v_BHLK))
 
 
 def _gelu(x: jax.Array) -> jax.Array:
