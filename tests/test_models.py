@@ -99,6 +99,15 @@ def test_rmsnorm_and_layernorm_values():
   np.testing.assert_allclose((rms ** 2).mean(-1), 1, rtol=1e-3)
 
 
+def test_gelu_is_the_exact_gelu():
+  """The erf form equals jax's erfc form of x·Φ(x), values and derivatives, over the whole range."""
+  x = jnp.linspace(-12.0, 12.0, 48001)
+  np.testing.assert_allclose(layers.ACTIVATIONS['gelu'](x), jax.nn.gelu(x, approximate=False), atol=1e-6)
+  grad = lambda f: jax.vmap(jax.grad(f))(x)  # noqa: E731
+  np.testing.assert_allclose(grad(layers.ACTIVATIONS['gelu']), grad(lambda t: jax.nn.gelu(t, approximate=False)),
+                             atol=1e-6)
+
+
 @pytest.mark.parametrize('distribution', ['normal', 'truncated_normal', 'uniform'])
 def test_init_weight_has_requested_std(distribution):
   w = layers.init_weight(jax.random.key(0), (400, 400), 0.05, distribution)

@@ -215,24 +215,55 @@ def _cudnn_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, lo
 def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
                    causal: bool, dropout_rate: float, dropout_key: jax.Array | None) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked)) · v with the logits and softmax in float32, and dropout on
-  the probabilities when a key is given."""
+  the probabilities when a key is given.
+
+  Causal attention is computed in `CAUSAL_QUERY_BLOCKS` blocks of queries, each against only the keys
+  up to its last query: every query's softmax still sees all the keys it may see, so the result is
+  the masked full attention's, with (n+1)/2n of its matmul work and logits memory (5/8 for n = 4) —
+  the fully masked blocks that flash attention skips (Dao et al. 2022, arXiv:2205.14135) are never
+  formed. The blocks are independent, so XLA's CPU runtime also runs them side by side on its threads.
+  """
   l = q_BLHK.shape[1]
   # Heads are moved next to the batch first, so both matmuls are batched over leading axes: on XLA's
   # CPU backend that halves the forward time against contracting the (B, L, H, K) layout directly.
   swap_heads = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
   q_BHLK, k_BHLK, v_BHLK = swap_heads(q_BLHK), swap_heads(k_BLHK), swap_heads(v_BLHK)
-  logits_BHLL = jnp.einsum('bhqk,bhtk->bhqt', q_BHLK, k_BHLK, preferred_element_type=jnp.float32)
-  logits_BHLL = logits_BHLL * logit_scale
-  if causal:
-    logits_BHLL = jnp.where(jnp.tril(jnp.ones((l, l), dtype=bool)), logits_BHLL,
-                            jnp.finfo(jnp.float32).min)
-  probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1).astype(v_BHLK.dtype)
-  probs_BHLL = dropout(probs_BHLL, dropout_rate, dropout_key)
-  return swap_heads(jnp.einsum('bhqt,bhtk->bhqk', probs_BHLL, v_BHLK))
+  if not causal:
+    return swap_heads(_attention_block(q_BHLK, k_BHLK, v_BHLK, logit_scale, None, dropout_rate,
+                                       dropout_key))
+  ends = sorted({-(-l * (i + 1) // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS)})
+  out_blocks = []
+  for i, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+    # Query start + j may see keys 0 .. start + j.
+    mask_QT = jnp.tril(jnp.ones((end - start, end), dtype=bool), k=start)
+    key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+    out_blocks.append(_attention_block(q_BHLK[:, :, start:end], k_BHLK[:, :, :end], v_BHLK[:, :, :end],
+                                       logit_scale, mask_QT, dropout_rate, key))
+  return swap_heads(jnp.concatenate(out_blocks, axis=2))
+
+
+CAUSAL_QUERY_BLOCKS = 4
+
+
+def _attention_block(q_BHQK: jax.Array, k_BHTK: jax.Array, v_BHTK: jax.Array, logit_scale: float,
+                     mask_QT: jax.Array | None, dropout_rate: float,
+                     dropout_key: jax.Array | None) -> jax.Array:
+  """Queries Q against keys/values T, with `mask_QT` (True: may attend) when given."""
+  logits_BHQT = jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, k_BHTK, preferred_element_type=jnp.float32)
+  logits_BHQT = logits_BHQT * logit_scale
+  if mask_QT is not None:
+    logits_BHQT = jnp.where(mask_QT, logits_BHQT, jnp.finfo(jnp.float32).min)
+  probs_BHQT = jax.nn.softmax(logits_BHQT, axis=-1).astype(v_BHTK.dtype)
+  probs_BHQT = dropout(probs_BHQT, dropout_rate, dropout_key)
+  return jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK)
 
 
 def _gelu(x: jax.Array) -> jax.Array:
-  return jax.nn.gelu(x, approximate=False)
+  """The exact GELU x·Φ(x) = x·(1 + erf(x/√2))/2 (Hendrycks & Gimpel 2016, arXiv:1606.08415), written
+  with erf as PyTorch writes it. `jax.nn.gelu(approximate=False)` uses erfc instead, exact also far in
+  the negative tail, at the price of three polynomial branches and an exp per element: 3x slower on
+  the CPU; the two differ by < 1e-6 anywhere (the tail's values are themselves < 1e-6 there)."""
+  return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
 
 
 # The exact GELU is recomputed in the backward pass from its input (`jax.checkpoint`) instead of
