@@ -196,7 +196,7 @@ ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
 # Blocks of queries in the XLA path's causal attention (`_xla_attention`): more blocks skip more of the
 # masked half but add copies of the key/value prefixes. In the 2-core CPU's train step of
 # configs/gpt_preln.py (seq 128) 2 and 4 were within run-to-run noise of each other and 8 slower; the
-# one masked matrix (1) was slowest in isolation. 4 leaves 5/8 of the work, less than 2 as L grows.
+# one masked matrix (1) was slowest in isolation. 4 blocks leave 5/8 of the work, 2 leave 3/4.
 CAUSAL_QUERY_BLOCKS = 4
 
 
