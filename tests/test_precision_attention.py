@@ -75,6 +75,16 @@ def test_attention_keeps_qknorm_logit_scale_and_mask():
   np.testing.assert_allclose(attn(x2, None)[:, :8], out[:, :8], rtol=1e-5, atol=1e-5)
 
 
+def test_causal_attention_with_dropout_sees_no_later_token():
+  """The causal path's query blocks each draw their own dropout mask and still see only earlier keys."""
+  q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))
+  attend = lambda k, v: layers._xla_attention(q, k, v, 8 ** -0.5, True, 0.5, jax.random.key(7))  # noqa: E731
+  out = attend(k, v)
+  later = lambda t: t.at[:, 20:].set(3.0)  # noqa: E731
+  np.testing.assert_allclose(attend(later(k), later(v))[:, :20], out[:, :20], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out, layers._xla_attention(q, k, v, 8 ** -0.5, True, 0.0, None))
+
+
 def test_auto_resolution():
   m = tiny_config('gpt').model
   assert models.compute_dtype(m, 'cpu') == 'float32' and models.compute_dtype(m, 'gpu') == 'bfloat16'
