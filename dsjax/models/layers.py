@@ -139,12 +139,12 @@ class Attention(nnx.Module):
   `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1) and β (init 0),
   Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4).
 
-  `implementation`: 'xla' (the probabilities materialised, B·H·L² memory; attention dropout applies to
-  them) or 'cudnn' (the fused flash-attention kernel of cuDNN through `jax.nn.dot_product_attention`,
-  NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout). Both compute the logits and the softmax in
-  float32; the 'xla' path is written out (`_xla_attention`) rather than taken from
-  `jax.nn.dot_product_attention(implementation='xla')`, which computes the same (tested) but takes ~35%
-  longer on the CPU and has no dropout.
+  `implementation`: 'xla' (the probabilities materialised, B·H·L² memory, 5/8 of that when causal;
+  attention dropout applies to them) or 'cudnn' (the fused flash-attention kernel of cuDNN through
+  `jax.nn.dot_product_attention`, NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout). Both compute
+  the logits and the softmax in float32; the 'xla' path is written out (`_xla_attention`) rather than
+  taken from `jax.nn.dot_product_attention(implementation='xla')`, which computes the same (tested) but
+  is slower on the CPU and has no dropout.
   """
 
   def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,
