@@ -236,9 +236,10 @@ def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logi
   if not causal:
     return swap_heads(_attention_block(q_BHLK, k_BHLK, v_BHLK, logit_scale, None, dropout_rate,
                                        dropout_key))
-  ends = sorted({-(-l * (i + 1) // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS)})
+  # Block boundaries ceil(l·i/n), i = 0..n (a set: short sequences give fewer, non-empty blocks).
+  bounds = sorted({-(-l * i // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS + 1)})
   out_blocks = []
-  for i, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+  for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
     # Query start + j may see keys 0 .. start + j.
     mask_QT = jnp.tril(jnp.ones((end - start, end), dtype=bool), k=start)
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
