@@ -1,7 +1,7 @@
 r"""The default GPT's train step written plainly in PyTorch (eager), timed like `dsjax.bench`: a peer to
 compare dsjax's CPU speed with.
 
-  python benchmarks/torch_gpt.py [--steps=20] [--threads=N] [--json=FILE]
+  python benchmarks/torch_gpt.py [--steps=20] [--threads=N] [--microbatches=M] [--json=FILE]
 
 next to
 
@@ -16,6 +16,8 @@ betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, as `dsjax.trai
 Attention is `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`, what a
 straightforward modern implementation uses. Each timed step runs forward, backward, clipping and the
 update; the median and min–max over `--steps` steps after 2 warm-up steps are reported.
+`--microbatches=M` accumulates the gradient over M microbatches (rows m, m + M, … as dsjax's
+`microbatches` splits them) before the one update, the peer of `--config.microbatches=M`.
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--steps', type=int, default=20, help='Timed steps (after 2 warm-up steps).')
   parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (default: torch\'s).')
+  parser.add_argument('--microbatches', type=int, default=1,
+                      help='Gradient accumulation: the batch in this many microbatches, one update.')
   parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
   args = parser.parse_args()
   if args.steps < 1:
     parser.error(f'--steps must be >= 1, got {args.steps}')
+  if args.microbatches < 1 or BATCH % args.microbatches:
+    parser.error(f'--microbatches must be a divisor of the batch size {BATCH}, got {args.microbatches}')
   if args.threads is not None:
     torch.set_num_threads(args.threads)
   torch.manual_seed(0)
@@ -90,21 +96,23 @@ def main():
   times = []
   for i in range(WARMUP_STEPS + args.steps):
     start = time.perf_counter()
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    for rows in torch.arange(BATCH).reshape(-1, args.microbatches).T:  # microbatch m: rows m, m + M, ...
+      logits = model(inputs[rows])
+      loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)) / args.microbatches
+      loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     loss.item()
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
   results = {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'steps': args.steps,
+             'microbatches': args.microbatches,
              'date': time.strftime('%Y-%m-%d'), 'step_ms_median': 1e3 * statistics.median(times),
              'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
              'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times)}
   print(f"PyTorch {results['torch']} eager, {results['threads']} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, "
-        f"batch {BATCH}: {results['step_ms_median']:.1f} ms/step median of {args.steps} "
+        f"batch {BATCH} ({args.microbatches} microbatch(es)): {results['step_ms_median']:.1f} ms/step median of {args.steps} "
         f"(min {results['step_ms_min']:.1f}, max {results['step_ms_max']:.1f}), "
         f"{results['tokens_per_s']:,.0f} tokens/s")
   if args.json:
