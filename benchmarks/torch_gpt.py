@@ -112,7 +112,8 @@ def main():
              'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
              'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times)}
   print(f"PyTorch {results['torch']} eager, {results['threads']} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, "
-        f"batch {BATCH} ({args.microbatches} microbatch(es)): {results['step_ms_median']:.1f} ms/step median of {args.steps} "
+        f"batch {BATCH} ({args.microbatches} microbatch(es)): {results['step_ms_median']:.1f} ms/step "
+        f"median of {args.steps} "
         f"(min {results['step_ms_min']:.1f}, max {results['step_ms_max']:.1f}), "
         f"{results['tokens_per_s']:,.0f} tokens/s")
   if args.json:
