@@ -16,6 +16,8 @@ from typing import Callable, NoReturn
 
 from absl import app, flags, logging
 
+from dsjax.train import host_memory
+
 USAGE_ERROR = 2
 HELP_FLAGS = ('--help', '-help', '-h', '-?', '--helpshort', '-helpshort', '--helpfull', '-helpfull')
 
@@ -146,7 +148,9 @@ def user_error_message(error: BaseException) -> str | None:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  """`absl.app.run(main)` with one-line user errors (see the module docstring)."""
+  """`absl.app.run(main)` with one-line user errors (see the module docstring), in a process that keeps
+  freed host memory for reuse (`host_memory`: before any JAX runtime thread exists)."""
+  host_memory.keep_freed_memory()
 
   def guarded_main(argv):
     try:

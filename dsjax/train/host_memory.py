@@ -1,0 +1,53 @@
+"""Keep freed host memory in the process, so that XLA's CPU backend does not pay page faults every step.
+
+XLA's CPU runtime allocates one temporary buffer per execution of a compiled step, as large as all of
+the step's live intermediates together (0.3 GiB for configs/gpt_preln.py), and frees it when the step
+ends. glibc's malloc serves a block that large with a fresh `mmap` and unmaps it again on free, and it
+does so from the per-thread arena of whichever runtime thread runs the step. Every step therefore
+touches a new, unmapped 0.3 GiB: on the 2-core CPU about 80,000 page faults per step, each one a kernel
+entry that zeroes a 4 KiB page, which made the train step of configs/gpt_preln.py ~1.4x slower than it
+is with the memory kept (README, Performance). PyTorch's CPU tensors are allocated one by one, small
+enough for glibc to reuse freed blocks, so a PyTorch loop does not pay this.
+
+`keep_freed_memory()` tells glibc (`mallopt`) to use one arena for all threads, never to `mmap` a block
+and never to return freed memory at the top of the heap to the OS. The heap then grows to the step's
+peak once and is reused by every later step. It is called by `cli.run` before JAX starts its threads.
+
+It changes nothing where it does not apply or where the user chose otherwise: off Linux/glibc, under an
+allocator preloaded in its place (tcmalloc, jemalloc: their `mallopt` ignores these settings), or when
+any of glibc's own variables for these settings (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_MAX_`,
+`MALLOC_TRIM_THRESHOLD_`) or `DSJAX_KEEP_FREED_MEMORY=0` is set in the environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+# Trim threshold "never": mallopt takes an int and glibc stores it as a size_t, so -1 is the largest
+# size and freed memory is never trimmed on its own (`malloc_trim(0)` still returns it on request).
+NEVER_TRIM = -1
+GLIBC_VARIABLES = ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_')
+OPT_OUT_VARIABLE = 'DSJAX_KEEP_FREED_MEMORY'
+
+
+def keep_freed_memory() -> bool:
+  """Applies the settings above; True if glibc accepted all of them, False where they do not apply."""
+  if not sys.platform.startswith('linux') or os.environ.get(OPT_OUT_VARIABLE, '1') == '0':
+    return False
+  if any(name in os.environ for name in GLIBC_VARIABLES):
+    return False
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+    mallopt = libc.mallopt
+    libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl has no such symbol)
+  except (OSError, AttributeError):
+    return False
+  mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+  # mallopt returns 1 on success.
+  return all(mallopt(param, value) == 1 for param, value in
+             ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM)))

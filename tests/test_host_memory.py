@@ -1,0 +1,66 @@
+"""The command-line tools keep freed host memory for reuse (`dsjax.train.host_memory`).
+
+Each case runs a fresh interpreter (the settings are process-wide): it frees a 64 MiB block, then
+allocates and writes one as large again on another thread (plain `malloc`, as XLA's CPU runtime
+allocates a step's temporaries), and counts the page faults of that second allocation.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BLOCK_PAGES = (64 << 20) // 4096
+
+REUSE = """
+import ctypes, resource, threading
+from dsjax.train import host_memory
+applied = host_memory.keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def touch():
+  block = libc.malloc(64 << 20)
+  ctypes.memset(block, 1, 64 << 20)  # every page written
+  libc.free(block)
+touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+worker = threading.Thread(target=touch)
+worker.start()
+worker.join()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _run(extra_env: dict[str, str]) -> tuple[bool, int]:
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_',
+                      'DSJAX_KEEP_FREED_MEMORY')}
+  out = subprocess.run([sys.executable, '-c', REUSE], cwd=ROOT, env={**env, **extra_env}, text=True,
+                       capture_output=True, check=True).stdout.split()
+  return out[0] == 'True', int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc settings: Linux only')
+def test_freed_block_is_reused_without_page_faults():
+  applied, faults = _run({})
+  assert applied
+  assert faults < BLOCK_PAGES // 10, faults
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc settings: Linux only')
+@pytest.mark.parametrize('opt_out', [{'DSJAX_KEEP_FREED_MEMORY': '0'}, {'MALLOC_ARENA_MAX': '4'}])
+def test_opting_out_leaves_glibc_as_it_was(opt_out):
+  # glibc's default: the block is mapped afresh and every page faults again.
+  applied, faults = _run(opt_out)
+  assert not applied
+  assert faults >= BLOCK_PAGES * 9 // 10, faults
+
+
+def test_every_tool_applies_it_before_running():
+  cli_source = (ROOT / 'dsjax' / 'train' / 'cli.py').read_text()
+  run_body = cli_source.split('def run(', 1)[1]
+  assert 'host_memory.keep_freed_memory()' in run_body.split('def guarded_main', 1)[0]
