@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -73,6 +74,27 @@ class GPT(nn.Module):
     return self.head(self.final_norm(x_BLD))
 
 
+def make_train_step(microbatches: int = 1) -> Callable[[], float]:
+  """A new model (seed 0), its optimizer and a batch of random tokens; returns the function that runs one
+  train step on them and returns its loss (read back, so the step has finished)."""
+  torch.manual_seed(0)
+  model = GPT()
+  optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+  tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1))
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  def step() -> float:
+    optimizer.zero_grad(set_to_none=True)
+    for rows in torch.arange(BATCH).reshape(-1, microbatches).T:  # microbatch m: rows m, m + M, ...
+      logits = model(inputs[rows])
+      loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)) / microbatches
+      loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+  return step
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--steps', type=int, default=20, help='Timed steps (after 2 warm-up steps).')
@@ -87,23 +109,11 @@ def main():
     parser.error(f'--microbatches must be a divisor of the batch size {BATCH}, got {args.microbatches}')
   if args.threads is not None:
     torch.set_num_threads(args.threads)
-  torch.manual_seed(0)
-  model = GPT()
-  optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-  tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1))
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-
+  step = make_train_step(args.microbatches)
   times = []
   for i in range(WARMUP_STEPS + args.steps):
     start = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    for rows in torch.arange(BATCH).reshape(-1, args.microbatches).T:  # microbatch m: rows m, m + M, ...
-      logits = model(inputs[rows])
-      loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)) / args.microbatches
-      loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    loss.item()
+    step()
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
   results = {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'steps': args.steps,

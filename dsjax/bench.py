@@ -46,6 +46,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -260,21 +261,42 @@ def ms_by_kind(kernels: list[dict]) -> dict[str, float]:
   return totals
 
 
-def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,
-                  workdir: str, profile_dir: str | None = None) -> dict:
+class Prepared(NamedTuple):
+  """What the benchmark times, built as the training loop builds it."""
+  data_info: object
+  setup: state_lib.TrainSetup
+  state: dict  # the first train state
+  batch: dict  # one batch, on the device
+  make_step: Callable  # (instrument=False, receiver=None) -> the train step (not yet jitted)
+
+
+def prepare(config, modes: list[str], inputs: str) -> Prepared:
+  """Checks the arguments (`check_args`), then builds the model, its first state, one batch and the
+  train-step maker (also used by benchmarks/cpu_side_by_side.py)."""
   data_info = check_args(config, modes, inputs)
-  device = jax.devices()[0]
   if inputs == 'real':
     batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
                                         seed=config.seed, process_index=0, process_count=1))
   else:
     batch = random_batch(config, data_info)
-  batch = jax.device_put(batch, device)
+  batch = jax.device_put(batch, jax.devices()[0])
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
   setup = state_lib.make_setup(config, data_info, prepared)
   state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
+
+  def make_step(instrument: bool = False, receiver: Callable | None = None) -> Callable:
+    return step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
+                                    use_dropout, instrument, moments_receiver=receiver,
+                                    microbatches=config.microbatches)
+  return Prepared(data_info, setup, state, batch, make_step)
+
+
+def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,
+                  workdir: str, profile_dir: str | None = None) -> dict:
+  data_info, setup, state, batch, make_step = prepare(config, modes, inputs)
+  device = jax.devices()[0]
   dims = models.model_dims(config, data_info)
   num_params = matmul_params(setup.abstract_model)
   flops, tokens = model_flops_per_step(config, dims, num_params)
@@ -296,13 +318,10 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
       'inputs': inputs, 'steps': num_steps, 'matmul_params': num_params,
       'model_flops_per_step': flops, 'positions_per_step': tokens,
       'peak_tflops': spec_peak, 'measured_matmul_tflops': measured_peak, 'modes': {}}
-  make = lambda instrument, receiver=None: step_lib.make_train_step(  # noqa: E731
-      setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule, use_dropout, instrument,
-      moments_receiver=receiver, microbatches=config.microbatches)
   for mode in modes:
     # One collector per mode, so that no mode de-duplicates another's records.
     collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
-    step_fn = make(mode != 'off', collector.receive if mode == 'callback' else None)
+    step_fn = make_step(mode != 'off', collector.receive if mode == 'callback' else None)
     r, state = time_mode(mode, step_fn, state, batch, num_steps, collector,
                          profile_dir if mode == modes[0] else None)
     collector.close()

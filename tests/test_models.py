@@ -99,6 +99,21 @@ def test_rmsnorm_and_layernorm_values():
   np.testing.assert_allclose((rms ** 2).mean(-1), 1, rtol=1e-3)
 
 
+@pytest.mark.parametrize('use_bias', [True, False])
+def test_qkv_in_one_matmul_are_the_three_projections(use_bias):
+  attn = layers.Attention(32, 4, stds={n: 0.2 for n in 'qkvo'}, distribution='normal', use_bias=use_bias,
+                          qk_norm=False, norm_kind='layernorm', norm_eps=1e-6, causal=True,
+                          attn_dropout=0.0, rngs=nnx.Rngs(params=0), inner_width=48)
+  if use_bias:
+    for i, dense in enumerate((attn.q, attn.k, attn.v)):
+      dense.bias[...] = jnp.full((48,), 0.1 * (i + 1))
+  x_BLD = jax.random.normal(jax.random.key(1), (2, 5, 32))
+  projections = attn.project_qkv(x_BLD)
+  for dense, y_BLI in zip((attn.q, attn.k, attn.v), projections):
+    chex.assert_shape(y_BLI, (2, 5, 48))
+    np.testing.assert_allclose(y_BLI, dense(x_BLD), rtol=1e-5, atol=1e-6)
+
+
 def test_gelu_is_the_exact_gelu():
   """The erf form equals jax's erfc form of x·Φ(x), values and derivatives, over the whole range."""
   x = jnp.linspace(-12.0, 12.0, 48001)

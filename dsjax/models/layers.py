@@ -175,12 +175,28 @@ class Attention(nnx.Module):
     self.mix_identity = param(jnp.ones(()), ()) if identity_mix else None
     self.mix_attention = param(jnp.zeros(()), ()) if identity_mix else None
 
+  def project_qkv(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x·W_q + b_q, x·W_k + b_k, x·W_v + b_v as one matmul against the three kernels side by side: on
+    the 2-core CPU the train step of configs/gpt_preln.py is ~4% faster than with three matmuls of a
+    third of the width (in-process paired comparison, README Performance). The parameters stay three
+    `Dense` modules (their own init, learning-rate scale and sharding). The kernels are stacked on a
+    new last axis, (d, inner, 3), rather than concatenated: a kernel sharded over its output axis
+    ('heads') then gives a stack sharded over the same axis, shard by shard, with no communication."""
+    denses = (self.q, self.k, self.v)
+    kernel_DI3 = jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=-1)
+    qkv_BLJ = matmul_last_axis(x_BLD, kernel_DI3.reshape(kernel_DI3.shape[0], -1))  # J = inner·3
+    qkv_BLI3 = qkv_BLJ.reshape(*x_BLD.shape[:2], -1, len(denses))
+    if self.q.bias is not None:
+      qkv_BLI3 = qkv_BLI3 + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=-1)
+    return qkv_BLI3[..., 0], qkv_BLI3[..., 1], qkv_BLI3[..., 2]
+
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
     b, l, _ = x_BLD.shape
     split_heads = lambda t: t.reshape(b, l, self.num_heads, self.head_dim)
-    q_BLHK = apply_norm(self.q_norm, split_heads(self.q(x_BLD)))
-    k_BLHK = apply_norm(self.k_norm, split_heads(self.k(x_BLD)))
-    v_BLHK = split_heads(self.v(x_BLD))
+    q_BLD, k_BLD, v_BLD = self.project_qkv(x_BLD)
+    q_BLHK = apply_norm(self.q_norm, split_heads(q_BLD))
+    k_BLHK = apply_norm(self.k_norm, split_heads(k_BLD))
+    v_BLHK = split_heads(v_BLD)
     if self.implementation == 'cudnn':
       out_BLHK = _cudnn_attention(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal)
     else:
