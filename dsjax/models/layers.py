@@ -176,9 +176,9 @@ class Attention(nnx.Module):
     self.mix_attention = param(jnp.zeros(()), ()) if identity_mix else None
 
   def project_qkv(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x·W_q + b_q, x·W_k + b_k, x·W_v + b_v as one matmul against the three kernels side by side: on
-    the 2-core CPU the train step of configs/gpt_preln.py is ~4% faster than with three matmuls of a
-    third of the width (in-process paired comparison, README Performance). The parameters stay three
+    """x·W_q + b_q, x·W_k + b_k, x·W_v + b_v as one matmul against the three kernels side by side, and
+    so one matmul each for their input and weight gradients: at the small widths the CPU trains, three
+    matmuls of a third of the width run well below the matmul rate of one. The parameters stay three
     `Dense` modules (their own init, learning-rate scale and sharding). The kernels are stacked on a
     new last axis, (d, inner, 3), rather than concatenated: a kernel sharded over its output axis
     ('heads') then gives a stack sharded over the same axis, shard by shard, with no communication."""

@@ -5,7 +5,7 @@ the step's live intermediates together (0.3 GiB for configs/gpt_preln.py), and f
 ends. glibc's malloc serves a block that large with a fresh `mmap` and unmaps it again on free, and it
 does so from the per-thread arena of whichever runtime thread runs the step. Every step therefore
 touches a new, unmapped 0.3 GiB: on the 2-core CPU about 80,000 page faults per step, each one a kernel
-entry that zeroes a 4 KiB page, which made the train step of configs/gpt_preln.py ~1.4x slower than it
+entry that zeroes a 4 KiB page, which made the train step of configs/gpt_preln.py 1.3–1.5x slower than it
 is with the memory kept (README, Performance). PyTorch's CPU tensors are allocated one by one, small
 enough for glibc to reuse freed blocks, so a PyTorch loop does not pay this.
 
