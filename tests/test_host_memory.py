@@ -39,6 +39,7 @@ def _run(extra_env: dict[str, str]) -> tuple[bool, int]:
   env = {k: v for k, v in os.environ.items()
          if k not in ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_',
                       'DSJAX_KEEP_FREED_MEMORY')}
+  env['JAX_PLATFORMS'] = 'cpu'
   out = subprocess.run([sys.executable, '-c', REUSE], cwd=ROOT, env={**env, **extra_env}, text=True,
                        capture_output=True, check=True).stdout.split()
   return out[0] == 'True', int(out[1])
@@ -52,8 +53,9 @@ def test_freed_block_is_reused_without_page_faults():
 
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc settings: Linux only')
-@pytest.mark.parametrize('opt_out', [{'DSJAX_KEEP_FREED_MEMORY': '0'}, {'MALLOC_ARENA_MAX': '4'}])
-def test_opting_out_leaves_glibc_as_it_was(opt_out):
+@pytest.mark.parametrize('opt_out', [{'DSJAX_KEEP_FREED_MEMORY': '0'}, {'MALLOC_ARENA_MAX': '4'},
+                                     {'JAX_PLATFORMS': 'cuda,cpu'}])
+def test_opted_out_or_off_the_cpu_glibc_is_left_as_it_was(opt_out):
   # glibc's default: the block is mapped afresh and every page faults again.
   applied, faults = _run(opt_out)
   assert not applied

@@ -13,16 +13,20 @@ enough for glibc to reuse freed blocks, so a PyTorch loop does not pay this.
 and never to return freed memory at the top of the heap to the OS. The heap then grows to the step's
 peak once and is reused by every later step. It is called by `cli.run` before JAX starts its threads.
 
-It changes nothing where it does not apply or where the user chose otherwise: off Linux/glibc, under an
-allocator preloaded in its place (tcmalloc, jemalloc: their `mallopt` ignores these settings), or when
-any of glibc's own variables for these settings (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_MAX_`,
-`MALLOC_TRIM_THRESHOLD_`) or `DSJAX_KEEP_FREED_MEMORY=0` is set in the environment.
+It applies only where JAX will compute on the CPU: `JAX_PLATFORMS` names the CPU first, or it is unset
+and no accelerator plugin of JAX (CUDA, ROCm, TPU) is installed. On a GPU or TPU host the step's
+temporaries live in device memory, and one arena for all threads could slow the host's many compiler
+threads, which allocate a lot. It changes nothing either off Linux/glibc, under an allocator preloaded
+in glibc's place (tcmalloc, jemalloc: their `mallopt` ignores these settings), or when any of glibc's
+own variables for these settings (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_MAX_`, `MALLOC_TRIM_THRESHOLD_`) or
+`DSJAX_KEEP_FREED_MEMORY=0` is set in the environment.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
 import os
 import sys
 
@@ -33,13 +37,26 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 NEVER_TRIM = -1
 GLIBC_VARIABLES = ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_')
 OPT_OUT_VARIABLE = 'DSJAX_KEEP_FREED_MEMORY'
+# Distributions that give JAX a non-CPU backend (jax-cuda12-plugin, jax-cuda13-plugin, jax-rocm*-plugin,
+# libtpu, libtpu-nightly).
+ACCELERATOR_PLUGIN_PREFIXES = ('jax-cuda', 'jax-rocm', 'libtpu')
+
+
+def cpu_backend_expected() -> bool:
+  """Whether JAX's default backend will be the CPU, judged before JAX starts (nothing is initialised)."""
+  platforms = os.environ.get('JAX_PLATFORMS', '').strip()
+  if platforms:
+    return platforms.split(',')[0].strip() == 'cpu'
+  names = {(dist.metadata['Name'] or '').lower().replace('_', '-')
+           for dist in importlib.metadata.distributions()}
+  return not any(name.startswith(ACCELERATOR_PLUGIN_PREFIXES) for name in names)
 
 
 def keep_freed_memory() -> bool:
   """Applies the settings above; True if glibc accepted all of them, False where they do not apply."""
   if not sys.platform.startswith('linux') or os.environ.get(OPT_OUT_VARIABLE, '1') == '0':
     return False
-  if any(name in os.environ for name in GLIBC_VARIABLES):
+  if any(name in os.environ for name in GLIBC_VARIABLES) or not cpu_backend_expected():
     return False
   try:
     libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
