@@ -4,8 +4,8 @@ Command:
 
   python -m dsjax.main --config=configs/gpt_preln.py --workdir=/tmp/gpt_preln
 
-Expected runtime: 13m41s wall on the 2-core CPU (2026-11-23; the same command took 6m19s on an earlier,
-faster 2-core machine: compare step times only on one machine, side by side).
+Expected runtime: 4m42s wall on a 2-core CPU (2026-11-23; 13m41s the same day on a slower 2-core machine,
+before dsjax kept freed host memory for reuse: compare step times only on one machine, side by side).
 Expected result: eval loss 1.694 nats/byte (2.444 bits/byte, perplexity 5.44) at step 1000 (measured
 2026-11-23, seed 0), against the 3.144-nat unigram entropy of the validation split; the DNT model with
 mSGDW (configs/gpt_dnt.py) reached 1.377.
