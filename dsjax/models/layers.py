@@ -133,8 +133,9 @@ def apply_norm(norm: Norm | None, x: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v/o projections and optional QKNorm (DNT).
 
-  Separate projections (rather than one fused qkv kernel) keep each weight's initial variance a
-  single knob, as the DSLM recipe needs (Kedia et al. 2024 §3.5: q, k at 1/d; v, o per layer).
+  Separate projection parameters (rather than one fused qkv kernel) keep each weight's initial
+  variance a single knob, as the DSLM recipe needs (Kedia et al. 2024 §3.5: q, k at 1/d; v, o per
+  layer); `project_qkv` still multiplies by the three of them in one matmul.
   `logit_scale` multiplies q·k (default 1/sqrt(d_head); μP uses 1/d_head, Noci et al. 2022 τ/sqrt(d_head)).
   `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1) and β (init 0),
   Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4).
