@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -104,6 +105,10 @@ def main():
   args = parser.parse_args()
   if args.repeats < 1:
     parser.error(f'--repeats must be >= 1, got {args.repeats}')
+  if args.pause < 0:
+    parser.error(f'--pause must be >= 0, got {args.pause}')
+  if args.json and os.path.isdir(args.json):
+    parser.error(f'--json={args.json} is a directory; name a file')
   print(f'jax {jax.__version__} ({jax.default_backend()}), PyTorch {torch.__version__} '
         f'({torch.get_num_threads()} threads), {time.strftime("%Y-%m-%d")}; median ms per product')
   print(f'  {"product":34s} {"shapes":26s} {"XLA":>7s} {"PyTorch":>8s} {"XLA/PyTorch":>11s}')
