@@ -9,10 +9,12 @@ vocabulary), each product in the three forms a train step runs: the forward x·W
 dy·Wᵀ and the weight gradient xᵀ·dy (a product whose left operand is stored transposed: XLA's CPU
 backend hands those to a different kernel than the other two). The attention products are batched over
 batch × heads with full 128 × 128 score matrices: q·kᵀ, p·v and the value gradient pᵀ·dO. Each
-product is compiled once (`jax.jit`) or called as PyTorch eager does (`torch.matmul` on views); the two
-alternate, one call each per round with `--pause` seconds of idle before each call (PyTorch's
-OpenMP threads spin for a while after their work and would take cores from XLA's next call), and the median over `--repeats` rounds is reported with the ratio
-XLA/PyTorch. The last line weights the linear-layer rows by how often one train step runs them.
+product is compiled once (`jax.jit`) or called as PyTorch eager does (`torch.matmul` on views). The two
+alternate: each round times `CALLS_PER_ROUND` calls back to back of one, then of the other, in
+alternating order, after `--pause` seconds of idle (PyTorch's OpenMP threads spin for a while after
+their work and would take cores from XLA's next call; a single call after idle would time the wake-up).
+The median per call over `--repeats` rounds is reported with the ratio XLA/PyTorch. The last line
+weights the linear-layer rows by how often one train step runs them.
 
 Run it under `taskset -c 0` to compare one core with one core: JAX then sizes its thread pool, and
 PyTorch its OpenMP threads, to the one core.
@@ -36,9 +38,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 TOKENS, WIDTH, FFN, VOCAB, BATCH_HEADS, SEQ, HEAD_DIM, DEPTH = 4096, 128, 512, 256, 32 * 4, 128, 32, 4
+CALLS_PER_ROUND = 10
 # The linear layers: (name, d_in, d_out, layers that have one).
-CALLS_PER_ROUND = 10  # back to back, as a step runs them: the first call after idle pays the wake-up
-
 LINEAR = [('qkv', WIDTH, 3 * WIDTH, DEPTH), ('out', WIDTH, WIDTH, DEPTH), ('ffn1', WIDTH, FFN, DEPTH),
           ('ffn2', FFN, WIDTH, DEPTH), ('head', WIDTH, VOCAB, 1)]
 
