@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -37,8 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
+
 TOKENS, WIDTH, FFN, VOCAB, BATCH_HEADS, SEQ, HEAD_DIM, DEPTH = 4096, 128, 512, 256, 32 * 4, 128, 32, 4
-CALLS_PER_ROUND = 10
+CALLS_PER_ROUND, WARMUP_ROUNDS = 10, 2
 # The linear layers: (name, d_in, d_out, layers that have one).
 LINEAR = [('qkv', WIDTH, 3 * WIDTH, DEPTH), ('out', WIDTH, WIDTH, DEPTH), ('ffn1', WIDTH, FFN, DEPTH),
           ('ffn2', FFN, WIDTH, DEPTH), ('head', WIDTH, VOCAB, 1)]
@@ -77,6 +78,7 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
   torch_fn, torch_args = torch_product(form), (torch.from_numpy(lhs), torch.from_numpy(rhs))
   np.testing.assert_allclose(np.asarray(jax_fn(*jax_args)), torch_fn(*torch_args).numpy(), rtol=2e-3,
                              atol=2e-3)
+
   def run_xla():
     for _ in range(CALLS_PER_ROUND):
       out = jax_fn(*jax_args)
@@ -86,30 +88,21 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
     for _ in range(CALLS_PER_ROUND):
       torch_fn(*torch_args)
 
-  times = {'xla': [], 'torch': []}
-  run = {'xla': run_xla, 'torch': run_torch}
-  for i in range(repeats + 2):
-    for name in (('xla', 'torch') if i % 2 == 0 else ('torch', 'xla')):
-      time.sleep(pause)
-      start = time.perf_counter()
-      run[name]()
-      if i >= 2:
-        times[name].append((time.perf_counter() - start) / CALLS_PER_ROUND)
-  return 1e3 * statistics.median(times['xla']), 1e3 * statistics.median(times['torch'])
+  times = paired.alternate({'xla': run_xla, 'torch': run_torch}, repeats, WARMUP_ROUNDS, pause)
+  per_call_ms = lambda name: 1e3 * statistics.median(times[name]) / CALLS_PER_ROUND  # noqa: E731
+  return per_call_ms('xla'), per_call_ms('torch')
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--repeats', type=int, default=40, help='Timed rounds per product (after 2).')
+  parser.add_argument('--repeats', type=int, default=40,
+                      help='Timed rounds per product (after the warm-up rounds).')
   parser.add_argument('--pause', type=float, default=0.05, help='Idle seconds before each call.')
   parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
   args = parser.parse_args()
   if args.repeats < 1:
     parser.error(f'--repeats must be >= 1, got {args.repeats}')
-  if args.pause < 0:
-    parser.error(f'--pause must be >= 0, got {args.pause}')
-  if args.json and os.path.isdir(args.json):
-    parser.error(f'--json={args.json} is a directory; name a file')
+  paired.check_output_args(parser, args)
   print(f'jax {jax.__version__} ({jax.default_backend()}), PyTorch {torch.__version__} '
         f'({torch.get_num_threads()} threads), {time.strftime("%Y-%m-%d")}; median ms per product')
   print(f'  {"product":34s} {"shapes":26s} {"XLA":>7s} {"PyTorch":>8s} {"XLA/PyTorch":>11s}')

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -38,6 +37,7 @@ from dsjax import bench  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'benchmarks'))
+import paired  # noqa: E402
 import torch_gpt  # noqa: E402
 
 WARMUP_PAIRS = 3
@@ -81,20 +81,10 @@ def main():
   args = parser.parse_args()
   if args.pairs < 1:
     parser.error(f'--pairs must be >= 1, got {args.pairs}')
-  if args.pause < 0:
-    parser.error(f'--pause must be >= 0, got {args.pause}')
-  if args.json and os.path.isdir(args.json):
-    parser.error(f'--json={args.json} is a directory; name a file')
+  paired.check_output_args(parser, args)
   steps = {'dsjax': dsjax_train_step(), 'pytorch': torch_gpt.make_train_step()}
-  times = {name: [] for name in steps}
-  for pair in range(WARMUP_PAIRS + args.pairs):
-    for name in (list(steps) if pair % 2 == 0 else list(steps)[::-1]):
-      time.sleep(args.pause)
-      start = time.perf_counter()
-      steps[name]()
-      if pair >= WARMUP_PAIRS:
-        times[name].append(1e3 * (time.perf_counter() - start))
-
+  seconds = paired.alternate(steps, args.pairs, WARMUP_PAIRS, args.pause)
+  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   ratios = np.array(times['dsjax']) / np.array(times['pytorch'])
   results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'torch': torch.__version__,
              'torch_threads': torch.get_num_threads(), 'pairs': args.pairs, 'pause_s': args.pause,

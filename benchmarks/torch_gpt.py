@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import paired  # benchmarks/paired.py, beside this script
+
 VOCAB, DEPTH, WIDTH, HEADS, SEQ_LEN, BATCH = 256, 4, 128, 4, 128, 32
 WARMUP_STEPS = 2
 
@@ -107,6 +109,7 @@ def main():
     parser.error(f'--steps must be >= 1, got {args.steps}')
   if args.microbatches < 1 or BATCH % args.microbatches:
     parser.error(f'--microbatches must be a divisor of the batch size {BATCH}, got {args.microbatches}')
+  paired.check_output_args(parser, args)
   if args.threads is not None:
     torch.set_num_threads(args.threads)
   step = make_train_step(args.microbatches)

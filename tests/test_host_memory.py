@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from dsjax.train import host_memory
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BLOCK_PAGES = (64 << 20) // 4096
 
@@ -36,9 +38,8 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _run(extra_env: dict[str, str]) -> tuple[bool, int]:
-  env = {k: v for k, v in os.environ.items()
-         if k not in ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_',
-                      'DSJAX_KEEP_FREED_MEMORY')}
+  ours = (*host_memory.GLIBC_VARIABLES, host_memory.OPT_OUT_VARIABLE)
+  env = {k: v for k, v in os.environ.items() if k not in ours}
   env['JAX_PLATFORMS'] = 'cpu'
   out = subprocess.run([sys.executable, '-c', REUSE], cwd=ROOT, env={**env, **extra_env}, text=True,
                        capture_output=True, check=True).stdout.split()

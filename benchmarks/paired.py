@@ -1,0 +1,41 @@
+"""What the CPU benchmark scripts share: paired timing of two implementations in one process, and the
+checks of their output flags.
+
+On a shared or virtual machine the speed drifts by tens of percent within minutes, so the scripts time
+both implementations in turn, in alternating order, and compare them round by round. Before each timed
+call the process idles for `pause` seconds: both runtimes' worker threads spin for a while after their
+work and would otherwise take cores from the other's next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Callable
+
+
+def check_output_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """`--pause` (seconds, >= 0) and `--json` (a file to write, not a directory): one-line usage errors
+  before anything runs."""
+  if getattr(args, 'pause', 0) < 0:
+    parser.error(f'--pause must be >= 0, got {args.pause}')
+  if args.json and os.path.isdir(args.json):
+    parser.error(f'--json={args.json} is a directory; name a file')
+
+
+def alternate(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
+              pause: float) -> dict[str, list[float]]:
+  """Runs `warmup + rounds` rounds of every call in `calls`, in their order on even rounds and reversed
+  on odd ones, after `pause` seconds of idle each; returns the seconds of each timed (post-warm-up) call
+  by name. Each call must wait for its own work to finish."""
+  names = list(calls)
+  seconds = {name: [] for name in names}
+  for i in range(warmup + rounds):
+    for name in (names if i % 2 == 0 else names[::-1]):
+      time.sleep(pause)
+      start = time.perf_counter()
+      calls[name]()
+      if i >= warmup:
+        seconds[name].append(time.perf_counter() - start)
+  return seconds
