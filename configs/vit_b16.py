@@ -42,8 +42,8 @@ def get_config():
   c.model.pooling = 'cls'
   c.model.block = 'preln'
   c.model.init_distribution = 'truncated_normal'
-  # All 12 layers in one scan iteration: 51 ms/step instead of 67 at batch 128 on one H100 (README,
-  # "Performance"), for a compile of ~18 s instead of ~11 s.
+  # All 12 layers in one scan iteration: 43 ms/step instead of 64 at batch 128 on one H100 (README,
+  # "Performance"), for a compile of ~16 s instead of ~11 s.
   c.model.scan_unroll = 12
 
   c.optimizer.lr = 1e-3
