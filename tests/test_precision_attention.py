@@ -70,8 +70,8 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
     [('cudnn', jnp.bfloat16)] if ON_GPU else []))
 def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   """A DNT block (QKNorm) with a non-default logit scale equals QKNorm + jax.nn.dot_product_attention at
-  that scale; a causal model's outputs do not depend on later tokens. Head width 16: cuDNN's smallest
-  is 8, and both are tested the same way."""
+  that scale; a causal model's outputs do not depend on later tokens. Each implementation this machine
+  runs, in the dtype it computes in (cuDNN: bfloat16 only)."""
   model = _build(tiny_config('gpt', block='dnt', num_heads=2, attention=implementation), TEXT_INFO)
   graphdef, state = nnx.split(model.trunk.stack.layers.attn)  # stacked over layers; take layer 0
   attn = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
