@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Re-measures the GPU rows of the README's "Performance" section: each `python -m dsjax.bench` command
+# behind them, in one go, each writing its JSON into OUTDIR under the name the README cites (with
+# PREFIX, default h100, in place of the device). About 9 minutes on one H100, most of it compilation.
+#
+#   benchmarks/gpu_table.sh OUTDIR [PREFIX]
+#
+# Run it from the repository root on a machine with JAX's CUDA plugin (`pip install '.[cuda]'`).
+set -euo pipefail
+if [[ $# -lt 1 || $# -gt 2 ]]; then
+  echo "usage: benchmarks/gpu_table.sh OUTDIR [PREFIX]" >&2; exit 2
+fi
+out=$1 prefix=${2:-h100}
+if [[ -e $out && ! -d $out ]]; then
+  echo "OUTDIR: $out exists and is not a directory" >&2; exit 2
+fi
+mkdir -p "$out"
+
+bench() {  # bench NAME ARGS...: one README row (or rows), its JSON as $out/${prefix}_NAME.json
+  local name=$1; shift
+  echo "=== ${prefix}_$name: python -m dsjax.bench $*"
+  python -m dsjax.bench "$@" --steps=20 --json="$out/${prefix}_$name.json"
+}
+gpt2=(--config=configs/gpt2_small.py)
+vit=(--config=configs/vit_b16.py)
+deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4
+      --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
+
+bench gpt2_small_b16 "${gpt2[@]}"  # instrumentation off, 'return' and 'callback'
+bench gpt2_small_b16_profile "${gpt2[@]}" --instrument=off --profile="$out/profile_gpt2_small"
+bench gpt2_small_b16_unroll1 "${gpt2[@]}" --instrument=off --config.model.scan_unroll=1
+bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
+bench gpt2_small_b64 "${gpt2[@]}" --instrument=off --config.batch_size=64
+bench vit_b16_b128_profile "${vit[@]}" --instrument=off --profile="$out/profile_vit_b16"
+bench vit_b16_b128_unroll1 "${vit[@]}" --instrument=off --config.model.scan_unroll=1
+bench gpt_12x256 "${deep[@]}" --config.model.depth=12 --instrument=off
+bench gpt_192x256 "${deep[@]}" --config.model.depth=192  # off, 'return' and 'callback'
