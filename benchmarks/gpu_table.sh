@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-measures the GPU rows of the README's "Performance" section: each `python -m dsjax.bench` command
 # behind them, in one go, each writing its JSON into OUTDIR under the name the README cites (with
-# PREFIX, default h100, in place of the device). About 9 minutes on one H100, most of it compilation.
+# PREFIX, default h100, in place of the device). Most of its time on a GPU is compilation.
 #
 #   benchmarks/gpu_table.sh OUTDIR [PREFIX]
 #
