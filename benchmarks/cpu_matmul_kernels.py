@@ -23,7 +23,6 @@ PyTorch its OpenMP threads, to the one core.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -118,11 +117,9 @@ def main():
     print(f'  {name:34s} {shapes:26s} {xla_ms:7.2f} {torch_ms:8.2f} {xla_ms / torch_ms:11.2f}')
   print(f'  linear-layer matmuls of one train step: XLA {step["xla"]:.1f} ms, PyTorch {step["torch"]:.1f} ms '
         f'({step["xla"] / step["torch"]:.2f})')
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump({'jax': jax.__version__, 'torch': torch.__version__, 'threads': torch.get_num_threads(),
-                 'date': time.strftime('%Y-%m-%d'), 'repeats': args.repeats, 'products': rows,
-                 'linear_step_ms': step}, f, indent=1)
+  paired.write_json(args.json, {'jax': jax.__version__, 'torch': torch.__version__,
+                                'threads': torch.get_num_threads(), 'date': time.strftime('%Y-%m-%d'),
+                                'repeats': args.repeats, 'products': rows, 'linear_step_ms': step})
 
 
 if __name__ == '__main__':

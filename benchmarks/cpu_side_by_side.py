@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import statistics
 import sys
@@ -101,9 +100,7 @@ def main():
   print(f"  dsjax / PyTorch step time, per pair: median {results['ratio_median']:.3f} (quartiles "
         f"{results['ratio_quartiles'][0]:.3f}–{results['ratio_quartiles'][1]:.3f}); dsjax faster in "
         f"{results['pairs_dsjax_faster']} of {args.pairs} pairs")
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  paired.write_json(args.json, results)
 
 
 if __name__ == '__main__':

@@ -1,5 +1,5 @@
-"""What the CPU benchmark scripts share: paired timing of two implementations in one process, and the
-checks of their output flags.
+"""What the CPU benchmark scripts share: paired timing of two implementations in one process, and their
+output flags (the checks, and the JSON written).
 
 On a shared or virtual machine the speed drifts by tens of percent within minutes, so the scripts time
 both implementations in turn, in alternating order, and compare them round by round. Before each timed
@@ -10,6 +10,7 @@ work and would otherwise take cores from the other's next call.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from typing import Callable
@@ -22,6 +23,13 @@ def check_output_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     parser.error(f'--pause must be >= 0, got {args.pause}')
   if args.json and os.path.isdir(args.json):
     parser.error(f'--json={args.json} is a directory; name a file')
+
+
+def write_json(path: str | None, results: dict) -> None:
+  """The results to `path` (the `--json` flag), if one was given."""
+  if path:
+    with open(path, 'w') as f:
+      json.dump(results, f, indent=1)
 
 
 def alternate(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,

@@ -23,7 +23,6 @@ update; the median and min–max over `--steps` steps after 2 warm-up steps are 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Callable
@@ -129,9 +128,7 @@ def main():
         f"median of {args.steps} "
         f"(min {results['step_ms_min']:.1f}, max {results['step_ms_max']:.1f}), "
         f"{results['tokens_per_s']:,.0f} tokens/s")
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  paired.write_json(args.json, results)
 
 
 if __name__ == '__main__':

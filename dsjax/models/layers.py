@@ -71,10 +71,12 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 def matmul_last_axis(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x (..., d_in) @ kernel (d_in, d_out), written as one 2-D matmul over all leading axes: with
-  (B, L) kept as two axes, the weight gradient contracts over both, and XLA's CPU backend then transposed
-  the output gradient and fell back to a matmul kernel ~3x slower than the forward one."""
-  return (x.reshape(-1, x.shape[-1]) @ kernel).reshape(*x.shape[:-1], kernel.shape[-1])
+  """x (..., d_in) contracted with kernel (d_in, *out) into (..., *out), written as one matmul over all
+  leading axes of x flattened: with (B, L) kept as two axes, the weight gradient contracts over both,
+  and XLA's CPU backend then transposed the output gradient and fell back to a matmul kernel ~3x slower
+  than the forward one."""
+  y = jnp.tensordot(x.reshape(-1, x.shape[-1]), kernel, axes=1)
+  return y.reshape(*x.shape[:-1], *kernel.shape[1:])
 
 
 class Dense(nnx.Module):
@@ -183,18 +185,16 @@ class Attention(nnx.Module):
     so one matmul each for their input and weight gradients: at the small widths the CPU trains, three
     matmuls of a third of the width run well below the matmul rate of one. The parameters stay three
     `Dense` modules (their own init, learning-rate scale and sharding). The kernels are stacked on a
-    new middle axis, (d, 3, inner), and contracted without a reshape: each projection is then a
+    new middle axis, (d, 3, inner), and contracted without reshaping the kernel: each projection is then a
     contiguous block of every row of the product (a cheap slice, and contiguous writes of the three
     gradients in the backward pass, where the interleaved (d, inner, 3) layout cost a strided copy each
     way), and a kernel sharded over its output axis ('heads') gives a stack sharded over the same axis,
     shard by shard, with no communication."""
     denses = (self.q, self.k, self.v)
     kernel_D3I = jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1)
-    x_ND = x_BLD.reshape(-1, x_BLD.shape[-1])
-    qkv_N3I = jax.lax.dot_general(x_ND, kernel_D3I, (((1,), (0,)), ((), ())))
+    qkv_BL3I = matmul_last_axis(x_BLD, kernel_D3I)
     if self.q.bias is not None:
-      qkv_N3I = qkv_N3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
-    qkv_BL3I = qkv_N3I.reshape(*x_BLD.shape[:2], *qkv_N3I.shape[1:])
+      qkv_BL3I = qkv_BL3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
     return qkv_BL3I[:, :, 0], qkv_BL3I[:, :, 1], qkv_BL3I[:, :, 2]
 
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
@@ -280,8 +280,8 @@ def _attention_block(q_BHQK: jax.Array, k_BHTK: jax.Array, v_BHTK: jax.Array, lo
   if mask_QT is not None:
     logits_BHQT = jnp.where(mask_QT, logits_BHQT, jnp.finfo(jnp.float32).min)
   # The softmax over rows flattened to one axis, as the norms take their statistics: XLA's CPU backend
-  # ran the train step of configs/gpt_preln.py a little faster so than with the four axes kept (paired
-  # comparison of the two compiled steps in one process).
+  # ran the train step of configs/gpt_preln.py a little faster this way than with the four axes kept
+  # (paired comparison of the two compiled steps in one process).
   rows_NT = jax.nn.softmax(logits_BHQT.reshape(-1, logits_BHQT.shape[-1]), axis=-1)
   probs_BHQT = rows_NT.reshape(logits_BHQT.shape).astype(v_BHTK.dtype)
   probs_BHQT = dropout(probs_BHQT, dropout_rate, dropout_key)
