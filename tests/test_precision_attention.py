@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -104,6 +105,12 @@ def test_auto_resolution():
   assert models.compute_dtype(m, 'cpu') == 'float32' and models.compute_dtype(m, 'gpu') == 'bfloat16'
   assert models.attention_implementation(m, 'cpu') == 'xla'
   assert models.attention_implementation(m, 'gpu') == 'cudnn'
+  # A concatenation residual's attention has its own head dimension (e.g. 30: not a multiple of 8).
+  assert models.attention_implementation(m, 'gpu', head_dim=30) == 'xla'
+  m.attention = 'cudnn'
+  with pytest.raises(ValueError, match=r'the head dimension, 30\) must be a multiple of 8'):
+    models.attention_implementation(m, 'gpu', head_dim=30)
+  m.attention = 'auto'
   m.attn_dropout = 0.1
   assert models.attention_implementation(m, 'gpu') == 'xla'
   m.attn_dropout, m.dtype = 0.0, 'float32'
@@ -131,10 +138,20 @@ def test_bfloat16_compute_keeps_float32_stream_and_logits(model_name, info):
   np.testing.assert_allclose(np.asarray(logits_bf16, np.float32), logits_f32, rtol=0.1, atol=0.1)
 
 
+def _dtypes_by_rank(params) -> dict[str, set]:
+  """The dtypes of the stacked per-layer matrices (ndim 3) and vectors (ndim 2) of the layer stack."""
+  stack = params['trunk']['stack']['layers']
+  leaves = jax.tree.leaves(stack)
+  return {'matrices': {x.dtype for x in leaves if x.ndim == 3},
+          'vectors': {x.dtype for x in leaves if x.ndim == 2}}
+
+
 def test_bfloat16_params_keep_float32_optimizer_state():
   model = _build(tiny_config('gpt', param_dtype='bfloat16'), TEXT_INFO)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  assert _dtypes_by_rank(params) == {'matrices': {jnp.dtype(jnp.bfloat16)},
+                                     'vectors': {jnp.dtype(jnp.float32)}}
+  assert params['token_embed'].dtype == jnp.bfloat16 and params['head']['kernel'].dtype == jnp.bfloat16
   tx, _ = optimizers.make_optimizer(tiny_config('gpt').optimizer, 10)
   opt_state = tx.init(params)
   float_leaves = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -145,11 +162,46 @@ def test_bfloat16_params_keep_float32_optimizer_state():
   chex.assert_trees_all_equal_dtypes(new_params, params)
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('model_name,info', [('gpt', TEXT_INFO), ('vit', IMAGE_INFO)])
+def test_bfloat16_params_train(model_name, info, dtype):
+  """bfloat16 weight matrices train through the scanned stack at either compute dtype: float32 logits
+  and loss, and an AdamW step moves the float32 norm gains as well as the bf16 kernels."""
+  model = _build(tiny_config(model_name, param_dtype='bfloat16', dtype=dtype), info)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if model_name == 'gpt':
+    x, labels = jnp.arange(32).reshape(2, 16) % 256, jnp.arange(1, 33).reshape(2, 16) % 256
+  else:
+    x, labels = jax.random.normal(jax.random.key(0), (2, 8, 8, 1)), jnp.array([3, 7])
+
+  def loss_fn(p):
+    logits = nnx.merge(graphdef, p, rest)(x)
+    chex.assert_type(logits, jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+  assert np.isfinite(loss)
+  tx, _ = optimizers.make_optimizer(tiny_config(model_name).optimizer, 10)
+  new, opt_state = params, tx.init(params)
+  for _ in range(2):  # the first step's learning rate is 0 (warm-up)
+    updates, opt_state = tx.update(grads, opt_state, new)
+    new = optax.apply_updates(new, updates)
+  new, old = nnx.to_pure_dict(new), nnx.to_pure_dict(params)
+  stack_old, stack_new = (t['trunk']['stack']['layers'] for t in (old, new))
+  for name in ('pre_attn_norm', 'pre_ffn_norm'):
+    if name in stack_old:  # the blocks' norm gains (float32) move on the first step
+      assert stack_new[name]['scale'].dtype == jnp.float32
+      assert np.any(np.asarray(stack_new[name]['scale']) != np.asarray(stack_old[name]['scale']))
+  assert stack_new['ffn']['ffn1']['kernel'].dtype == jnp.bfloat16
+  assert np.any(np.asarray(stack_new['ffn']['ffn1']['kernel'], np.float32)
+                != np.asarray(stack_old['ffn']['ffn1']['kernel'], np.float32))
+
+
 @pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_layer_stack_options_compute_the_same():
   """Unrolled scans, the Python loop and rematerialisation change how, not what: same loss and grads."""
   def loss_and_grads(**overrides):
-    model = _build(tiny_config('gpt', depth=3, dropout=0.1, **overrides), TEXT_INFO)
+    model = _build(tiny_config('gpt', depth=3, dropout=0.1, dtype='float32', attention='xla', **overrides),
+                   TEXT_INFO)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jnp.arange(32).reshape(2, 16)
     loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, dropout_key=jax.random.key(1)).mean()  # noqa: E731

@@ -91,6 +91,7 @@ def test_both_optimizers_train_both_models(tmp_path, model_name, optimizer):
     (('optimizer', 'name', 'sgd'), 'optimizer.name'),
     (('data', 'name', 'no_such_dataset'), 'no_such_dataset'),
     (('mesh', 'shape', (3, 1, 1)), 'mesh.shape'),
+    (('mesh', 'shape', (1, 1, 8)), 'model.num_heads'),  # 4 heads over 8 tensor shards
 ])
 def test_bad_config_fails_before_anything_is_written(tmp_path, override, key):
   config = tiny_config('vit')

@@ -37,6 +37,9 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
       attention=attention_implementation(m))
   if plan is None:
     return cfg
+  if plan.concat is not None:  # its attention has its own width, and so its own head dimension
+    cfg = dataclasses.replace(cfg, attention=attention_implementation(
+        m, head_dim=plan.concat.attn_width // m.num_heads))
   return dataclasses.replace(
       cfg, distribution=plan.distribution, layout=plan.layout or cfg.layout, skip_scale=plan.skip,
       branch_scale=plan.branch, attn_logit_scale=plan.attn_logit_scale, attn_identity=plan.attn_identity,
@@ -79,13 +82,22 @@ def build_model(config, data_info, plan: InitPlan, rngs: nnx.Rngs) -> nnx.Module
 
 
 def cast_params(model: nnx.Module, param_dtype: str) -> nnx.Module:
-  """Stores the trainable parameters in `param_dtype` (drawn in float32, then rounded). The optimizer
-  keeps its state in float32 either way (`dsjax.train.optimizers`)."""
+  """Stores the weight matrices in `param_dtype` (drawn in float32, then rounded); vector and scalar
+  parameters (norm gains and biases, dense biases, learnable residual scales) stay float32.
+
+  A bfloat16 parameter has 8 significant bits, and there is no float32 master copy: an update smaller
+  than about 2^-9 of the value rounds away, and so does decoupled weight decay once lr·wd < 2^-9. The
+  matrices' updates are mostly far larger than that; a norm gain near 1 under Adam at lr 6e-4 would
+  never move, which is why vectors keep float32. The optimizer's state is float32 either way
+  (`dsjax.train.optimizers`). float32 (the default) is the safe choice; bfloat16 halves the memory of
+  the weights when that is the limit. A matrix is a parameter with two or more logical axes per layer
+  (the `axes` metadata, which leaves out the stacked layer axis)."""
   if param_dtype == 'float32':
     return model
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params = jax.tree.map(lambda p: p.astype(param_dtype), params)
-  return nnx.merge(graphdef, params, rest)
+  for _, variable in nnx.iter_graph(model):
+    if isinstance(variable, nnx.Param) and len(variable.get_metadata().get('axes', ())) >= 2:
+      variable.set_value(variable.get_value().astype(param_dtype))
+  return model
 
 
 def nonstandard_residual(model: nnx.Module) -> str | None:

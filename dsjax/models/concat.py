@@ -124,7 +124,7 @@ class ConcatTrunk(nnx.Module):
   def __call__(self, x_BLW: jax.Array, dropout_key: jax.Array | None,
                probe: Probe = no_probe) -> jax.Array:
     embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    x_BLW = layers.dropout(x_BLW, self.dropout, embed_key)
+    x_BLW = layers.dropout(x_BLW.astype(jnp.float32), self.dropout, embed_key)  # a float32 stream
     x_BLW = probe('embedding', layers.apply_norm(self.input_norm, x_BLW), jnp.asarray(-1))
     layer_keys = None if stack_key is None else jax.random.split(stack_key, self.depth)
     for n, layer in enumerate(self.layers):

@@ -41,7 +41,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.init_distribution = 'normal'  # 'normal' | 'truncated_normal' | 'uniform' (every weight's draw)
   # How a step is computed (none of these changes the parameters; a run may resume with others).
   m.dtype = 'auto'                # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
-  m.param_dtype = 'float32'       # storage of the parameters: 'float32' | 'bfloat16'
+  m.param_dtype = 'float32'       # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
   m.attention = 'auto'            # 'xla' | 'cudnn' (fused, GPU, bf16) | 'auto' (cudnn where it applies)
   m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
@@ -135,28 +135,48 @@ def compute_dtype(m, backend: str | None = None) -> str:
   return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
 
 
-def attention_implementation(m, backend: str | None = None) -> str:
+def attention_implementation(m, backend: str | None = None, *, head_dim: int | None = None) -> str:
   """`model.attention` resolved to a `jax.nn.dot_product_attention` implementation ('xla' | 'cudnn').
 
-  'auto' takes cuDNN's fused kernel where it applies — an NVIDIA GPU, bf16 compute, no attention dropout
-  (the kernel never forms the probabilities to drop), a head dimension the kernel supports (a multiple
-  of 8, at most 128) — and the XLA path elsewhere. An explicit 'cudnn' that cannot apply is an error.
+  'auto' takes cuDNN's fused kernel where it applies — an NVIDIA GPU of compute capability 8.0 or newer
+  (cuDNN's flash attention; jax does not check the capability itself), bf16 compute, no attention
+  dropout (the kernel never forms the probabilities to drop), a head dimension the kernel supports (a
+  multiple of 8, at most 128) — and the XLA path elsewhere. An explicit 'cudnn' that cannot apply is an
+  error. `head_dim`: the attention's head dimension where it is not model.width / model.num_heads (a
+  concatenation residual's attention width). `backend` given (e.g. 'gpu' from a machine without one):
+  resolved for that backend, its GPU taken to be a capable one.
   """
   if m.attention == 'xla':
     return 'xla'
+  gpu_capable = _flash_attention_gpu() if backend is None else True
   backend = backend or jax.default_backend()
-  head_dim = m.width // m.num_heads
+  head_dim = m.width // m.num_heads if head_dim is None else head_dim
   blockers = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernel has no dropout)'),
               'model.dtype': (compute_dtype(m, backend) != 'bfloat16', 'must be bfloat16 (or auto on a GPU)'),
               'model.width / model.num_heads': (head_dim % 8 or head_dim > 128,
                                                 f'(the head dimension, {head_dim}) must be a multiple of 8 '
                                                 'and at most 128'),
-              'the backend': (backend != 'gpu', f'must be a GPU, not {backend}')}
+              'the backend': (backend != 'gpu', f'must be a GPU, not {backend}'),
+              'the GPU': (backend == 'gpu' and not gpu_capable,
+                          'must be an NVIDIA GPU of compute capability 8.0 or newer')}
   blocked = [(key, why) for key, (is_blocked, why) in blockers.items() if is_blocked]
   if m.attention == 'cudnn' and blocked:
     key, why = blocked[0]
     raise ValueError(f'model.attention=cudnn needs {key} that {why}')
   return 'xla' if blocked else 'cudnn'
+
+
+def _flash_attention_gpu() -> bool:
+  """Whether this machine's GPU runs cuDNN's flash attention: CUDA (a ROCm GPU is also jax's 'gpu'
+  backend, with a capability like 'gfx90a') of compute capability 8.0 (Ampere) or newer. True where
+  there is no GPU to ask (the backend check decides there)."""
+  if jax.default_backend() != 'gpu':
+    return True
+  capability = getattr(jax.devices()[0], 'compute_capability', None)
+  try:
+    return float(capability) >= 8.0
+  except (TypeError, ValueError):
+    return False
 
 
 def validate_against_data(m, data_name: str, data_info) -> None:

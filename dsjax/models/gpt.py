@@ -7,6 +7,7 @@ for one (then the embeddings have the stream's first width and the head reads it
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.models import layers
@@ -42,8 +43,9 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
                probe: Probe = no_probe) -> jax.Array:
-    """Next-token logits (B, L, vocab)."""
+    """Next-token logits (B, L, vocab), float32: the head's matmul runs in the compute dtype and
+    writes float32, so the loss's softmax sees logits that were never rounded to bfloat16."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      return layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T)
-    return self.head(x_BLD)
+      return layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T, jnp.float32)
+    return self.head(x_BLD, out_dtype=jnp.float32)

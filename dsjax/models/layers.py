@@ -70,12 +70,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def matmul_last_axis(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def matmul_last_axis(x: jax.Array, kernel: jax.Array, out_dtype: Any = None) -> jax.Array:
   """x (..., d_in) contracted with kernel (d_in, *out) into (..., *out), written as one matmul over all
   leading axes of x flattened: with (B, L) kept as two axes, the weight gradient contracts over both,
   and XLA's CPU backend then transposed the output gradient and fell back to a matmul kernel ~3x slower
-  than the forward one."""
-  y = jnp.tensordot(x.reshape(-1, x.shape[-1]), kernel, axes=1)
+  than the forward one. `out_dtype`: the product's dtype (accumulated and written in it; default the
+  inputs' dtype)."""
+  y = jnp.tensordot(x.reshape(-1, x.shape[-1]), kernel, axes=1, preferred_element_type=out_dtype)
   return y.reshape(*x.shape[:-1], *kernel.shape[1:])
 
 
@@ -91,12 +92,12 @@ class Dense(nnx.Module):
     self.kernel = param(init_weight(rngs.params(), (d_in, d_out), std, distribution), axes, lr_scale)
     self.bias = param(jnp.zeros((d_out,)), axes[1:]) if use_bias else None
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    # The matmul runs in the input's dtype (the compute dtype the block casts its branch input to),
-    # whatever the parameters are stored in.
-    y = matmul_last_axis(x, self.kernel[...].astype(x.dtype))
+  def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """The matmul runs in the input's dtype (the compute dtype the block casts its branch input to),
+    whatever the parameters are stored in; its output is in `out_dtype` (default the input's)."""
+    y = matmul_last_axis(x, self.kernel[...].astype(x.dtype), out_dtype)
     if self.bias is not None:
-      y = y + self.bias[...].astype(x.dtype)
+      y = y + self.bias[...].astype(y.dtype)
     return y
 
 
@@ -192,9 +193,12 @@ class Attention(nnx.Module):
     shard by shard, with no communication."""
     denses = (self.q, self.k, self.v)
     kernel_D3I = jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1)
-    qkv_BL3I = matmul_last_axis(x_BLD, kernel_D3I)
+    # The bias is added to the product with the tokens on one axis, before (B, L) is restored: its
+    # gradient is then a sum over one axis, the form the benchmarks in README.md measured.
+    qkv_N3I = matmul_last_axis(x_BLD.reshape(-1, x_BLD.shape[-1]), kernel_D3I)
     if self.q.bias is not None:
-      qkv_BL3I = qkv_BL3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
+      qkv_N3I = qkv_N3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
+    qkv_BL3I = qkv_N3I.reshape(*x_BLD.shape[:2], *qkv_N3I.shape[1:])
     return qkv_BL3I[:, :, 0], qkv_BL3I[:, :, 1], qkv_BL3I[:, :, 2]
 
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:

@@ -205,7 +205,9 @@ class Trunk(nnx.Module):
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
                probe: Probe = no_probe) -> jax.Array:
     embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    x_BLD = layers.dropout(x_BLD, self.dropout, embed_key)
+    # The stream is float32 from here on, whatever the embedding tables are stored in (param_dtype):
+    # the scan's carry keeps the type it enters with.
+    x_BLD = layers.dropout(x_BLD.astype(jnp.float32), self.dropout, embed_key)
     x_BLD = probe('embedding', layers.apply_norm(self.input_norm, x_BLD), jnp.asarray(-1))
     x_BLD = self.stack(x_BLD, stack_key, probe)
     return layers.apply_norm(self.final_norm, x_BLD) * self.output_scale[...]

@@ -72,7 +72,7 @@ class ViT(nnx.Module):
 
   def __call__(self, images_BHWC: jax.Array, *, dropout_key: jax.Array | None = None,
                probe: Probe = no_probe) -> jax.Array:
-    """Class logits (B, num_classes)."""
+    """Class logits (B, num_classes), float32 (the head's matmul writes float32, as GPT's does)."""
     x_BLD = self.trunk(self.embed(images_BHWC), dropout_key, probe)
     pooled_BD = x_BLD[:, 0] if self.pooling == 'cls' else x_BLD.mean(axis=1)
-    return self.head(pooled_BD.astype(self.dtype))
+    return self.head(pooled_BD.astype(self.dtype), out_dtype=jnp.float32)

@@ -80,6 +80,12 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
   instrument.validate_instrument_config(config.instrument)
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
+  tensor_shards = shape[sharding_lib.MESH_AXES.index('tensor')]
+  if config.model.num_heads % tensor_shards:
+    # Tensor parallelism gives each device whole heads: a head split over devices would shard the head
+    # dimension, which cuDNN's attention refuses and the XLA path pays for in communication.
+    raise ValueError(f'model.num_heads ({config.model.num_heads}) must be divisible by the tensor axis '
+                     f'of mesh.shape ({tensor_shards})')
   batch_shards = math.prod(shape[:2])
   for key in ('batch_size', 'eval_batch_size'):
     if config[key] % batch_shards or config[key] % process_count:

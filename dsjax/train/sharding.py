@@ -40,7 +40,8 @@ AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'ten
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-  """The `mesh` config section (checked by `resolve_mesh_shape`)."""
+  """The `mesh` config section (checked by `resolve_mesh_shape`; the run's checks also ask the tensor
+  axis to divide model.num_heads, so that each device holds whole heads)."""
   c = ml_collections.ConfigDict()
   c.shape = (-1, 1, 1)            # (data, fsdp, tensor); -1 = all remaining devices
   return c
