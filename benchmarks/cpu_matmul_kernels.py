@@ -33,9 +33,10 @@ host_memory.keep_freed_memory()  # as every dsjax command does; before JAX or Py
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
+
+torch = paired.require_torch(__file__)
 
 TOKENS, WIDTH, FFN, VOCAB, BATCH_HEADS, SEQ, HEAD_DIM, DEPTH = 4096, 128, 512, 256, 32 * 4, 128, 32, 4
 CALLS_PER_ROUND, WARMUP_ROUNDS = 10, 2

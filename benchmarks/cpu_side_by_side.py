@@ -30,13 +30,14 @@ host_memory.keep_freed_memory()  # before JAX or PyTorch start their threads
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from dsjax import bench  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 import paired  # noqa: E402
+
+torch = paired.require_torch(__file__)
 import torch_gpt  # noqa: E402
 
 WARMUP_PAIRS = 3

@@ -12,17 +12,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Callable
 
 
+def require_torch(script: str):
+  """The `torch` module, or one line naming what to install (PyTorch is not a dependency of dsjax)."""
+  try:
+    import torch
+  except ModuleNotFoundError:
+    sys.exit(f'{os.path.basename(script)} needs PyTorch beside dsjax: pip install torch')
+  return torch
+
+
 def check_output_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """`--pause` (seconds, >= 0) and `--json` (a file to write, not a directory): one-line usage errors
-  before anything runs."""
+  """`--pause` (seconds, >= 0) and `--json` (a file to write, not a directory, in a directory that
+  exists): one-line usage errors before anything runs, not after minutes of timing."""
   if getattr(args, 'pause', 0) < 0:
     parser.error(f'--pause must be >= 0, got {args.pause}')
   if args.json and os.path.isdir(args.json):
     parser.error(f'--json={args.json} is a directory; name a file')
+  parent = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+  if parent and not os.path.isdir(parent):
+    parser.error(f'--json={args.json}: the directory {parent} does not exist')
 
 
 def write_json(path: str | None, results: dict) -> None:

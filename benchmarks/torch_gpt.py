@@ -27,11 +27,10 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-from torch import nn
-from torch.nn import functional as F
-
 import paired  # benchmarks/paired.py, beside this script
+
+torch = paired.require_torch(__file__)
+nn, F = torch.nn, torch.nn.functional
 
 VOCAB, DEPTH, WIDTH, HEADS, SEQ_LEN, BATCH = 256, 4, 128, 4, 128, 32
 WARMUP_STEPS = 2

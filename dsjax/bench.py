@@ -22,7 +22,11 @@ which are looked up, not multiplied) and L is the sequence length (ViT: patches,
 Causal attention is counted as full L×L attention (the PaLM convention, which the cuDNN kernel's
 skipped blocks do not change), so a causal model's MFU is comparable with other reports but ~2× the
 attention FLOPs actually needed. Rematerialisation's recomputation is not counted (it is not model
-FLOPs). MFU = model FLOP/s ÷ the peak: `--peak_tflops` when given, else the device kind's dense
+FLOPs). The count is uniform rather than exact in a few places, each small: N includes the norms' gains
+and biases (0.1% of GPT-2 small's N); ViT's classifier runs on one pooled vector per image but is
+counted at every position (+0.85% of ViT-B/16's FLOPs); a tied GPT head (which multiplies by the token
+table) is not counted; a concatenation residual's attention term uses model.width, not its own
+attention width. MFU = model FLOP/s ÷ the peak: `--peak_tflops` when given, else the device kind's dense
 bf16 (or fp32) peak from `PEAK_TFLOPS`; on a CPU there is no data-sheet number, so the benchmark measures
 its own matmul peak (the fastest of 10 runs of a large square matmul in the compute dtype) and reports
 the fraction of it.
@@ -36,6 +40,10 @@ looked up; the JSON lists every kernel.
 
 Memory: the compiled step's `memory_analysis()` (arguments, outputs, temporaries: what the step needs
 before it runs), and on GPUs the device's peak bytes in use after the timed steps.
+
+`--json` writes everything printed, with the device (kind, jax version, date), where the peak came
+from, and the git commit of the dsjax source that ran (`source_commit`), so that a number can be traced
+to its code.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from typing import Callable, NamedTuple
@@ -62,6 +71,7 @@ from dsjax import models
 from dsjax import schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
+from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
@@ -76,6 +86,8 @@ INPUTS = ('random', 'real')
 _INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list(INPUTS)}.')
 _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for MFU (default: looked up '
                            'from the device kind; on a CPU, measured).', lower_bound=1e-9)
+flags.register_validator('peak_tflops', lambda v: v is None or math.isfinite(v),
+                         message='--peak_tflops must be a finite positive number of TFLOP/s')
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
 _PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first mode with the JAX profiler '
                                'into this directory (TensorBoard/XProf) and print the device time per '
@@ -83,15 +95,21 @@ _PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first
 
 WARMUP_STEPS = 2
 # Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
-# from the vendors' data sheets (NVIDIA H100/H200/A100 SXM, Google Cloud TPU system architecture pages).
+# from the vendors' data sheets (NVIDIA H100/H200 SXM, PCIe and NVL, A100 SXM; Google Cloud TPU system
+# architecture pages), halved where a sheet quotes sparse throughput. The first matching prefix wins, so
+# a longer name comes before its own prefix ('NVIDIA H100 NVL' before 'NVIDIA H100'; a TPU v5p VM
+# reports 'TPU v5', after 'TPU v5 lite').
 PEAK_TFLOPS = {
     'NVIDIA H100 PCIe': {'bfloat16': 756.0, 'float32': 378.0},
+    'NVIDIA H100 NVL': {'bfloat16': 835.0, 'float32': 418.0},
     'NVIDIA H100': {'bfloat16': 989.0, 'float32': 494.0},
+    'NVIDIA H200 NVL': {'bfloat16': 835.0, 'float32': 418.0},
     'NVIDIA H200': {'bfloat16': 989.0, 'float32': 494.0},
     'NVIDIA A100': {'bfloat16': 312.0, 'float32': 156.0},
     'TPU v4': {'bfloat16': 275.0, 'float32': 275.0},
     'TPU v5 lite': {'bfloat16': 197.0, 'float32': 197.0},
     'TPU v5p': {'bfloat16': 459.0, 'float32': 459.0},
+    'TPU v5': {'bfloat16': 459.0, 'float32': 459.0},
     'TPU v6 lite': {'bfloat16': 918.0, 'float32': 918.0},
 }
 
@@ -134,6 +152,21 @@ def peak_tflops_for(device, dtype: str) -> float | None:
     if device.device_kind.startswith(prefix):
       return peaks[dtype]
   return None
+
+
+def source_commit() -> str | None:
+  """The git commit of the dsjax source being benchmarked ('+dirty' with uncommitted changes), or None
+  outside a git checkout (an installed wheel): which code a JSON's numbers belong to."""
+  def git(*args):
+    return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
+                          capture_output=True, text=True, timeout=10)
+  try:
+    head, status = git('rev-parse', 'HEAD'), git('status', '--porcelain', '--untracked-files=no')
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if head.returncode:
+    return None
+  return head.stdout.strip() + ('+dirty' if status.stdout.strip() else '')
 
 
 def measured_matmul_tflops(dtype: str, device) -> float:
@@ -305,6 +338,9 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
   flops, tokens = model_flops_per_step(config, dims, num_params)
   dtype = models.compute_dtype(config.model)
   spec_peak = peak_tflops or peak_tflops_for(device, dtype)
+  tf32 = ' (TF32)' if dtype == 'float32' and device.platform == 'gpu' else ''
+  peak_source = ('--peak_tflops' if peak_tflops else None if spec_peak is None else
+                 f'data sheet, {dtype}{tf32}')
   measured_peak = measured_matmul_tflops(dtype, device)
 
   results = {
@@ -316,11 +352,13 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
                  'attention': models.attention_implementation(config.model),
                  'remat': config.model.remat, 'scan_layers': config.model.scan_layers,
                  'scan_unroll': config.model.scan_unroll, 'optimizer': config.optimizer.name},
-      'device': {'kind': device.device_kind, 'platform': device.platform, 'jax': jax.__version__,
-                 'date': time.strftime('%Y-%m-%d')},
+      'device': {'kind': device.device_kind, 'platform': device.platform, 'count': 1,
+                 'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')},
+      'commit': source_commit(),
       'inputs': inputs, 'steps': num_steps, 'matmul_params': num_params,
       'model_flops_per_step': flops, 'positions_per_step': tokens,
-      'peak_tflops': spec_peak, 'measured_matmul_tflops': measured_peak, 'modes': {}}
+      'peak_tflops': spec_peak, 'peak_source': peak_source, 'measured_matmul_tflops': measured_peak,
+      'modes': {}}
   for mode in modes:
     # One collector per mode, so that no mode de-duplicates another's records.
     collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
@@ -355,8 +393,9 @@ def report(results: dict) -> str:
       f"{'(random values of the configured shape)' if results['inputs'] == 'random' else '(one real batch)'}",
       f"model FLOPs/step {results['model_flops_per_step']:.4g} (6N + 12·depth·d·L per position, N = "
       f"{results['matmul_params']:,} matmul parameters{causal_note})",
-      f"peak: {results['peak_tflops'] or 'unknown'} TFLOP/s (data sheet or --peak_tflops); measured "
-      f"matmul {results['measured_matmul_tflops']:.2f} TFLOP/s",
+      f"peak: {results['peak_tflops'] or 'unknown'} TFLOP/s "
+      f"({results['peak_source'] or 'no data-sheet entry for this device; give --peak_tflops'}); "
+      f"measured matmul {results['measured_matmul_tflops']:.2f} TFLOP/s",
       f"median of {results['steps']} steps after {WARMUP_STEPS} warm-up:"]
   for mode, r in results['modes'].items():
     per_s = r['examples_per_s'] if unit == 'images' else r['tokens_per_s']
@@ -396,6 +435,8 @@ def main(argv):
     cli.check_output_dir('--json', os.path.dirname(os.path.abspath(json_path)))
   if profile_dir:
     cli.check_output_dir('--profile', os.path.abspath(profile_dir))
+  if tuple(config.mesh.shape) != tuple(sharding_lib.mesh_config().shape):
+    print(f'note: mesh.shape {tuple(config.mesh.shape)} is not used: the benchmark times one device')
   with tempfile.TemporaryDirectory() as workdir:
     results = run_benchmark(config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir,
                             profile_dir)

@@ -44,3 +44,19 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
   assert 'profile' not in results['modes']['callback']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
+
+
+def test_peak_lookup_takes_the_longest_matching_device_kind():
+  check = """
+import types
+from dsjax import bench
+kind = lambda name: types.SimpleNamespace(device_kind=name)
+assert bench.peak_tflops_for(kind('NVIDIA H100 80GB HBM3'), 'bfloat16') == 989.0
+assert bench.peak_tflops_for(kind('NVIDIA H100 NVL'), 'bfloat16') == 835.0
+assert bench.peak_tflops_for(kind('NVIDIA H100 PCIe'), 'float32') == 378.0
+assert bench.peak_tflops_for(kind('TPU v5 lite'), 'bfloat16') == 197.0
+assert bench.peak_tflops_for(kind('TPU v5'), 'bfloat16') == 459.0
+assert bench.peak_tflops_for(kind('cpu'), 'float32') is None
+"""
+  result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr

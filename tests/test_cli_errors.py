@@ -101,6 +101,7 @@ CASES = [
     ('bench-unknown-instrument-mode', 'bench', ['--instrument=off,sometimes'], '--instrument'),
     ('bench-unknown-inputs', 'bench', ['--inputs=zeros'], '--inputs'),
     ('bench-zero-peak', 'bench', ['--peak_tflops=0'], '--peak_tflops=0'),
+    ('bench-nan-peak', 'bench', ['--peak_tflops=nan'], '--peak_tflops must be a finite'),
     ('bench-json-is-directory', 'bench', ['--json={tmp}'], '--json={tmp} is a directory'),
     ('bench-profile-is-file', 'bench', ['--profile={tmp}/file'], '--profile={tmp}/file exists'),
     ('bench-cudnn-on-cpu', 'bench', ['--config.model.attention=cudnn', '--config.model.dtype=bfloat16'],
