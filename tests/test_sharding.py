@@ -44,6 +44,18 @@ def test_every_model_array_declares_logical_axes_and_they_reach_the_optimizer_st
   assert adam.nu['token_embed'].spec == P('tensor', 'fsdp')
 
 
+def test_a_dimension_that_does_not_divide_its_mesh_axis_is_listed():
+  """Width 36 does not divide over fsdp = 8: every 'embed' dimension stays whole, and the loop logs each."""
+  state, axes = _state_and_axes(tiny_config('gpt', depth=2, width=36, num_heads=4))
+  mesh = sharding_lib.make_mesh((1, 8, 1), jax.devices()[:8])
+  undivided = sharding_lib.undivided_dimensions(state, axes, mesh)
+  assert 'token_embed: embed size 36 kept whole (fsdp axis of 8)' in undivided
+  assert any(line.startswith('trunk/stack/layers/attn/q/kernel: embed size 36') for line in undivided)
+  assert sharding_lib.state_shardings(state, axes, mesh)['params']['token_embed'].spec == P('tensor', None)
+  state, axes = _state_and_axes(tiny_config('gpt', depth=2, width=32, num_heads=4))
+  assert sharding_lib.undivided_dimensions(state, axes, mesh) == []
+
+
 def test_an_array_without_logical_axes_is_an_error():
   class Bare(nnx.Module):
     def __init__(self):

@@ -114,3 +114,30 @@ def test_cli_rejects_bad_values_and_mistyped_keys_in_one_line(tmp_path):
   typo = subprocess.run(base + ['--config.model.detph=4'], cwd=root, capture_output=True, text=True)
   assert typo.returncode != 0 and 'detph' in typo.stderr
   assert not os.path.exists(f'{tmp_path}/w')
+
+
+def test_a_checkpoint_saved_on_a_mesh_restores_onto_one_device(tmp_path):
+  """`restore_model` (dsjax.export, dsjax.moments --checkpoint) reads a run saved on 8 devices in a
+  process that has one: every array lands on that device."""
+  config = _quiet(tiny_config('gpt', depth=2, width=32, num_heads=4))
+  config.total_steps, config.checkpoint_every, config.mesh.shape = 2, 2, (2, 2, 2)
+  loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices())
+  restore = f"""
+import os
+os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=1'
+os.environ['JAX_PLATFORMS'] = 'cpu'
+import jax
+from flax import nnx
+from dsjax import data
+from dsjax.train import checkpoint
+from tests.helpers import tiny_config
+config = tiny_config('gpt', depth=2, width=32, num_heads=4)
+config.total_steps = 2
+model = checkpoint.restore_model(config, data.dataset_info(config.data), {str(tmp_path / 'run')!r})
+leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+assert jax.device_count() == 1 and all(x.devices() == {{jax.devices()[0]}} for x in leaves)
+print('restored', sum(x.size for x in leaves))
+"""
+  root = os.path.dirname(os.path.dirname(__file__))
+  result = subprocess.run([sys.executable, '-c', restore], cwd=root, capture_output=True, text=True)
+  assert result.returncode == 0 and 'restored' in result.stdout, result.stderr[-2000:]

@@ -228,7 +228,12 @@ def restore_model(config, data_info, workdir: str):
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config), workdir,
                                           write=False)
   setup = state_lib.make_setup(config, data_info, prepared)
-  restored = checkpointer.restore(jax.eval_shape(setup.create_state), set_aside=False)
+  # Every array onto this process's first device, whatever mesh the run saved it from (without a
+  # sharding, Orbax would restore onto the saved one and refuse a different device count).
+  abstract = jax.eval_shape(setup.create_state)
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  restored = checkpointer.restore(
+      abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False)
   checkpointer.close()
   if restored is None:
     raise ValueError(f'{workdir} holds no intact checkpoint (see the warnings above)')

@@ -169,8 +169,10 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   setup = state_lib.make_setup(config, data_info, prepared)
   abstract_state = jax.eval_shape(setup.create_state)
-  state_shardings = sharding_lib.state_shardings(
-      abstract_state, sharding_lib.logical_axes(setup.abstract_model), mesh)
+  model_axes = sharding_lib.logical_axes(setup.abstract_model)
+  state_shardings = sharding_lib.state_shardings(abstract_state, model_axes, mesh)
+  for undivided in sharding_lib.undivided_dimensions(abstract_state, model_axes, mesh):
+    logging.warning('Not sharded (size does not divide the mesh axis): %s', undivided)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 

@@ -6,7 +6,8 @@ created (`axes=` metadata, `dsjax.models.layers.param`); `AXIS_RULES` maps them 
 width ('embed') over fsdp (fully sharded data parallelism: ZeRO-3, Rajbhandari et al. 2020,
 arXiv:1910.02054), attention width / FFN hidden / vocabulary over tensor (Megatron-LM, Shoeybi et al.
 2019, arXiv:1909.08053); 'patch', 'seq' and None are replicated by decision. A dimension that does not
-divide evenly is replicated. Stacked block parameters carry a leading layer axis, which is never
+divide evenly over its mesh axis stays whole, by decision, and the training loop logs every such
+parameter (`undivided_dimensions`: e.g. a 10-class head over a tensor axis of 4). Stacked block parameters carry a leading layer axis, which is never
 sharded. The optimizer state is sharded like the parameter each leaf belongs to. An array without
 logical axes, a logical axis without a rule, or an optimizer-state leaf that matches no parameter is an
 error, never a silent replication.
@@ -137,6 +138,25 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -
     axis = AXIS_RULES[name]
     spec.append(axis if axis and dim % mesh.shape[axis] == 0 else None)
   return P(*spec)
+
+
+def undivided_dimensions(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple],
+                         mesh: Mesh) -> list[str]:
+  """'path: axis size N kept whole (mesh axis M of size S)' for every parameter dimension whose rule
+  names a mesh axis of more than one device that does not divide it, so `spec_for` leaves it whole."""
+  found = []
+  flat = jax.tree_util.tree_flatten_with_path(abstract_state.get('params', {}))[0]
+  for path, leaf in flat:
+    names = _names(path)
+    axes, shape = model_axes.get(names), tuple(getattr(leaf, 'shape', ()))
+    if axes is None:
+      continue
+    for dim, name in zip(shape[len(shape) - len(axes):], axes):
+      axis = AXIS_RULES.get(name)
+      if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis]:
+        found.append(f'{"/".join(names)}: {name} size {dim} kept whole '
+                     f'({axis} axis of {mesh.shape[axis]})')
+  return found
 
 
 def state_shardings(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple], mesh: Mesh) -> Any:
