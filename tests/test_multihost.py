@@ -9,13 +9,16 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from tests import multihost_config
@@ -155,3 +158,60 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path):
   for run in (first, second):
     assert re.search(r'step \d/\d \| loss', run[0].stderr)
     assert not re.search(r'step \d/\d \| loss', run[1].stderr), run[1].stderr[-2000:]
+
+
+def _start_two_processes(workdir, *overrides, stderr_files=None) -> list[subprocess.Popen]:
+  port = _free_port()
+  return [subprocess.Popen([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
+                            f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                            f'--process_id={i}', *overrides],
+                           cwd=ROOT, env=_env(4), stdout=subprocess.DEVNULL, stderr=stderr_files[i], text=True)
+          for i in range(2)]
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
+  """Preemption reaches hosts at different moments: SIGTERM to process 1 alone makes both processes
+  save the same step and exit (not hang in a collective the other never joins)."""
+  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
+  with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
+    procs = _start_two_processes(tmp_path / 'run', '--config.total_steps=100000',
+                                 stderr_files=[log_0, log_1])
+    try:
+      deadline = time.time() + TIMEOUT_S
+      while not re.search(r'step 3/', logs[0].read_text()):
+        assert time.time() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.2)
+      procs[1].send_signal(signal.SIGTERM)
+      codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
+    finally:
+      for proc in procs:
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+  stderr = [log.read_text() for log in logs]
+  assert codes == [143, 143], [s[-2000:] for s in stderr]
+  stopped = [re.search(r'stopped by (.+) after step (\d+); saved checkpoint \2', s) for s in stderr]
+  assert stopped[0] and stopped[1], [s[-2000:] for s in stderr]
+  assert stopped[1].group(1) == 'SIGTERM' and stopped[0].group(1) == 'a signal to another process'
+  step = stopped[0].group(2)
+  assert stopped[1].group(2) == step and step in os.listdir(tmp_path / 'run' / 'checkpoints')
+
+
+def test_a_locked_workdir_stops_every_process_in_one_line(tmp_path):
+  """Only process 0 takes the workdir's lock; when it cannot, process 1 must not run into a collective
+  process 0 never joins: both exit with the one-line error."""
+  workdir = tmp_path / 'run'
+  owner = checkpoint_lib.WorkdirLock(str(workdir))
+  owner.record_owner()
+  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
+  try:
+    with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
+      procs = _start_two_processes(workdir, stderr_files=[log_0, log_1])
+      codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
+  finally:
+    owner.release()
+  for i, log in enumerate(logs):
+    stderr = log.read_text()
+    assert codes[i] == 2 and 'Traceback' not in stderr, f'process {i}:\n{stderr[-3000:]}'
+    assert stderr.strip().splitlines()[-1].startswith('dsjax.main: error: --workdir '), stderr[-2000:]
+  assert sorted(os.listdir(workdir)) == ['.dsjax.lock']

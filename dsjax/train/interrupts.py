@@ -2,11 +2,15 @@
 
 While `StopSignals` is active, the first SIGTERM or SIGINT only records itself; the training loop looks
 at `received` after every step, saves a checkpoint of that step and exits (one line, status 128 +
-signal number), so rerunning the command resumes bit-exactly. A second Ctrl-C interrupts at once.
+signal number), so rerunning the command resumes bit-exactly; with several processes they agree on the
+step to stop at (`dsjax.train.sharding.any_process`), so a signal to any one of them stops all. A second
+signal stops the process at once, without a checkpoint: Ctrl-C as KeyboardInterrupt, SIGTERM by its
+default action (a run that hangs, e.g. waiting on a process that died, can still be terminated).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -21,8 +25,12 @@ class StopSignals:
 
   def _handle(self, signum, frame):
     del frame
-    if self.received is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # Asked twice: stop now, without a checkpoint.
+    if self.received is not None:  # Asked twice: stop now, without a checkpoint.
+      if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+      return
     self.received = signal.Signals(signum)
 
   def __enter__(self) -> StopSignals:

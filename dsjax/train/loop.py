@@ -7,6 +7,7 @@ workdir resumes from the latest checkpoint, bit-for-bit (input position and drop
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Callable
 
@@ -123,6 +124,22 @@ def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None
           f'(on_nonfinite=\'stop\'; \'skip\' skips such steps), {saved}')
 
 
+def _lock_workdir(workdir: str, is_chief: bool, mesh) -> checkpoint_lib.WorkdirLock | None:
+  """Process 0 takes the workdir's lock; with several processes all of them learn whether it could,
+  so that every process stops with the one-line error, before any of them reaches a collective."""
+  lock, error = None, None
+  if is_chief:
+    try:
+      lock = checkpoint_lib.WorkdirLock(workdir)
+    except ValueError as e:
+      error = e
+  if jax.process_count() > 1 and sharding_lib.agreed(sharding_lib.any_process(error is not None, mesh)):
+    raise error or ValueError(f'--workdir {workdir}: process 0 could not lock it (its error says why)')
+  if error is not None:
+    raise error
+  return lock
+
+
 def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
@@ -145,7 +162,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   data_info = data_lib.dataset_info(config.data)  # Fails with a clear message if the data is missing.
   config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
-  lock = checkpoint_lib.WorkdirLock(workdir) if is_chief else None
+  lock = _lock_workdir(workdir, is_chief, mesh)
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config)
   identity = checkpoint_lib.run_identity(config)
@@ -238,6 +255,9 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   pending: dict[str, Any] | None = None  # {'step', 'train' (device arrays), 'eval' (floats), 'batch'}
   last_eval: dict[str, float] = {}
   last_saved = checkpointer.latest_step()
+  # Several processes stop together: each step's stop-signal flags are voted on (`any_process`) and the
+  # vote is read one step later, the same step on every process, without waiting for the device.
+  several_processes, stop_vote = jax.process_count() > 1, None
   t_start = time.time()
 
   def finish(record):
@@ -283,7 +303,12 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         t0 = time.perf_counter()
         pending['eval'] = last_eval = evaluate(eval_step, state, config, mesh, process)
         progress.exclude(time.perf_counter() - t0)
-      save_now = signals.received is not None or step == config.total_steps
+      if several_processes:
+        stop = stop_vote is not None and sharding_lib.agreed(stop_vote)
+        stop_vote = sharding_lib.any_process(signals.received is not None, mesh)
+      else:
+        stop = signals.received is not None
+      save_now = stop or step == config.total_steps
       if save_now or step % config.checkpoint_every == 0:
         finish(pending)  # Checked before its state is saved.
         pending = None
@@ -291,10 +316,11 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         checkpointer.save(step, state, train_data.get_state(), identity)
         last_saved = step
         progress.exclude(time.perf_counter() - t0)
-      if signals.received is not None:
+      if stop:
         checkpointer.close()
-        raise cli.Exit(f'stopped by {signals.received.name} after step {step}; saved checkpoint {step}, '
-                       'rerun the same command to resume', status=signals.exit_status)
+        cause = signals.received.name if signals.received is not None else 'a signal to another process'
+        raise cli.Exit(f'stopped by {cause} after step {step}; saved checkpoint {step}, rerun the same '
+                       'command to resume', status=signals.exit_status or 128 + int(signal.SIGTERM))
     if pending is not None:
       finish(pending)
 

@@ -232,6 +232,26 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, ja
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
 
 
+@jax.jit
+def _any_vote(votes: jax.Array) -> jax.Array:
+  return votes.max() > 0
+
+
+def any_process(flag: bool, mesh: Mesh) -> jax.Array:
+  """A decision every process of the run takes alike: a scalar device array that is True wherever
+  `flag` is True on any process (each mesh device votes its process's flag; an all-reduce). It is
+  dispatched like any step, so a loop can read one step's vote (`agreed`) a step later without
+  waiting for the device."""
+  votes = np.full((len(mesh.local_devices),), int(flag), np.int32)
+  return _any_vote(jax.make_array_from_process_local_data(NamedSharding(mesh, P(MESH_AXES)), votes,
+                                                          (mesh.devices.size,)))
+
+
+def agreed(vote: jax.Array) -> bool:
+  """The value of an `any_process` vote, read from this process's own copy of the replicated scalar."""
+  return bool(np.asarray(vote.addressable_data(0)))
+
+
 # ------------------------------------------------------------------------------------------------
 # Several processes: jax.distributed from flags or the environment (dsjax.main).
 # ------------------------------------------------------------------------------------------------
