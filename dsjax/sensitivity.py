@@ -430,8 +430,7 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
     raise ValueError(f'--draws must be a positive integer, got {num_draws!r}')
   # The run's config checks; the measurement runs on one device without a mesh, so not mesh.shape.
   data_info = config_lib.validate_single_device_run(config, training=False)
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
-                                         write=False)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
   measurement = Measurement(config, data_info, prepared)
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
                                     process_index=0, process_count=1, train=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsjax.train import loop
+from dsjax.train import sharding as sharding_lib
 from dsjax.train.checkpoint import Checkpointer
 from tests.helpers import tiny_config
 
@@ -141,3 +142,18 @@ print('restored', sum(x.size for x in leaves))
   root = os.path.dirname(os.path.dirname(__file__))
   result = subprocess.run([sys.executable, '-c', restore], cwd=root, capture_output=True, text=True)
   assert result.returncode == 0 and 'restored' in result.stdout, result.stderr[-2000:]
+
+
+def test_a_check_failing_after_the_lock_leaves_the_workdir_as_found(tmp_path, monkeypatch):
+  """The sharding check runs after the lock is taken, Orbax's checkpoint directory is created and the
+  method's preparation (DSLM's input measurement) is computed: when it fails, none of them stays."""
+  monkeypatch.delitem(sharding_lib.AXIS_RULES, 'mlp')
+  config = tiny_config('gpt', scheme='dslm', depth=4)
+  workdir = tmp_path / 'run'
+  with pytest.raises(ValueError, match="logical axis 'mlp' has no rule"):
+    loop.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+  os.makedirs(workdir / 'notes')  # A workdir that existed keeps what it had.
+  with pytest.raises(ValueError, match="logical axis 'mlp' has no rule"):
+    loop.train_and_evaluate(config, str(workdir))
+  assert sorted(os.listdir(workdir)) == ['notes']

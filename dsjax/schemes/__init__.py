@@ -73,12 +73,12 @@ def build_model(config, data_info, rngs: nnx.Rngs, prepared: Prepared | None = N
 
 
 def preparation_for_run(config, data_info, input_batches: Callable[[], Iterable[Any]],
-                        workdir: str | None = None, *, write: bool = True) -> Prepared | None:
+                        workdir: str | None = None) -> Prepared | None:
   """The method's preparation result for a run, or None when its method has no such step.
 
   Read from `workdir/scheme_preparation.json` when it exists (a resumed run, `dsjax.export`,
   `dsjax.moments --checkpoint`); otherwise computed on `input_batches()` (model inputs of real training
-  batches) and written there when `write`.
+  batches). The training loop saves a computed one (`save_preparation`) once all its checks have passed.
   """
   scheme = get(config.model.scheme)
   if not scheme.needs_preparation(config.model):
@@ -89,12 +89,16 @@ def preparation_for_run(config, data_info, input_batches: Callable[[], Iterable[
       saved = json.load(f)
     if saved.get('scheme') == scheme.name:
       return saved['result']
-  result = scheme.prepare(config, data_info, input_batches())
-  if path is not None and write:
-    os.makedirs(workdir, exist_ok=True)
-    with open(path, 'w') as f:
-      json.dump({'scheme': scheme.name, 'result': result}, f, indent=1)
-  return result
+  return scheme.prepare(config, data_info, input_batches())
+
+
+def save_preparation(config, workdir: str, result: Prepared) -> None:
+  """Writes `result` to `workdir/scheme_preparation.json`, atomically (a file written beside it, then
+  renamed): another process reading it on resume never sees half of it."""
+  path = os.path.join(workdir, PREPARATION_FILE)
+  with open(path + '.tmp', 'w') as f:
+    json.dump({'scheme': get(config.model.scheme).name, 'result': result}, f, indent=1)
+  os.replace(path + '.tmp', path)
 
 
 def table() -> list[dict[str, Any]]:

@@ -113,6 +113,12 @@ class WorkdirLock:
     self.file.write(f'pid {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}')
     self.file.flush()
 
+  @staticmethod
+  def owner_recorded(workdir: str) -> bool:
+    """Whether a run on `workdir` got past its checks (`record_owner`), now or before."""
+    path = os.path.join(workdir, LOCK_FILE)
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
   def release(self):
     if not self.file.closed:
       fcntl.flock(self.file, fcntl.LOCK_UN)
@@ -225,8 +231,8 @@ def restore_model(config, data_info, workdir: str):
     checkpointer.close()
     raise no_checkpoint
   checkpointer.check_compatible(config)
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config), workdir,
-                                          write=False)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
+                                         workdir)
   setup = state_lib.make_setup(config, data_info, prepared)
   # Every array onto this process's first device, whatever mesh the run saved it from (without a
   # sharding, Orbax would restore onto the saved one and refuse a different device count).

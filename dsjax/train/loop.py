@@ -144,16 +144,36 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
-  SIGINT at any point (setup and compilation included) ends the run after its next step, saved.
+  SIGINT at any point (setup and compilation included) ends the run after its next step, saved. A
+  check that fails leaves the workdir as it was found.
   """
+  # What a failing check must not leave behind: the paths the run creates before all checks have
+  # passed (the lock is taken first, Orbax creates the checkpoint directory), where they are new.
+  created = [p for p in (os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR),
+                         os.path.join(workdir, checkpoint_lib.LOCK_FILE), workdir) if not os.path.exists(p)]
   with interrupts.StopSignals() as signals:
-    return _train_and_evaluate(config, workdir, devices, signals)
+    try:
+      return _train_and_evaluate(config, workdir, devices, signals)
+    except BaseException:
+      if jax.process_index() == 0 and not checkpoint_lib.WorkdirLock.owner_recorded(workdir):
+        _remove_if_unused(created)
+      raise
+
+
+def _remove_if_unused(paths: list[str]) -> None:
+  """Removes each path that is a file or an empty directory (in order: contents before their parent)."""
+  for path in paths:
+    if os.path.isfile(path):
+      os.remove(path)
+    elif os.path.isdir(path) and not os.listdir(path):
+      os.rmdir(path)
 
 
 def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   # Setup: every check runs before anything is compiled or written — the config, the data, the
-  # workdir's lock and the architecture of a checkpoint it holds.
+  # workdir's lock, the architecture of a checkpoint it holds, the model's shardings. (The lock file and
+  # Orbax's checkpoint directory come first; `train_and_evaluate` removes them again if a check fails.)
   # ----------------------------------------------------------------------------------------------
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
@@ -180,8 +200,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   # ----------------------------------------------------------------------------------------------
   # A method with a data-dependent step (DSLM's measured input correlation, ADMIN's profiling pass)
   # runs it on the first training batches, or reads its result back from the workdir when resuming.
-  prepared = schemes.preparation_for_run(
-      config, data_info, lambda: step_lib.first_model_inputs(config), workdir, write=is_chief)
+  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
+                                         workdir)
   if prepared is not None:
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   setup = state_lib.make_setup(config, data_info, prepared)
@@ -204,6 +224,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   first_step = int(state['step'])
   if is_chief:  # Every check has passed: now the workdir may change.
     lock.record_owner()
+    if prepared is not None:
+      schemes.save_preparation(config, workdir, prepared)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
     for name in (metrics_lib.METRICS_FILE, instrument_lib.MOMENTS_FILE):  # Rows a resumed run logs again.
