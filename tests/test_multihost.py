@@ -215,3 +215,16 @@ def test_a_locked_workdir_stops_every_process_in_one_line(tmp_path):
     assert codes[i] == 2 and 'Traceback' not in stderr, f'process {i}:\n{stderr[-3000:]}'
     assert stderr.strip().splitlines()[-1].startswith('dsjax.main: error: --workdir '), stderr[-2000:]
   assert sorted(os.listdir(workdir)) == ['.dsjax.lock']
+
+
+def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path):
+  """The newest checkpoint lost a file: both processes find it unreadable, process 0 moves it aside,
+  and both resume from the step before."""
+  workdir = tmp_path / 'run'
+  _run_two_processes(workdir, '--config.checkpoint_every=2')
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
+  os.remove(workdir / 'checkpoints' / '4' / 'run' / 'metadata')
+  second = _run_two_processes(workdir, '--config.total_steps=6')
+  assert 'Checkpoint step 4 of' in second[0].stderr and 'Resumed from step 2' in second[0].stderr
+  assert [r['step'] for r in _metrics(workdir)] == [1, 2, 3, 4, 5, 6]
+  assert len(os.listdir(workdir / 'corrupt_checkpoints')) == 1

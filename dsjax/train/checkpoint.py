@@ -22,7 +22,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -185,22 +185,32 @@ class Checkpointer:
     os.makedirs(target_dir, exist_ok=True)
     target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
     shutil.move(os.path.join(self.workdir, CHECKPOINT_DIR, str(step)), target)
-    self.manager.close()
-    self.manager = self._open()
     return target
 
-  def restore(self, abstract_state: Any, *, set_aside: bool = True) -> tuple[Any, dict] | None:
+  def restore(self, abstract_state: Any, *, set_aside: bool = True,
+              all_ok: Callable[[bool], bool] = lambda ok: ok) -> tuple[Any, dict] | None:
     """Restores the newest intact step onto the shardings carried by `abstract_state` (a tree of
     ShapeDtypeStructs); unreadable steps are reported in one line each and moved aside (by the chief,
-    `set_aside`). None when no step is intact."""
+    `set_aside`). None when no step is intact.
+
+    Several processes: `all_ok(ok)` is True on every process when `ok` is True on all of them (the
+    loop's `any_process` vote), so all restore the same step, and one that any process cannot read is
+    skipped by all. The chief moves it aside between two votes, the second a barrier after which every
+    process re-reads the list of steps."""
     for step in self.steps():
       try:
-        return self.restore_step(step, abstract_state)
+        restored, error = self.restore_step(step, abstract_state), None
       except Exception as e:  # pylint: disable=broad-except
-        reason = ' '.join(str(e).split())[:200] or type(e).__name__
-        where = self._set_aside(step) if set_aside else 'left in place'
-        logging.warning('Checkpoint step %d of %s is unreadable (%s: %s); moved to %s, trying the '
-                        'previous step', step, self.workdir, type(e).__name__, reason, where)
+        restored, error = None, e
+      if all_ok(error is None):
+        return restored
+      reason = (f'{type(error).__name__}: ' + (' '.join(str(error).split())[:200] or '') if error
+                else 'another process could not read it')
+      where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place'
+      all_ok(True)  # Every process waits here until the step is moved.
+      self.manager.reload()
+      logging.warning('Checkpoint step %d of %s is unreadable (%s); %s, trying the previous step', step,
+                      self.workdir, reason, where)
     return None
 
   def save(self, step: int, state: Any, data_state: dict, identity: dict):

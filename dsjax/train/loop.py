@@ -213,8 +213,10 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 
+  all_processes_ok = ((lambda ok: not sharding_lib.agreed(sharding_lib.any_process(not ok, mesh)))
+                      if jax.process_count() > 1 else (lambda ok: ok))
   restored = checkpointer.restore(checkpoint_lib.abstract_with_shardings(abstract_state, state_shardings),
-                                  set_aside=is_chief)
+                                  set_aside=is_chief, all_ok=all_processes_ok)
   if restored is not None:
     state, data_state = restored
     train_data.set_state(data_state)
