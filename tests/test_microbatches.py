@@ -66,6 +66,14 @@ def test_microbatches_give_the_update_of_the_whole_batch():
     _assert_same_update(step_4, step_1, state, {**batch, 'mask': mask})
 
 
+def test_each_microbatch_draws_its_own_dropout_masks():
+  key = step_lib.dropout_key_for_step(0, jnp.asarray(5))
+  keys = [step_lib.microbatch_dropout_key(key, i) for i in range(4)]
+  masks = [np.asarray(jax.random.bernoulli(k, 0.5, (64,))) for k in [key, *keys]]
+  assert all(not np.array_equal(a, b) for n, a in enumerate(masks) for b in masks[n + 1:])
+  assert step_lib.microbatch_dropout_key(None, 2) is None  # no dropout, no key
+
+
 @pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_instrumented_microbatches_measure_microbatch_0_against_the_whole_batch():
   """M = 4 with the per-site statistics sent to a receiver: the update is the whole batch's; every
