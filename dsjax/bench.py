@@ -96,9 +96,8 @@ _PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first
 WARMUP_STEPS = 2
 # Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
 # from the vendors' data sheets (NVIDIA H100/H200 SXM, PCIe and NVL, A100 SXM; Google Cloud TPU system
-# architecture pages), halved where a sheet quotes sparse throughput. The first matching prefix wins, so
-# a longer name comes before its own prefix ('NVIDIA H100 NVL' before 'NVIDIA H100'; a TPU v5p VM
-# reports 'TPU v5', after 'TPU v5 lite').
+# architecture pages), halved where a sheet quotes sparse throughput. The longest matching prefix wins
+# ('NVIDIA H100 NVL' over 'NVIDIA H100'; a TPU v5p VM reports 'TPU v5', a v5e 'TPU v5 lite').
 PEAK_TFLOPS = {
     'NVIDIA H100 PCIe': {'bfloat16': 756.0, 'float32': 378.0},
     'NVIDIA H100 NVL': {'bfloat16': 835.0, 'float32': 418.0},
@@ -148,23 +147,25 @@ def model_flops_per_step(config, model_dims, num_params: int) -> tuple[float, in
 
 
 def peak_tflops_for(device, dtype: str) -> float | None:
-  for prefix, peaks in PEAK_TFLOPS.items():
-    if device.device_kind.startswith(prefix):
-      return peaks[dtype]
-  return None
+  matches = [prefix for prefix in PEAK_TFLOPS if device.device_kind.startswith(prefix)]
+  return PEAK_TFLOPS[max(matches, key=len)][dtype] if matches else None
 
 
 def source_commit() -> str | None:
   """The git commit of the dsjax source being benchmarked ('+dirty' with uncommitted changes), or None
-  outside a git checkout (an installed wheel): which code a JSON's numbers belong to."""
+  when it is not a checkout of its own (an installed wheel, even inside some other repository): which
+  code a JSON's numbers belong to."""
+  package_dir = os.path.dirname(os.path.abspath(__file__))
+
   def git(*args):
-    return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
-                          capture_output=True, text=True, timeout=10)
+    return subprocess.run(['git', '-C', package_dir, *args], capture_output=True, text=True, timeout=10)
   try:
-    head, status = git('rev-parse', 'HEAD'), git('status', '--porcelain', '--untracked-files=no')
+    top, head = git('rev-parse', '--show-toplevel'), git('rev-parse', 'HEAD')
+    status = git('status', '--porcelain', '--untracked-files=no')
   except (OSError, subprocess.SubprocessError):
     return None
-  if head.returncode:
+  if top.returncode or head.returncode or (os.path.realpath(top.stdout.strip())
+                                           != os.path.realpath(os.path.dirname(package_dir))):
     return None
   return head.stdout.strip() + ('+dirty' if status.stdout.strip() else '')
 
@@ -349,7 +350,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
                  'num_heads': config.model.num_heads, 'seq_len': dims.seq_len,
                  'batch_size': config.batch_size, 'microbatches': config.microbatches,
                  'dtype': dtype, 'param_dtype': config.model.param_dtype,
-                 'attention': models.attention_implementation(config.model),
+                 'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
                  'remat': config.model.remat, 'scan_layers': config.model.scan_layers,
                  'scan_unroll': config.model.scan_unroll, 'optimizer': config.optimizer.name},
       'device': {'kind': device.device_kind, 'platform': device.platform, 'count': 1,

@@ -192,7 +192,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
   assert codes == [143, 143], [s[-2000:] for s in stderr]
   stopped = [re.search(r'stopped by (.+) after step (\d+); saved checkpoint \2', s) for s in stderr]
   assert stopped[0] and stopped[1], [s[-2000:] for s in stderr]
-  assert stopped[1].group(1) == 'SIGTERM' and stopped[0].group(1) == 'a signal to another process'
+  assert stopped[1].group(1) == 'SIGTERM' and stopped[0].group(1) == 'SIGTERM to another process'
   step = stopped[0].group(2)
   assert stopped[1].group(2) == step and step in os.listdir(tmp_path / 'run' / 'checkpoints')
 

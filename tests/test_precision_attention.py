@@ -4,6 +4,8 @@ Every attention implementation available on this machine must give the outputs a
 XLA one (on a GPU also cuDNN's fused kernel); every layer-stack option must compute the same function.
 """
 
+import types
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -123,6 +125,14 @@ def test_auto_resolution():
     models.attention_implementation(m, 'cpu')
 
 
+@pytest.mark.parametrize('capability,expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'), ('7.5', 'xla'),
+                                                 ('gfx90a', 'xla')])  # gfx90a: a ROCm GPU
+def test_auto_attention_asks_the_gpu_its_compute_capability(monkeypatch, capability, expected):
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(jax, 'devices', lambda *a: [types.SimpleNamespace(compute_capability=capability)])
+  assert models.attention_implementation(tiny_config('gpt').model) == expected
+
+
 @pytest.mark.parametrize('model_name,info', [('gpt', TEXT_INFO), ('vit', IMAGE_INFO)])
 def test_bfloat16_compute_keeps_float32_stream_and_logits(model_name, info):
   """bf16 branches, a float32 residual stream and float32 parameters; logits close to float32's."""
@@ -144,6 +154,23 @@ def _dtypes_by_rank(params) -> dict[str, set]:
   leaves = jax.tree.leaves(stack)
   return {'matrices': {x.dtype for x in leaves if x.ndim == 3},
           'vectors': {x.dtype for x in leaves if x.ndim == 2}}
+
+
+def test_float32_logits_keep_the_backward_matmuls_in_bfloat16():
+  """The head writes float32 logits from bf16 inputs; its input and weight gradients stay bf16 matmuls
+  (not float32 ones, which the float32 output gradient would otherwise make them), and close to the
+  float32 computation's."""
+  x = jax.random.normal(jax.random.key(0), (4, 8, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
+  loss = lambda x, w: (layers.matmul_last_axis(x, w, jnp.float32) ** 2).sum()  # noqa: E731
+  chex.assert_type(layers.matmul_last_axis(x, w, jnp.float32), jnp.float32)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
+  products = [eqn.outvars[0].aval.dtype for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general']
+  assert products == [jnp.bfloat16, jnp.bfloat16], products  # dx and dw (the forward one is nested)
+  grads = jax.grad(loss, argnums=(0, 1))(x, w)
+  f32 = lambda x, w: ((x.astype(jnp.float32) @ w.astype(jnp.float32)) ** 2).sum()  # noqa: E731
+  for got, want in zip(grads, jax.grad(f32, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.02, atol=0.02 * np.abs(want).max())
 
 
 def test_bfloat16_params_keep_float32_optimizer_state():

@@ -15,18 +15,22 @@ from flax import nnx
 
 from dsjax.models.config import (MODEL_NAMES, attention_implementation, compute_dtype, model_config,
                                  validate_against_data, validate_model)
+from dsjax.models import layers
 from dsjax.models.gpt import GPT
 from dsjax.models.plan import InitPlan, ModelDims, NormLayout
 from dsjax.models.transformer import TransformerConfig
 from dsjax.models.vit import ViT
 
-__all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'build_model', 'model_config', 'model_dims',
-           'model_inputs', 'nonstandard_residual', 'attention_implementation', 'compute_dtype', 'transformer_config', 'validate_against_data', 'validate_model']
+__all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'attention_implementation', 'attention_implementations',
+           'build_model', 'compute_dtype', 'model_config', 'model_dims', 'model_inputs',
+           'nonstandard_residual', 'transformer_config', 'validate_against_data', 'validate_model']
 
 
 def transformer_config(model_config, plan: InitPlan | None = None) -> TransformerConfig:
   """The static stack description of `model_config`, with what the plan decides (when given)."""
   m = model_config
+  # A concatenation residual's attention has its own width, and so its own head dimension.
+  head_dim = None if plan is None or plan.concat is None else plan.concat.attn_width // m.num_heads
   cfg = TransformerConfig(
       depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
       activation=m.activation, dropout=m.dropout, attn_dropout=m.attn_dropout, norm=m.norm,
@@ -34,16 +38,19 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
       layout=NormLayout.for_block(m.block, m.dnt_setting, m.get('final_norm', None)),
       causal=(m.name == 'gpt'), use_bias=m.use_bias, distribution=m.init_distribution,
       remat=m.remat, scan_layers=m.scan_layers, scan_unroll=m.scan_unroll, dtype=compute_dtype(m),
-      attention=attention_implementation(m))
+      attention=attention_implementation(m, head_dim=head_dim))
   if plan is None:
     return cfg
-  if plan.concat is not None:  # its attention has its own width, and so its own head dimension
-    cfg = dataclasses.replace(cfg, attention=attention_implementation(
-        m, head_dim=plan.concat.attn_width // m.num_heads))
   return dataclasses.replace(
       cfg, distribution=plan.distribution, layout=plan.layout or cfg.layout, skip_scale=plan.skip,
       branch_scale=plan.branch, attn_logit_scale=plan.attn_logit_scale, attn_identity=plan.attn_identity,
       lr_scale=tuple(sorted(plan.lr_scale.items())))
+
+
+def attention_implementations(model: nnx.Module) -> list[str]:
+  """The attention implementations `model` runs, as its attention modules were built ('xla', 'cudnn')."""
+  return sorted({node.implementation for _, node in nnx.iter_graph(model)
+                 if isinstance(node, layers.Attention)})
 
 
 def model_dims(config, data_info) -> ModelDims:
@@ -90,14 +97,20 @@ def cast_params(model: nnx.Module, param_dtype: str) -> nnx.Module:
   matrices' updates are mostly far larger than that; a norm gain near 1 under Adam at lr 6e-4 would
   never move, which is why vectors keep float32. The optimizer's state is float32 either way
   (`dsjax.train.optimizers`). float32 (the default) is the safe choice; bfloat16 halves the memory of
-  the weights when that is the limit. A matrix is a parameter with two or more logical axes per layer
-  (the `axes` metadata, which leaves out the stacked layer axis)."""
+  the weights when that is the limit. A matrix is a parameter with two or more axes longer than 1 per
+  layer (the shape's last len(axes) dimensions: the `axes` metadata leaves out the stacked layer axis),
+  so ViT's (1, 1, d) class token stays float32 as well."""
   if param_dtype == 'float32':
     return model
   for _, variable in nnx.iter_graph(model):
-    if isinstance(variable, nnx.Param) and len(variable.get_metadata().get('axes', ())) >= 2:
+    if isinstance(variable, nnx.Param) and _is_matrix(variable):
       variable.set_value(variable.get_value().astype(param_dtype))
   return model
+
+
+def _is_matrix(variable: nnx.Param) -> bool:
+  per_layer = variable.get_value().shape[-len(variable.get_metadata().get('axes', ())) or 0:]
+  return sum(size > 1 for size in per_layer) >= 2
 
 
 def nonstandard_residual(model: nnx.Module) -> str | None:

@@ -13,6 +13,7 @@ Shape suffixes: B batch, L sequence, D model width, H heads, K head dim, F FFN h
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -76,8 +77,28 @@ def matmul_last_axis(x: jax.Array, kernel: jax.Array, out_dtype: Any = None) -> 
   and XLA's CPU backend then transposed the output gradient and fell back to a matmul kernel ~3x slower
   than the forward one. `out_dtype`: the product's dtype (accumulated and written in it; default the
   inputs' dtype)."""
-  y = jnp.tensordot(x.reshape(-1, x.shape[-1]), kernel, axes=1, preferred_element_type=out_dtype)
+  x_ND = x.reshape(-1, x.shape[-1])
+  if out_dtype is None or jnp.dtype(out_dtype) == x.dtype:
+    y = jnp.tensordot(x_ND, kernel, axes=1)
+  else:
+    y = _matmul_wider_output(x_ND, kernel, jnp.dtype(out_dtype))
   return y.reshape(*x.shape[:-1], *kernel.shape[1:])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _matmul_wider_output(x_ND: jax.Array, kernel: jax.Array, out_dtype) -> jax.Array:
+  """x·kernel in the inputs' dtype (bf16), accumulated and written in `out_dtype` (float32)."""
+  return jnp.tensordot(x_ND, kernel, axes=1, preferred_element_type=out_dtype)
+
+
+@_matmul_wider_output.defjvp
+def _matmul_wider_output_jvp(out_dtype, primals, tangents):
+  # The derivative's matmuls take the inputs' dtype, as the forward one does: without this rule the
+  # float32 output gradient would make the input and weight gradients float32 matmuls (for a head
+  # over a large vocabulary, the costliest of the backward pass). Forward mode stays available.
+  (x_ND, kernel), (dx_ND, dkernel) = primals, tangents
+  dy = jnp.tensordot(dx_ND, kernel, axes=1) + jnp.tensordot(x_ND, dkernel, axes=1)
+  return _matmul_wider_output(x_ND, kernel, out_dtype), dy.astype(out_dtype)
 
 
 class Dense(nnx.Module):

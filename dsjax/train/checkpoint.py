@@ -93,9 +93,12 @@ class WorkdirLock:
   def __init__(self, workdir: str):
     if os.path.exists(workdir) and not os.path.isdir(workdir):
       raise ValueError(f'--workdir {workdir} is a file, not a directory')
-    os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, LOCK_FILE)
-    self.file = open(self.path, 'a+')
+    try:
+      os.makedirs(workdir, exist_ok=True)
+      self.file = open(self.path, 'a+')
+    except OSError as e:
+      raise ValueError(f'--workdir {workdir} cannot be written: {e.strerror}') from None
     try:
       fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -194,9 +197,11 @@ class Checkpointer:
     `set_aside`). None when no step is intact.
 
     Several processes: `all_ok(ok)` is True on every process when `ok` is True on all of them (the
-    loop's `any_process` vote), so all restore the same step, and one that any process cannot read is
-    skipped by all. The chief moves it aside between two votes, the second a barrier after which every
-    process re-reads the list of steps."""
+    loop's `max_over_processes` vote), so all restore the same step, and one that any process cannot
+    read is skipped by all. The chief moves it aside between two votes, the second a barrier after
+    which every process re-reads the list of steps. What this covers is a failure that each process
+    meets and returns from, such as a missing or corrupted file they all read; a failure of one
+    process inside Orbax's own cross-process restore (its barrier) would leave the others waiting."""
     for step in self.steps():
       try:
         restored, error = self.restore_step(step, abstract_state), None
@@ -204,9 +209,9 @@ class Checkpointer:
         restored, error = None, e
       if all_ok(error is None):
         return restored
-      reason = (f'{type(error).__name__}: ' + (' '.join(str(error).split())[:200] or '') if error
+      reason = (f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'.rstrip(': ') if error
                 else 'another process could not read it')
-      where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place'
+      where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place by this process'
       all_ok(True)  # Every process waits here until the step is moved.
       self.manager.reload()
       logging.warning('Checkpoint step %d of %s is unreadable (%s); %s, trying the previous step', step,

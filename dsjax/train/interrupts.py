@@ -3,9 +3,11 @@
 While `StopSignals` is active, the first SIGTERM or SIGINT only records itself; the training loop looks
 at `received` after every step, saves a checkpoint of that step and exits (one line, status 128 +
 signal number), so rerunning the command resumes bit-exactly; with several processes they agree on the
-step to stop at (`dsjax.train.sharding.any_process`), so a signal to any one of them stops all. A second
-signal stops the process at once, without a checkpoint: Ctrl-C as KeyboardInterrupt, SIGTERM by its
-default action (a run that hangs, e.g. waiting on a process that died, can still be terminated).
+signal and the step to stop at (`dsjax.train.sharding.max_over_processes`), so a signal to any one of
+them stops all. A second Ctrl-C stops the process at once, without a checkpoint (KeyboardInterrupt); so
+does a second SIGTERM more than `REPEAT_GRACE_S` after the first (by SIGTERM's default action: a run
+that hangs, e.g. waiting on a process that died, can still be terminated), while one sooner is taken
+for the same request delivered twice (launchers that signal both a process and its group).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+REPEAT_GRACE_S = 10.0
 
 
 class StopSignals:
 
   def __init__(self):
     self.received: signal.Signals | None = None
+    self._received_at = 0.0
     self._previous = {}
 
   def _handle(self, signum, frame):
@@ -28,10 +33,11 @@ class StopSignals:
     if self.received is not None:  # Asked twice: stop now, without a checkpoint.
       if signum == signal.SIGINT:
         raise KeyboardInterrupt
-      signal.signal(signum, signal.SIG_DFL)
-      os.kill(os.getpid(), signum)
+      if time.monotonic() - self._received_at > REPEAT_GRACE_S:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
       return
-    self.received = signal.Signals(signum)
+    self.received, self._received_at = signal.Signals(signum), time.monotonic()
 
   def __enter__(self) -> StopSignals:
     if threading.current_thread() is threading.main_thread():  # Handlers live in the main thread only.

@@ -133,30 +133,39 @@ def _lock_workdir(workdir: str, is_chief: bool, mesh) -> checkpoint_lib.WorkdirL
       lock = checkpoint_lib.WorkdirLock(workdir)
     except ValueError as e:
       error = e
-  if jax.process_count() > 1 and sharding_lib.agreed(sharding_lib.any_process(error is not None, mesh)):
+  if not _all_processes(error is None, mesh):
     raise error or ValueError(f'--workdir {workdir}: process 0 could not lock it (its error says why)')
-  if error is not None:
-    raise error
   return lock
+
+
+def _all_processes(ok: bool, mesh) -> bool:
+  """True on every process when `ok` is True on all of them (a vote; with one process, `ok`)."""
+  if jax.process_count() == 1:
+    return ok
+  return not sharding_lib.read_vote(sharding_lib.max_over_processes(int(not ok), mesh))
 
 
 def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
-  SIGINT at any point (setup and compilation included) ends the run after its next step, saved. A
+  SIGINT at any point (setup and compilation included) ends the run after its next step, saved (with
+  several processes, after the step that follows: the processes' vote on it is read a step late). A
   check that fails leaves the workdir as it was found.
   """
   # What a failing check must not leave behind: the paths the run creates before all checks have
-  # passed (the lock is taken first, Orbax creates the checkpoint directory), where they are new.
+  # passed (the lock is taken first, Orbax creates the checkpoint directory), where they are new. Only
+  # a run that holds the lock removes them (while it still holds it), never another run's.
   created = [p for p in (os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR),
                          os.path.join(workdir, checkpoint_lib.LOCK_FILE), workdir) if not os.path.exists(p)]
+  held = []  # the workdir's lock, once this run holds it
   with interrupts.StopSignals() as signals:
     try:
-      return _train_and_evaluate(config, workdir, devices, signals)
+      return _train_and_evaluate(config, workdir, devices, signals, held)
     except BaseException:
-      if jax.process_index() == 0 and not checkpoint_lib.WorkdirLock.owner_recorded(workdir):
+      if held and not checkpoint_lib.WorkdirLock.owner_recorded(workdir):
         _remove_if_unused(created)
+        held[0].release()
       raise
 
 
@@ -169,7 +178,8 @@ def _remove_if_unused(paths: list[str]) -> None:
       os.rmdir(path)
 
 
-def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals) -> dict[str, float]:
+def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals,
+                        held: list) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   # Setup: every check runs before anything is compiled or written — the config, the data, the
   # workdir's lock, the architecture of a checkpoint it holds, the model's shardings. (The lock file and
@@ -183,6 +193,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
   lock = _lock_workdir(workdir, is_chief, mesh)
+  held.extend([lock] if lock is not None else [])
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config)
   identity = checkpoint_lib.run_identity(config)
@@ -213,10 +224,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 
-  all_processes_ok = ((lambda ok: not sharding_lib.agreed(sharding_lib.any_process(not ok, mesh)))
-                      if jax.process_count() > 1 else (lambda ok: ok))
   restored = checkpointer.restore(checkpoint_lib.abstract_with_shardings(abstract_state, state_shardings),
-                                  set_aside=is_chief, all_ok=all_processes_ok)
+                                  set_aside=is_chief, all_ok=lambda ok: _all_processes(ok, mesh))
   if restored is not None:
     state, data_state = restored
     train_data.set_state(data_state)
@@ -279,8 +288,9 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   pending: dict[str, Any] | None = None  # {'step', 'train' (device arrays), 'eval' (floats), 'batch'}
   last_eval: dict[str, float] = {}
   last_saved = checkpointer.latest_step()
-  # Several processes stop together: each step's stop-signal flags are voted on (`any_process`) and the
-  # vote is read one step later, the same step on every process, without waiting for the device.
+  # Several processes stop together: each step the processes vote the signal they received (its number,
+  # 0 for none; `max_over_processes`), and the vote is read one step later — the same step and signal on
+  # every process, without waiting for the device.
   several_processes, stop_vote = jax.process_count() > 1, None
   t_start = time.time()
 
@@ -328,10 +338,11 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         pending['eval'] = last_eval = evaluate(eval_step, state, config, mesh, process)
         progress.exclude(time.perf_counter() - t0)
       if several_processes:
-        stop = stop_vote is not None and sharding_lib.agreed(stop_vote)
-        stop_vote = sharding_lib.any_process(signals.received is not None, mesh)
+        stop_signal = 0 if stop_vote is None else sharding_lib.read_vote(stop_vote)
+        stop_vote = sharding_lib.max_over_processes(int(signals.received or 0), mesh)
       else:
-        stop = signals.received is not None
+        stop_signal = int(signals.received or 0)
+      stop = stop_signal > 0
       save_now = stop or step == config.total_steps
       if save_now or step % config.checkpoint_every == 0:
         finish(pending)  # Checked before its state is saved.
@@ -342,9 +353,9 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         progress.exclude(time.perf_counter() - t0)
       if stop:
         checkpointer.close()
-        cause = signals.received.name if signals.received is not None else 'a signal to another process'
+        cause = signal.Signals(stop_signal).name + ('' if signals.received else ' to another process')
         raise cli.Exit(f'stopped by {cause} after step {step}; saved checkpoint {step}, rerun the same '
-                       'command to resume', status=signals.exit_status or 128 + int(signal.SIGTERM))
+                       'command to resume', status=128 + stop_signal)
     if pending is not None:
       finish(pending)
 

@@ -7,8 +7,8 @@ width ('embed') over fsdp (fully sharded data parallelism: ZeRO-3, Rajbhandari e
 arXiv:1910.02054), attention width / FFN hidden / vocabulary over tensor (Megatron-LM, Shoeybi et al.
 2019, arXiv:1909.08053); 'patch', 'seq' and None are replicated by decision. A dimension that does not
 divide evenly over its mesh axis stays whole, by decision, and the training loop logs every such
-parameter (`undivided_dimensions`: e.g. a 10-class head over a tensor axis of 4). Stacked block parameters carry a leading layer axis, which is never
-sharded. The optimizer state is sharded like the parameter each leaf belongs to. An array without
+parameter (`undivided_dimensions`: e.g. a 10-class head over a tensor axis of 4). Stacked block
+parameters carry a leading layer axis, which is never sharded. The optimizer state is sharded like the parameter each leaf belongs to. An array without
 logical axes, a logical axis without a rule, or an optimizer-state leaf that matches no parameter is an
 error, never a silent replication.
 
@@ -233,23 +233,23 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, ja
 
 
 @jax.jit
-def _any_vote(votes: jax.Array) -> jax.Array:
-  return votes.max() > 0
+def _max_vote(votes: jax.Array) -> jax.Array:
+  return votes.max()
 
 
-def any_process(flag: bool, mesh: Mesh) -> jax.Array:
-  """A decision every process of the run takes alike: a scalar device array that is True wherever
-  `flag` is True on any process (each mesh device votes its process's flag; an all-reduce). It is
-  dispatched like any step, so a loop can read one step's vote (`agreed`) a step later without
-  waiting for the device."""
-  votes = np.full((len(mesh.local_devices),), int(flag), np.int32)
-  return _any_vote(jax.make_array_from_process_local_data(NamedSharding(mesh, P(MESH_AXES)), votes,
+def max_over_processes(value: int, mesh: Mesh) -> jax.Array:
+  """A decision every process of the run takes alike: a scalar device array holding the largest of the
+  processes' `value`s (each mesh device votes its process's value; an all-reduce), e.g. 1 where any
+  process says so. It is dispatched like any step, so a loop can read one step's vote (`read_vote`) a
+  step later without waiting for the device."""
+  votes = np.full((len(mesh.local_devices),), value, np.int32)
+  return _max_vote(jax.make_array_from_process_local_data(NamedSharding(mesh, P(MESH_AXES)), votes,
                                                           (mesh.devices.size,)))
 
 
-def agreed(vote: jax.Array) -> bool:
-  """The value of an `any_process` vote, read from this process's own copy of the replicated scalar."""
-  return bool(np.asarray(vote.addressable_data(0)))
+def read_vote(vote: jax.Array) -> int:
+  """The value of a `max_over_processes` vote, from this process's copy of the replicated scalar."""
+  return int(np.asarray(vote.addressable_data(0)))
 
 
 # ------------------------------------------------------------------------------------------------
