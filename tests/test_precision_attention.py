@@ -189,6 +189,13 @@ def test_bfloat16_params_keep_float32_optimizer_state():
   chex.assert_trees_all_equal_dtypes(new_params, params)
 
 
+def test_bfloat16_params_keep_the_class_token_float32():
+  model = _build(tiny_config('vit', param_dtype='bfloat16', pooling='cls'), IMAGE_INFO)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert params['cls_token'].dtype == jnp.float32  # (1, 1, d): a vector
+  assert params['patch_embed']['kernel'].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('model_name,info', [('gpt', TEXT_INFO), ('vit', IMAGE_INFO)])
 def test_bfloat16_params_train(model_name, info, dtype):

@@ -1,6 +1,7 @@
 """A run never loses good work: non-finite steps, signals, kills during saves, corrupt checkpoints,
 another architecture in the workdir, two runs on one workdir, and honest progress numbers."""
 
+import errno
 import json
 import os
 import shutil
@@ -251,6 +252,15 @@ def test_failing_rerun_leaves_the_workdir_as_it_was(tmp_path, four_step_run):
   with pytest.raises(ValueError, match='warmup_steps'):  # A check that needs the schedule.
     _train(_config(total_steps=6, **{'optimizer.warmup_steps': 6, 'optimizer.schedule': 'cosine'}), workdir)
   assert _snapshot(workdir) == before
+
+
+def test_a_workdir_that_cannot_be_locked_is_a_one_line_error(tmp_path, monkeypatch):
+  def no_flock(*args):
+    raise OSError(errno.ENOSYS, 'Function not implemented')
+  monkeypatch.setattr(checkpoint_lib.fcntl, 'flock', no_flock)
+  with pytest.raises(ValueError, match='its file system cannot lock') as error:
+    checkpoint_lib.WorkdirLock(str(tmp_path / 'run'))
+  assert str(tmp_path / 'run') in str(error.value) and '\n' not in str(error.value)
 
 
 def test_a_second_run_on_a_live_workdir_fails_at_once(tmp_path):

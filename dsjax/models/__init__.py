@@ -109,7 +109,8 @@ def cast_params(model: nnx.Module, param_dtype: str) -> nnx.Module:
 
 
 def _is_matrix(variable: nnx.Param) -> bool:
-  per_layer = variable.get_value().shape[-len(variable.get_metadata().get('axes', ())) or 0:]
+  shape, axes = variable.get_value().shape, variable.get_metadata().get('axes', ())
+  per_layer = shape[len(shape) - len(axes):]
   return sum(size > 1 for size in per_layer) >= 2
 
 

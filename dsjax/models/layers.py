@@ -97,8 +97,9 @@ def _matmul_wider_output_jvp(out_dtype, primals, tangents):
   # float32 output gradient would make the input and weight gradients float32 matmuls (for a head
   # over a large vocabulary, the costliest of the backward pass). Forward mode stays available.
   (x_ND, kernel), (dx_ND, dkernel) = primals, tangents
-  dy = jnp.tensordot(dx_ND, kernel, axes=1) + jnp.tensordot(x_ND, dkernel, axes=1)
-  return _matmul_wider_output(x_ND, kernel, out_dtype), dy.astype(out_dtype)
+  dy = (jnp.tensordot(dx_ND, kernel, axes=1).astype(out_dtype)
+        + jnp.tensordot(x_ND, dkernel, axes=1).astype(out_dtype))
+  return _matmul_wider_output(x_ND, kernel, out_dtype), dy
 
 
 class Dense(nnx.Module):

@@ -87,8 +87,8 @@ def state_fingerprint(state) -> jax.Array:
 class WorkdirLock:
   """An exclusive `flock` on WORKDIR/.dsjax.lock held for the life of a run: a second run on the same
   workdir fails at once, naming the owner. The kernel drops the lock when the process dies, so a killed
-  run never leaves a stale lock (file systems without `flock`, e.g. some network mounts, are not
-  protected)."""
+  run never leaves a stale lock. A file system without `flock` (some network mounts) is a one-line
+  error rather than an unprotected run."""
 
   def __init__(self, workdir: str):
     if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -98,7 +98,7 @@ class WorkdirLock:
       os.makedirs(workdir, exist_ok=True)
       self.file = open(self.path, 'a+')
     except OSError as e:
-      raise ValueError(f'--workdir {workdir} cannot be written: {e.strerror}') from None
+      raise ValueError(f'--workdir {workdir}: cannot create {self.path} ({e.strerror})') from None
     try:
       fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -107,6 +107,10 @@ class WorkdirLock:
       self.file.close()
       raise ValueError(f'--workdir {workdir} is in use by a running dsjax run ({owner}); wait for it '
                        'to finish or choose another --workdir') from None
+    except OSError as e:  # e.g. a file system without flock (ENOSYS, ENOLCK)
+      self.file.close()
+      raise ValueError(f'--workdir {workdir}: its file system cannot lock {self.path} ({e.strerror}); '
+                       'choose a --workdir on a local or flock-capable file system') from None
 
   def record_owner(self):
     """Writes who holds the lock (for the message of a second run); called once every check has

@@ -49,7 +49,3 @@ class StopSignals:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     self._previous = {}
-
-  @property
-  def exit_status(self) -> int:
-    return 128 + int(self.received) if self.received is not None else 0

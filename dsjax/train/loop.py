@@ -353,7 +353,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
         progress.exclude(time.perf_counter() - t0)
       if stop:
         checkpointer.close()
-        cause = signal.Signals(stop_signal).name + ('' if signals.received else ' to another process')
+        cause = signal.Signals(stop_signal).name + (
+            '' if int(signals.received or 0) == stop_signal else ' to another process')
         raise cli.Exit(f'stopped by {cause} after step {step}; saved checkpoint {step}, rerun the same '
                        'command to resume', status=128 + stop_signal)
     if pending is not None:
