@@ -489,8 +489,12 @@ def with_float32_state(tx: optax.GradientTransformation) -> optax.GradientTransf
   the parameters are stored in bfloat16 (`model.param_dtype`); the updates come out in float32 and
   `optax.apply_updates` rounds the new parameters to their own dtype. With float32 parameters this is
   `tx` itself, up to no-op casts."""
-  to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-
   def update(grads, state, params=None):
-    return tx.update(to_f32(grads), state, None if params is None else to_f32(params))
-  return optax.GradientTransformation(lambda params: tx.init(to_f32(params)), update)
+    return tx.update(as_float32(grads), state, None if params is None else as_float32(params))
+  return optax.GradientTransformation(lambda params: tx.init(as_float32(params)), update)
+
+
+def as_float32(tree):
+  """Every leaf of `tree` in float32 (bfloat16 parameters and gradients for the optimizer's state and
+  for the norms the train step reports)."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)

@@ -8,7 +8,8 @@ arXiv:1910.02054), attention width / FFN hidden / vocabulary over tensor (Megatr
 2019, arXiv:1909.08053); 'patch', 'seq' and None are replicated by decision. A dimension that does not
 divide evenly over its mesh axis stays whole, by decision, and the training loop logs every such
 parameter (`undivided_dimensions`: e.g. a 10-class head over a tensor axis of 4). Stacked block
-parameters carry a leading layer axis, which is never sharded. The optimizer state is sharded like the parameter each leaf belongs to. An array without
+parameters carry a leading layer axis, which is never sharded. The optimizer state is sharded like the
+parameter each leaf belongs to. An array without
 logical axes, a logical axis without a rule, or an optimizer-state leaf that matches no parameter is an
 error, never a silent replication.
 
@@ -145,17 +146,17 @@ def undivided_dimensions(abstract_state: Any, model_axes: dict[tuple[str, ...], 
   """'path: axis size N kept whole (mesh axis M of size S)' for every parameter dimension whose rule
   names a mesh axis of more than one device that does not divide it, so `spec_for` leaves it whole."""
   found = []
-  flat = jax.tree_util.tree_flatten_with_path(abstract_state.get('params', {}))[0]
-  for path, leaf in flat:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.get('params', {}))[0]:
     names = _names(path)
-    axes, shape = model_axes.get(names), tuple(getattr(leaf, 'shape', ()))
-    if axes is None:
+    if names not in model_axes:
       continue
-    for dim, name in zip(shape[len(shape) - len(axes):], axes):
-      axis = AXIS_RULES.get(name)
-      if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis]:
-        found.append(f'{"/".join(names)}: {name} size {dim} kept whole '
-                     f'({axis} axis of {mesh.shape[axis]})')
+    axes, shape = model_axes[names], tuple(leaf.shape)
+    spec = spec_for(axes, shape, mesh)[len(shape) - len(axes):]  # the per-layer dimensions
+    for dim, name, given in zip(shape[len(shape) - len(axes):], axes, spec):
+      wanted = AXIS_RULES[name]
+      if wanted and given is None:  # spec_for keeps an axis that divides (one of size 1 always does)
+        found.append(f'{"/".join(names)}: {name} size {dim} kept whole ({wanted} axis of '
+                     f'{mesh.shape[wanted]})')
   return found
 
 

@@ -25,6 +25,7 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax.models import model_inputs
 from dsjax.models.transformer import Probe, no_probe
+from dsjax.train import optimizers
 
 TrainState = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -108,11 +109,6 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 def microbatch_dropout_key(key: jax.Array | None, index) -> jax.Array | None:
   """Every microbatch draws its own dropout masks: the step's key with the microbatch index folded in."""
   return None if key is None else jax.random.fold_in(key, index)
-
-
-def _float32(tree: Any) -> Any:
-  """The norms reported as metrics are float32 whatever the parameters are stored in."""
-  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
 def _zero_with_gradient(params: Any, grads: Any) -> jax.Array:
@@ -219,13 +215,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       else:
         loss, grads = jax.value_and_grad(loss_of_params)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    grad_norm = optax.tree.norm(_float32(grads))
+    grad_norm = optax.tree.norm(optimizers.as_float32(grads))  # float32 also for bf16 parameters
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updated = {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state,
                'step': state['step'] + 1}
     new_state = guard_nonfinite(state, updated, finite, on_nonfinite)
     metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
-               'train/param_norm': optax.tree.norm(_float32(state['params'])),
+               'train/param_norm': optax.tree.norm(optimizers.as_float32(state['params'])),
                'train/lr': schedule(state['step']),
                'train/nonfinite': jnp.logical_not(finite).astype(jnp.float32),
                'train/nonfinite_steps': new_state['nonfinite_steps'].astype(jnp.float32)}
