@@ -275,6 +275,28 @@ def test_a_second_run_on_a_live_workdir_fails_at_once(tmp_path):
   assert not (tmp_path / 'checkpoints').exists() and not (tmp_path / 'config.json').exists()
 
 
+def test_a_lock_file_removed_before_it_is_locked_is_locked_again(tmp_path, monkeypatch):
+  # A run whose checks failed removes the lock file it created; a run that opened that file just before
+  # must not count a lock on the removed file, which a third run could then also "hold" via a new one.
+  real_flock, calls = checkpoint_lib.fcntl.flock, []
+
+  def flock_after_removal(file, operation):
+    if not calls:
+      os.remove(tmp_path / checkpoint_lib.LOCK_FILE)  # the failing owner cleans up in between
+    calls.append(operation)
+    return real_flock(file, operation)
+  monkeypatch.setattr(checkpoint_lib.fcntl, 'flock', flock_after_removal)
+  lock = checkpoint_lib.WorkdirLock(str(tmp_path))
+  try:
+    assert len(calls) == 2  # locked, found removed, locked again
+    assert os.stat(lock.path).st_ino == os.fstat(lock.file.fileno()).st_ino
+    monkeypatch.setattr(checkpoint_lib.fcntl, 'flock', real_flock)
+    with pytest.raises(ValueError, match='in use by a running dsjax run'):
+      checkpoint_lib.WorkdirLock(str(tmp_path))
+  finally:
+    lock.release()
+
+
 # ------------------------------------------------------------------------------------------------
 # Progress numbers.
 # ------------------------------------------------------------------------------------------------

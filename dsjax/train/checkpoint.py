@@ -39,6 +39,7 @@ from dsjax.train import step as step_lib
 CHECKPOINT_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
 LOCK_FILE = '.dsjax.lock'
+_LOCK_ATTEMPTS = 10  # of locking the file at the path (see WorkdirLock)
 _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order.
 
 
@@ -94,6 +95,19 @@ class WorkdirLock:
     if os.path.exists(workdir) and not os.path.isdir(workdir):
       raise ValueError(f'--workdir {workdir} is a file, not a directory')
     self.path = os.path.join(workdir, LOCK_FILE)
+    # A run whose checks fail removes the lock file it created (while holding it). A run that opened
+    # that file just before gets its lock only after the removal, on a file no longer in the workdir,
+    # where a third run could lock a new one: so the lock counts only if the file locked is still the
+    # one at the path, else it is taken again.
+    for _ in range(_LOCK_ATTEMPTS):
+      self._lock(workdir)
+      if self._locked_file_is_current():
+        return
+      self.file.close()
+    raise ValueError(f'--workdir {workdir}: {self.path} kept being replaced while it was locked; '
+                     'is another program removing it?')
+
+  def _lock(self, workdir: str):
     try:
       os.makedirs(workdir, exist_ok=True)
       self.file = open(self.path, 'a+')
@@ -111,6 +125,12 @@ class WorkdirLock:
       self.file.close()
       raise ValueError(f'--workdir {workdir}: its file system cannot lock {self.path} ({e.strerror}); '
                        'choose a --workdir on a local or flock-capable file system') from None
+
+  def _locked_file_is_current(self) -> bool:
+    try:
+      return os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino
+    except FileNotFoundError:
+      return False
 
   def record_owner(self):
     """Writes who holds the lock (for the message of a second run); called once every check has
