@@ -54,7 +54,7 @@ def make_setup(config, data_info, prepared: dict | None = None) -> TrainSetup:
 
   def create():
     _, params, rest = nnx.split(build(), nnx.Param, ...)
-    params, rest = params.to_pure_dict(), rest.to_pure_dict()
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
             'step': jnp.zeros((), jnp.int32), 'nonfinite_steps': jnp.zeros((), jnp.int32)}
   return TrainSetup(graphdef=nnx.graphdef(abstract_model), create_state=create,
