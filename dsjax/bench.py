@@ -304,7 +304,7 @@ class Prepared(NamedTuple):
   setup: state_lib.TrainSetup
   state: dict  # the first train state
   batch: dict  # one batch, on the device
-  make_step: Callable  # (instrument=False, receiver=None) -> the train step (not yet jitted)
+  make_step: Callable  # (instrument=False, receiver=None) -> the one-device train step (not yet jitted)
 
 
 def prepare(config, modes: list[str], inputs: str) -> Prepared:
@@ -323,10 +323,11 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 
-  def make_step(instrument: bool = False, receiver: Callable | None = None) -> Callable:
+  def make_step(instrument: bool = False, receiver: instrument_lib.Collector | None = None) -> Callable:
+    # One device: a callback delivery sends each step's table in one callback, as the loop does there.
     return step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
                                     use_dropout, instrument, moments_receiver=receiver,
-                                    microbatches=config.microbatches)
+                                    moments_per_site=False, microbatches=config.microbatches)
   return Prepared(data_info, setup, state, batch, make_step)
 
 
@@ -363,7 +364,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
   for mode in modes:
     # One collector per mode, so that no mode de-duplicates another's records.
     collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
-    step_fn = make_step(mode != 'off', collector.receive if mode == 'callback' else None)
+    step_fn = make_step(mode != 'off', collector if mode == 'callback' else None)
     r, state = time_mode(mode, step_fn, state, batch, num_steps, collector,
                          profile_dir if mode == modes[0] else None)
     collector.close()

@@ -82,7 +82,7 @@ def test_instrumented_microbatches_measure_microbatch_0_against_the_whole_batch(
   no forward statistic, and give the rows the whole batch's share of the mean)."""
   make, state, batch = _setup('gpt')
   collector = instrument_lib.Collector()
-  step_4 = make(microbatches=4, instrument=True, moments_receiver=collector.receive)
+  step_4 = make(microbatches=4, instrument=True, moments_receiver=collector)
   step_1 = make(instrument=True)
   metrics = _assert_same_update(step_4, step_1, state, batch)
   collector.add(1, metrics['moments'])  # the weight statistics (of the gradient just compared)

@@ -5,8 +5,9 @@ Each record is one JSON line {"step", "layer", "site", "stat", "value"}. Layer â
 the embedding site and whole-stack weight statistics; weight records have site 'weight/<type>'.
 `add` keeps the device arrays; `flush` fetches and writes them, so an instrumented step never waits for
 the host: the training loop flushes the moments of earlier steps while the current one runs.
-`receive` is the `jax.debug.callback` target of `instrument.delivery='callback'`: it buffers what
-arrives (from XLA's host-callback thread, in any order, duplicates included) until the next `flush`.
+`receive` (one probe site's statistics) and `receive_table` (a step's whole table) are the
+`jax.debug.callback` targets of `instrument.delivery='callback'`: they buffer what arrives (from XLA's
+host-callback thread, in any order, duplicates included) until the next `flush`.
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ class Collector:
     key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer âˆ’1 = NO_LAYER.
     records = [(key + (name,), float(value))
                for name, value in zip(names, np.asarray(values))]
+    with self._lock:
+      self._received.extend(records)
+
+  def receive_table(self, step, table):
+    """`jax.debug.callback` target: the (depth + 1, sites, statistics) table of loop step `step`."""
+    if not self.enabled:
+      return
+    records = list(moments_to_records(int(step), {'activations': np.asarray(table)}))
     with self._lock:
       self._received.extend(records)
 

@@ -20,11 +20,12 @@ activation returns its bfloat16 cotangent unchanged); the statistics are float32
 (`stats.py`, "Numerics"), and so is the sink.
 
 By default the table is returned from the jitted step and handed to the host `Collector` by the
-caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the same statistics
-with `jax.debug.callback` from the probe instead: forward statistics in the forward rule, gradient
-statistics in the backward rule, tagged with (step, layer, site) and de-duplicated by the `Collector`.
-Why returning is the default (duplicates under remat, host round trips per layer, deadlocks of a
-callback after the scan on a multi-device mesh), with the evidence, is in README.md.
+caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the statistics with
+`jax.debug.callback` instead. On one device the whole table goes in one callback per step, once the
+backward pass has filled it. On a mesh of several devices each probe sends its own: forward statistics
+in the forward rule, gradient statistics in the backward rule, tagged with (step, layer, site) and
+de-duplicated by the `Collector` (one callback after the scan can deadlock a multi-device step).
+Why returning is the default, with the evidence for each choice, is in README.md.
 """
 
 from __future__ import annotations
@@ -150,9 +151,11 @@ def _sink_probe(sink: jax.Array) -> Probe:
 # Delivery by `jax.debug.callback` (instrument.delivery='callback').
 # ------------------------------------------------------------------------------------------------
 
-# receiver(step, layer, site_index, part, values): part 0 = forward statistics (FORWARD_STATS order),
-# 1 = gradient statistics (GRAD_STATS order); every argument arrives as a host numpy array.
-Receiver = Callable[..., None]
+# A receiver of the statistics by callback (`Collector` is one), every argument a host numpy array:
+#   receive(step, layer, site_index, part, values): one probe site's statistics, part 0 = forward
+#     (FORWARD_STATS order), 1 = gradient (GRAD_STATS order);
+#   receive_table(step, table): the whole (depth + 1, sites, statistics) table of a step.
+Receiver = Any
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -167,13 +170,13 @@ def _callback_tap(site_index: int, receiver: Receiver, x_BLD: jax.Array, step: j
 def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
   # Under remat the backward pass re-runs this rule: the callback fires twice with equal values and
   # the Collector drops the second (it de-duplicates on (step, layer, site, statistic)).
-  jax.debug.callback(receiver, step, layer, site_index, 0, _forward_row(x_BLD))
+  jax.debug.callback(receiver.receive, step, layer, site_index, 0, _forward_row(x_BLD))
   return x_BLD, (step, layer)
 
 
 def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
   step, layer = residuals
-  jax.debug.callback(receiver, step, layer, site_index, 1, _grad_row(g_BLD))
+  jax.debug.callback(receiver.receive, step, layer, site_index, 1, _grad_row(g_BLD))
   return g_BLD, None, None  # step and layer are integers: no cotangents.
 
 
@@ -187,27 +190,33 @@ def _callback_probe(receiver: Receiver, step: jax.Array) -> Probe:
 
 
 def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True,
-                   receiver: Receiver | None = None, step: jax.Array | None = None
-                   ) -> tuple[jax.Array, Any, Moments]:
+                   receiver: Receiver | None = None, step: jax.Array | None = None,
+                   per_site: bool = True) -> tuple[jax.Array, Any, Moments]:
   """(loss, grads, moments): `jax.value_and_grad(lambda p: loss_fn(p, probe))(params)` plus the moments.
 
   `loss_fn(params, probe)` must hand `probe` to the model; every probe site must be visited once per
   layer (as `dsjax.models.transformer` does). `weights=False` skips the weight-gradient statistics.
 
   Delivery of the per-site activation statistics: by default the (depth + 1, sites, statistics) table
-  `moments['activations']` (the stats sink, module docstring). With a `receiver` (e.g.
-  `Collector.receive`) they are instead sent by `jax.debug.callback` from inside the layer scan,
-  tagged with `step` (the loop step) and the layer, and `moments` holds only the weight statistics,
-  which stay returned (a callback after the scan can deadlock a multi-device step: README.md).
+  `moments['activations']` (the stats sink, module docstring). With a `receiver` (e.g. a `Collector`)
+  they are instead sent by `jax.debug.callback`, tagged with `step` (the loop step), and `moments`
+  holds only the weight statistics, which stay returned. `per_site=False` (a step on one device)
+  sends the whole table in one callback after the backward pass; `per_site=True` (the only safe
+  choice on a mesh of several devices, where a callback after the scan can deadlock: README.md) sends
+  each site's statistics from inside the layer scan, 8 callbacks per layer.
   """
-  if receiver is None:
+  if receiver is not None and step is None:
+    raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
+  if receiver is None or not per_site:
     sink = jnp.zeros((stack_depth(params) + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
     loss, (grads, table) = jax.value_and_grad(
         lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1))(params, sink)
-    moments = {'activations': table}
+    if receiver is None:
+      moments = {'activations': table}
+    else:
+      jax.debug.callback(receiver.receive_table, jnp.asarray(step, jnp.int32), table)
+      moments = {}
   else:
-    if step is None:
-      raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
     loss, grads = jax.value_and_grad(
         lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
     moments = {}

@@ -55,7 +55,7 @@ def activation_constrained(loss_fn: Callable, mesh) -> Callable:
 def make_train_step(config, setup: state_lib.TrainSetup, mesh, state_shardings, **step_kwargs):
   """The run's jitted train step: `step.make_train_step` on the activation-constrained loss, with the
   state on its shardings (donated), the batch split over data × fsdp and the metrics replicated.
-  `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver)."""
+  `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver, moments_per_site)."""
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = activation_constrained(step_lib.LOSSES[config.model.name], mesh)
   step_fn = step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
@@ -257,8 +257,11 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   instrument_every, moments = config.instrument.every, None
   if instrument_every:
     moments = instrument_lib.Collector(workdir, enabled=is_chief, keep_records=False)  # Files only.
-    receiver = moments.receive if config.instrument.delivery == 'callback' else None
-    instrumented_train_step = jit_train_step(instrument=True, moments_receiver=receiver)
+    receiver = moments if config.instrument.delivery == 'callback' else None
+    # A callback after the layer scan can deadlock a step on several devices (instrument/README.md):
+    # there each probe site sends its own statistics; on one device the step sends its table once.
+    instrumented_train_step = jit_train_step(instrument=True, moments_receiver=receiver,
+                                             moments_per_site=mesh.size > 1)
     if batch is not None:
       with jax.set_mesh(mesh):
         instrumented_train_step, _ = _compile('instrumented train step', instrumented_train_step, state, batch)

@@ -180,13 +180,15 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
                     seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    instrument: bool = False, moments_receiver: Callable | None = None,
-                    on_nonfinite: str = 'stop', microbatches: int = 1
+                    instrument: bool = False, moments_receiver: Any = None,
+                    moments_per_site: bool = True, on_nonfinite: str = 'stop', microbatches: int = 1
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
   as metrics['moments']; the default step computes none of it. With a `moments_receiver`
-  (instrument.delivery='callback', e.g. `Collector.receive`) the per-site statistics go to it by
-  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics.
+  (instrument.delivery='callback', e.g. a `Collector`) the per-site statistics go to it by
+  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics:
+  one callback per probe site, or with `moments_per_site=False` (a step on one device) one per step
+  (`dsjax.instrument.value_and_grad`).
   `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`).
 
   `microbatches` > 1 (gradient accumulation): the batch is split on axis 0 (`split_microbatches`), the
@@ -200,7 +202,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
     # The loop numbers steps from 1: the step that starts from state['step'] = t is loop step t + 1.
     instrumented = (functools.partial(instrument_lib.value_and_grad, receiver=moments_receiver,
-                                      step=state['step'] + 1) if instrument else None)
+                                      step=state['step'] + 1, per_site=moments_per_site)
+                    if instrument else None)
 
     def losses(params, batch, key, probe: Probe = no_probe):  # (mean loss, sums)
       return loss_fn(nnx.merge(graphdef, params, state['rest']), batch, key, probe)
