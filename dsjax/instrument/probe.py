@@ -57,8 +57,10 @@ def instrument_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.every = 0                     # steps between per-layer moment records; 0 = off (nothing compiled)
   c.delivery = 'return'           # 'return': statistics returned from the jitted step | 'callback':
-                                  # jax.debug.callback per site from inside the layer scan (see
-                                  # dsjax/instrument/README.md for why 'return' is the default)
+                                  # sent by jax.debug.callback, on one device the step's table in
+                                  # one callback, on several each probe site from inside the layer
+                                  # scan (dsjax/instrument/README.md: why, and why 'return' is the
+                                  # default)
   return c
 
 
