@@ -79,8 +79,9 @@ def test_each_microbatch_draws_its_own_dropout_masks():
 def test_instrumented_microbatches_measure_microbatch_0_against_the_whole_batch(per_site):
   """M = 4 with the per-site statistics sent to a receiver (a callback per site, or the table in one
   callback per step): the update is the whole batch's; every site's statistics arrive exactly once
-  and are those of microbatch 0's rows under the whole batch's loss — the statistics of a step on a batch made of four copies of those rows (the duplicates change
-  no forward statistic, and give the rows the whole batch's share of the mean)."""
+  and are those of microbatch 0's rows under the whole batch's loss — the statistics of a step on a
+  batch made of four copies of those rows (the duplicates change no forward statistic, and give the
+  rows the whole batch's share of the mean)."""
   make, state, batch = _setup('gpt')
   collector = instrument_lib.Collector()
   step_4 = make(microbatches=4, instrument=True, moments_receiver=collector, moments_per_site=per_site)
