@@ -7,10 +7,11 @@ r"""Train-step speed and memory: compile time, step time, throughput, model FLOP
 What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
 the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
 'return' (per-layer moments returned from the step and written to moments.jsonl + TensorBoard) and
-'callback' (the same statistics delivered by `jax.debug.callback` from inside the layer scan). As in
-the training loop, each step's moments are fetched and written while the next step runs. Each mode is compiled ahead of time
-(the compile time is reported), run for 2 warm-up steps, then for `--steps` timed steps, each one
-waited for; the median and the spread (min–max) are reported.
+'callback' (the same statistics delivered by `jax.debug.callback`: the step's whole table in one
+callback, as the training loop sends it on one device). As in the training loop, each step's moments
+are fetched and written while the next step runs. Each mode is compiled ahead of time (the compile
+time is reported), run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the
+median and the spread (min–max) are reported.
 
 Inputs: `--inputs=random` (the default) times random tokens / images of the configured shape, so no
 dataset is read and any shape can be benchmarked; `--inputs=real` times one real batch of the dataset.
@@ -304,7 +305,7 @@ class Prepared(NamedTuple):
   setup: state_lib.TrainSetup
   state: dict  # the first train state
   batch: dict  # one batch, on the device
-  make_step: Callable  # (instrument=False, receiver=None) -> the one-device train step (not yet jitted)
+  make_step: Callable  # (instrument=False, receiver=None, per_site=False) -> the train step, not jitted
 
 
 def prepare(config, modes: list[str], inputs: str) -> Prepared:
@@ -323,11 +324,13 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 
-  def make_step(instrument: bool = False, receiver: instrument_lib.Collector | None = None) -> Callable:
-    # One device: a callback delivery sends each step's table in one callback, as the loop does there.
+  def make_step(instrument: bool = False, receiver: instrument_lib.Collector | None = None,
+                per_site: bool = False) -> Callable:
+    # One device: a callback delivery sends each step's table in one callback, as the loop does there
+    # (`per_site=True`: a callback per probe site, as on several devices).
     return step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
                                     use_dropout, instrument, moments_receiver=receiver,
-                                    moments_per_site=False, microbatches=config.microbatches)
+                                    moments_per_site=per_site, microbatches=config.microbatches)
   return Prepared(data_info, setup, state, batch, make_step)
 
 

@@ -47,7 +47,7 @@ EMBEDDING_SITE = 'embedding'
 LAYER_SITES = ('attn_branch', 'attn_residual', 'ffn_branch', 'ffn_residual')
 SITES = (EMBEDDING_SITE,) + LAYER_SITES
 ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
-# instrument.delivery: the statistics table returned from the step, or jax.debug.callbacks per site.
+# instrument.delivery: the statistics table returned from the step, or sent by jax.debug.callback.
 DELIVERIES = ('return', 'callback')
 
 

@@ -129,7 +129,7 @@ class WorkdirLock:
   def _locked_file_is_current(self) -> bool:
     try:
       return os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino
-    except FileNotFoundError:
+    except OSError:  # removed, or the workdir replaced
       return False
 
   def record_owner(self):
