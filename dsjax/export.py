@@ -185,7 +185,7 @@ def fold_model(model, config):
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   config = load_config(os.path.join(workdir, 'config.json'))
-  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir), config
+  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir'), config
 
 
 def save_exported(model, config, out: str):

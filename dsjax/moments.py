@@ -120,7 +120,7 @@ def check_args(config, out: str, num_batches: int, checkpoint: str | None, input
 def load_model(config, data_info, checkpoint: str | None):
   """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
   if checkpoint is not None:
-    return checkpoint_lib.restore_model(config, data_info, checkpoint)
+    return checkpoint_lib.restore_model(config, data_info, checkpoint, '--checkpoint')
   # A method with a preparation step (e.g. DSLM's measured input correlation) runs it afresh on the
   # first training batches.
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))

@@ -56,6 +56,7 @@ CASES = [
     ('main-config-raises', 'main', ['--config={tmp}/raises.py', '--workdir={tmp}/w'], 'broken on purpose'),
     ('main-mistyped-key', 'main', MAIN + ['--config.totl_steps=5'], '--config.totl_steps'),
     ('main-mistyped-nested-key', 'main', MAIN + ['--config.model.detph=4'], '--config.model.detph'),
+    ('main-mistyped-section', 'main', MAIN + ['--config.modle.depth=4'], '--config.modle.depth'),
     ('main-not-an-int', 'main', MAIN + ['--config.total_steps=abc'], 'abc'),
     ('main-unknown-flag', 'main', MAIN + ['--no_such_flag=1'], 'no_such_flag'),
     ('main-missing-config', 'main', ['--workdir={tmp}/w'], '--config'),

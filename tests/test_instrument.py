@@ -534,6 +534,12 @@ def test_moments_cli_reads_a_checkpoint(tmp_path):
   assert trained['layers'][0]['grad_var']['measured'] != at_init['layers'][0]['grad_var']['measured']
   with pytest.raises(ValueError, match='holds no checkpoint'):
     moments.run(config, str(tmp_path / 'none'), num_batches=1, checkpoint=str(tmp_path / 'init'))
+  config.model.depth, config.total_steps = 3, 2  # reading needs the architecture, not total_steps
+  with pytest.raises(ValueError, match=r'--checkpoint=\S+ holds a checkpoint .* another architecture.*'
+                                       r'model.depth: 2 → 3; pass the settings it was trained with'):
+    moments.run(config, str(tmp_path / 'other'), num_batches=1, checkpoint=str(tmp_path / 'run'))
+  config.model.depth = 2
+  moments.run(config, str(tmp_path / 'fewer_steps'), num_batches=1, checkpoint=str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'init' / 'checkpoints') and not os.path.exists(tmp_path / 'none')
 
 

@@ -134,7 +134,7 @@ from dsjax.train import checkpoint
 from tests.helpers import tiny_config
 config = tiny_config('gpt', depth=2, width=32, num_heads=4)
 config.total_steps = 2
-model = checkpoint.restore_model(config, data.dataset_info(config.data), {str(tmp_path / 'run')!r})
+model = checkpoint.restore_model(config, data.dataset_info(config.data), {str(tmp_path / 'run')!r}, '--checkpoint')
 leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
 assert jax.device_count() == 1 and all(x.devices() == {{jax.devices()[0]}} for x in leaves)
 print('restored', sum(x.size for x in leaves))

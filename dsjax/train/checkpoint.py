@@ -175,10 +175,11 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config) -> int | None:
+  def check_compatible(self, config, *, read_by: str | None = None) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
-    architecture (else a ValueError naming the differing keys) and not beyond `total_steps`. Returns
-    that step, or None for a fresh workdir."""
+    architecture (else a ValueError naming the differing keys) and, for a run that resumes it, not
+    beyond `total_steps`. Returns that step, or None for a fresh workdir. `read_by`: the flag of a tool
+    that only reads the checkpoint (e.g. '--checkpoint'), for its message."""
     for step in self.steps():
       try:
         saved = self._read_run_item(step)['identity']
@@ -186,10 +187,12 @@ class Checkpointer:
         continue  # Unreadable: `restore` reports it and falls back.
       differences = identity_differences(saved, run_identity(config))
       if differences:
-        raise ValueError(f'{self.workdir} holds a checkpoint (step {step}) of another architecture; '
-                         f'differing keys: {"; ".join(differences)}. Use a new --workdir or the '
-                         'checkpoint\'s settings')
-      if step > config.total_steps:
+        where = f'{read_by}={self.workdir}' if read_by else self.workdir
+        remedy = ('pass the settings it was trained with' if read_by else
+                  'use a new --workdir or the checkpoint\'s settings')
+        raise ValueError(f'{where} holds a checkpoint (step {step}) of another architecture; differing '
+                         f'keys: {"; ".join(differences)}; {remedy}')
+      if read_by is None and step > config.total_steps:
         raise ValueError(f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
                          f'{self.workdir} ({step}); raise total_steps or use a new --workdir')
       return step
@@ -258,18 +261,23 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_model(config, data_info, workdir: str):
-  """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export`,
-  `dsjax.moments --checkpoint`): the train state is restored onto one device and merged into a model
-  built from `config`, with the result of its method's preparation step that the run saved."""
-  no_checkpoint = ValueError(f'{workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
+def restore_model(config, data_info, workdir: str, flag: str):
+  """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export
+  --workdir`, `dsjax.moments --checkpoint`; `flag` names it in errors): the train state is restored
+  onto one device and merged into a model built from `config`, with the result of its method's
+  preparation step that the run saved."""
+  no_checkpoint = ValueError(f'{flag}={workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
     raise no_checkpoint
   checkpointer = Checkpointer(workdir, keep=1, create=False)
   if checkpointer.latest_step() is None:
     checkpointer.close()
     raise no_checkpoint
-  checkpointer.check_compatible(config)
+  try:
+    checkpointer.check_compatible(config, read_by=flag)
+  except ValueError:
+    checkpointer.close()
+    raise
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
                                          workdir)
   setup = state_lib.make_setup(config, data_info, prepared)
@@ -281,7 +289,7 @@ def restore_model(config, data_info, workdir: str):
       abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False)
   checkpointer.close()
   if restored is None:
-    raise ValueError(f'{workdir} holds no intact checkpoint (see the warnings above)')
+    raise ValueError(f'{flag}={workdir} holds no intact checkpoint (see the warnings above)')
   state, _ = restored
   logging.info('Restored step %d from %s', int(state['step']), workdir)
   return nnx.merge(setup.graphdef, state['params'], state['rest'])

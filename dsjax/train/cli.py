@@ -9,6 +9,7 @@ see it). Anything else is a bug and keeps its traceback. `--help` prints the fla
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import re
 import sys
@@ -66,7 +67,7 @@ def _config_override_error(error: BaseException, argv: list[str]) -> str:
   text = ' '.join(str(error).replace('\\n', '\n').replace("\\'", "'").strip('\'"').split())
   missing = re.match(r"'?([\w-]+)'?", text)
   suggestion = re.search(r'Did you mean "([^"]+)"', text)
-  flag = next((a for a in argv if missing and re.match(rf'--\w+(\.\w+)*\.{missing.group(1)}(=|$)', a)),
+  flag = next((a for a in argv if missing and re.match(rf'--\w+(\.\w+)*\.{missing.group(1)}(\.|=|$)', a)),
               None)
   where = flag.split('=')[0] if flag else 'a config override'
   hint = f' (did you mean "{suggestion.group(1)}"?)' if suggestion else ''
@@ -166,4 +167,16 @@ def run(main: Callable[[list[str]], None]) -> None:
         raise
       fail(message)
 
-  app.run(guarded_main, flags_parser=parse_flags)
+  app.run(guarded_main, flags_parser=_quiet_backend_probe(parse_flags))
+
+
+def _quiet_backend_probe(parse: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
+  """`parse` that also silences JAX's INFO lines about the backends it probes and does not find
+  ('Unable to initialize backend tpu' on every machine without one), which would otherwise precede a
+  one-line error on stderr; `-v 1` keeps them."""
+  def parse_and_quiet(argv):
+    remaining = parse(argv)
+    if not logging.vlog_is_on(1):
+      std_logging.getLogger('jax._src.xla_bridge').setLevel(std_logging.WARNING)
+    return remaining
+  return parse_and_quiet
