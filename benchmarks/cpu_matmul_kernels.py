@@ -22,7 +22,6 @@ PyTorch its OpenMP threads, to the one core.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -94,15 +93,8 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--repeats', type=int, default=40,
-                      help='Timed rounds per product (after the warm-up rounds).')
-  parser.add_argument('--pause', type=float, default=0.05, help='Idle seconds before each call.')
-  parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
-  args = parser.parse_args()
-  if args.repeats < 1:
-    parser.error(f'--repeats must be >= 1, got {args.repeats}')
-  paired.check_output_args(parser, args)
+  parser = paired.timing_parser(__doc__.split('\n\n')[0], 'repeats', 'rounds per product')
+  args = paired.parse_timing_args(parser, 'repeats')
   print(f'jax {jax.__version__} ({jax.default_backend()}), PyTorch {torch.__version__} '
         f'({torch.get_num_threads()} threads), {time.strftime("%Y-%m-%d")}; median ms per product')
   print(f'  {"product":34s} {"shapes":26s} {"XLA":>7s} {"PyTorch":>8s} {"XLA/PyTorch":>11s}')

@@ -17,7 +17,6 @@ The process keeps freed memory as every dsjax command does (`dsjax.train.host_me
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import pathlib
 import statistics
@@ -74,14 +73,7 @@ def dsjax_train_step():
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--pairs', type=int, default=40, help='Timed pairs (after the warm-up pairs).')
-  parser.add_argument('--pause', type=float, default=0.05, help='Idle seconds between two steps.')
-  parser.add_argument('--json', default=None, help='Also write the results (every step time) to this file.')
-  args = parser.parse_args()
-  if args.pairs < 1:
-    parser.error(f'--pairs must be >= 1, got {args.pairs}')
-  paired.check_output_args(parser, args)
+  args = paired.parse_timing_args(paired.timing_parser(__doc__.split('\n\n')[0], 'pairs', 'pairs'), 'pairs')
   steps = {'dsjax': dsjax_train_step(), 'pytorch': torch_gpt.make_train_step()}
   seconds = paired.alternate(steps, args.pairs, WARMUP_PAIRS, args.pause)
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}

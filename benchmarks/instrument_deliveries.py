@@ -17,7 +17,6 @@ instrumented step to the plain one of the same round cancels the machine's drift
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import pathlib
@@ -81,17 +80,11 @@ def _one_step(compiled, state, batch, collector):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
   parser.add_argument('--config', default='configs/gpt_preln.py', help='A config file (configs/*.py).')
-  parser.add_argument('--rounds', type=int, default=40, help='Timed rounds (after the warm-up rounds).')
-  parser.add_argument('--pause', type=float, default=0.05, help='Idle seconds before each step.')
-  parser.add_argument('--json', default=None, help='Also write the results (every step time) to this file.')
-  args = parser.parse_args()
-  if args.rounds < 1:
-    parser.error(f'--rounds must be >= 1, got {args.rounds}')
+  args = paired.parse_timing_args(parser, 'rounds')
   if not os.path.isfile(args.config):
     parser.error(f'--config={args.config} is not a file')
-  paired.check_output_args(parser, args)
   config = load_config(args.config)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}

@@ -26,6 +26,26 @@ def require_torch(script: str):
   return torch
 
 
+def timing_parser(description: str, count: str, what: str) -> argparse.ArgumentParser:
+  """A parser with the flags every script here shares: `--<count>` (timed rounds, default 40, after the
+  warm-up ones), `--pause` and `--json`; `parse_timing_args` reads and checks them."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument(f'--{count}', type=int, default=40, help=f'Timed {what} (after the warm-up ones).')
+  parser.add_argument('--pause', type=float, default=0.05, help='Idle seconds before each timed call.')
+  parser.add_argument('--json', default=None, help='Also write the results (every time) to this file.')
+  return parser
+
+
+def parse_timing_args(parser: argparse.ArgumentParser, count: str) -> argparse.Namespace:
+  """The parsed flags of `timing_parser` (and any the script added): one-line usage errors for a count
+  below 1 and for the output flags (`check_output_args`)."""
+  args = parser.parse_args()
+  if getattr(args, count) < 1:
+    parser.error(f'--{count} must be >= 1, got {getattr(args, count)}')
+  check_output_args(parser, args)
+  return args
+
+
 def check_output_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """`--pause` (seconds, >= 0) and `--json` (a file to write, not a directory, in a directory that
   exists): one-line usage errors before anything runs, not after minutes of timing."""
