@@ -107,14 +107,13 @@ class Collector:
     if self.enabled:
       self._pending.append((int(step), moments))
 
-  def receive(self, step, layer, site_index, part, values):
-    """`jax.debug.callback` target: one site's forward (part 0) or gradient (part 1) statistics."""
+  def receive(self, step, layer, site_index, values):
+    """`jax.debug.callback` target: one site's statistics, in ACTIVATION_STATS order."""
     if not self.enabled:
       return
-    names = stats_lib.FORWARD_STATS if int(part) == 0 else stats_lib.GRAD_STATS
     key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer −1 = NO_LAYER.
     records = [(key + (name,), float(value))
-               for name, value in zip(names, np.asarray(values))]
+               for name, value in zip(ACTIVATION_STATS, np.asarray(values))]
     with self._lock:
       self._received.extend(records)
 

@@ -22,9 +22,9 @@ activation returns its bfloat16 cotangent unchanged); the statistics are float32
 By default the table is returned from the jitted step and handed to the host `Collector` by the
 caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the statistics with
 `jax.debug.callback` instead. On one device the whole table goes in one callback per step, once the
-backward pass has filled it. On a mesh of several devices each probe sends its own: forward statistics
-in the forward rule, gradient statistics in the backward rule, tagged with (step, layer, site) and
-de-duplicated by the `Collector` (one callback after the scan can deadlock a multi-device step).
+backward pass has filled it. On a mesh of several devices each probe sends its own from its backward
+rule (its forward statistics kept as residuals until then), tagged with (step, layer, site): one
+callback after the scan can deadlock a multi-device step.
 Why returning is the default, with the evidence for each choice, is in README.md.
 """
 
@@ -154,8 +154,7 @@ def _sink_probe(sink: jax.Array) -> Probe:
 # ------------------------------------------------------------------------------------------------
 
 # A receiver of the statistics by callback (`Collector` is one), every argument a host numpy array:
-#   receive(step, layer, site_index, part, values): one probe site's statistics, part 0 = forward
-#     (FORWARD_STATS order), 1 = gradient (GRAD_STATS order);
+#   receive(step, layer, site_index, values): one probe site's statistics (ACTIVATION_STATS order);
 #   receive_table(step, table): the whole (depth + 1, sites, statistics) table of a step.
 Receiver = Any
 
@@ -163,22 +162,23 @@ Receiver = Any
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _callback_tap(site_index: int, receiver: Receiver, x_BLD: jax.Array, step: jax.Array,
                   layer: jax.Array) -> jax.Array:
-  """Identity on x; sends x's forward statistics, and in the backward pass its gradient statistics,
-  to `receiver`, tagged with (step, layer, site)."""
+  """Identity on x; in the backward pass sends x's forward and gradient statistics to `receiver`,
+  tagged with (step, layer, site)."""
   del site_index, receiver, step, layer
   return x_BLD
 
 
 def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
-  # Under remat the backward pass re-runs this rule: the callback fires twice with equal values and
-  # the Collector drops the second (it de-duplicates on (step, layer, site, statistic)).
-  jax.debug.callback(receiver.receive, step, layer, site_index, 0, _forward_row(x_BLD))
-  return x_BLD, (step, layer)
+  # The forward statistics wait, as a few scalars, for the backward rule's callback: one host round
+  # trip per site instead of two, and none from the forward pass that remat re-runs in the backward.
+  del site_index, receiver
+  return x_BLD, (_forward_row(x_BLD), step, layer)
 
 
 def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
-  step, layer = residuals
-  jax.debug.callback(receiver.receive, step, layer, site_index, 1, _grad_row(g_BLD))
+  forward, step, layer = residuals
+  jax.debug.callback(receiver.receive, step, layer, site_index,
+                     jnp.concatenate([forward, _grad_row(g_BLD)]))
   return g_BLD, None, None  # step and layer are integers: no cotangents.
 
 
@@ -205,7 +205,7 @@ def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, w
   holds only the weight statistics, which stay returned. `per_site=False` (a step on one device)
   sends the whole table in one callback after the backward pass; `per_site=True` (the only safe
   choice on a mesh of several devices, where a callback after the scan can deadlock: README.md) sends
-  each site's statistics from inside the layer scan, 8 callbacks per layer.
+  each site's statistics from inside the layer scan, in the backward pass: 4 callbacks per layer.
   """
   if receiver is not None and step is None:
     raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
