@@ -6,7 +6,7 @@ r"""The instrumented train step's cost per delivery of the statistics, timed in 
 Four compiled train steps of one config on one device, built as `python -m dsjax.bench` builds them:
 'off' (no statistics), 'return' (the statistics table returned from the step), 'callback_table' (the
 table sent in one `jax.debug.callback` per step: `instrument.delivery='callback'` on one device) and
-'callback_per_site' (a callback per probe site and direction from inside the layer scan, as on several
+'callback_per_site' (a callback per probe site from the backward pass of the layer scan, as on several
 devices). Each timed call runs one step, waits for it and for its callbacks (`jax.effects_barrier`),
 and turns its statistics into records (`Collector.flush`, in memory). The steps take turns, one each
 per round, in alternating order, with `--pause` seconds of idle before each; the ratio of each

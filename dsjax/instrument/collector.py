@@ -7,7 +7,7 @@ the embedding site and whole-stack weight statistics; weight records have site '
 the host: the training loop flushes the moments of earlier steps while the current one runs.
 `receive` (one probe site's statistics) and `receive_table` (a step's whole table) are the
 `jax.debug.callback` targets of `instrument.delivery='callback'`: they buffer what arrives (from XLA's
-host-callback thread, in any order, duplicates included) until the next `flush`.
+host-callback thread, in any order) until the next `flush`, which drops any record already seen.
 """
 
 from __future__ import annotations
