@@ -35,3 +35,12 @@ bench vit_b16_b128_profile "${vit[@]}" --instrument=off --profile="$out/profile_
 bench vit_b16_b128_unroll1 "${vit[@]}" --instrument=off --config.model.scan_unroll=1
 bench gpt_12x256 "${deep[@]}" --config.model.depth=12 --instrument=off
 bench gpt_192x256 "${deep[@]}" --config.model.depth=192  # off, 'return' and 'callback'
+
+# The instrumentation's deliveries timed in turns, the per-site callbacks (several devices) included.
+echo "=== ${prefix}_instrument_deliveries_gpt2_small"
+python benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py --rounds=20 \
+  --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
+echo "=== ${prefix}_instrument_deliveries_gpt_192x256"
+python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=model.depth=192 \
+  --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 --set=batch_size=16 \
+  --set=model.scan_unroll=1 --rounds=20 --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"

@@ -1,7 +1,7 @@
 r"""The instrumented train step's cost per delivery of the statistics, timed in turns in one process.
 
-  python benchmarks/instrument_deliveries.py [--config=configs/gpt_preln.py] [--rounds=40] [--pause=0.05]
-                                             [--json=FILE]
+  python benchmarks/instrument_deliveries.py [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...]
+                                             [--rounds=40] [--pause=0.05] [--json=FILE]
 
 Four compiled train steps of one config on one device, built as `python -m dsjax.bench` builds them:
 'off' (no statistics), 'return' (the statistics table returned from the step), 'callback_table' (the
@@ -12,11 +12,13 @@ and turns its statistics into records (`Collector.flush`, in memory). The steps 
 per round, in alternating order, with `--pause` seconds of idle before each; the ratio of each
 instrumented step to the plain one of the same round cancels the machine's drift (README.md,
 "Performance"). Reported: each step's median and min–max time, and per round the ratio to 'off'
-(median and quartiles).
+(median and quartiles). `--set=model.depth=192` (repeatable) overrides a config key, as
+`--config.model.depth=192` does for the dsjax commands.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -43,11 +45,31 @@ DELIVERIES = {'off': (False, False, False), 'return': (True, False, False),
               'callback_table': (True, True, False), 'callback_per_site': (True, True, True)}
 
 
-def load_config(path: str):
+def load_config(path: str, overrides: list[str]):
+  """The config of the file at `path`, with each 'key.path=value' of `overrides` set (the value read as
+  a Python literal where it is one, else as a string)."""
   spec = importlib.util.spec_from_file_location('benchmarked_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  config = module.get_config()
+  for override in overrides:
+    key, _, text = override.partition('=')
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    *parents, name = key.split('.')
+    section = config
+    for depth, part in enumerate(parents + [name]):
+      if not hasattr(section, 'keys') or part not in section.keys():
+        raise ValueError(f'{override}: the config has no key {key!r}')
+      if depth < len(parents):
+        section = section[part]
+    try:
+      section[name] = value
+    except (TypeError, ValueError) as e:  # ml_collections keeps each field's type
+      raise ValueError(f'{override}: {e}') from None
+  return config
 
 
 def timed_steps(config) -> dict:
@@ -82,15 +104,24 @@ def _one_step(compiled, state, batch, collector):
 def main():
   parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
   parser.add_argument('--config', default='configs/gpt_preln.py', help='A config file (configs/*.py).')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='Override a config key, e.g. --set=model.depth=192 (repeatable).')
   args = paired.parse_timing_args(parser, 'rounds')
   if not os.path.isfile(args.config):
     parser.error(f'--config={args.config} is not a file')
-  config = load_config(args.config)
+  for override in args.set:
+    if '=' not in override:
+      parser.error(f'--set={override}: expected KEY=VALUE')
+  try:
+    config = load_config(args.config, args.set)
+  except ValueError as e:
+    parser.error(f'--set={e}')
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   off = np.array(times['off'])
   ratios = {name: np.array(t) / off for name, t in times.items() if name != 'off'}
   results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'config': args.config,
+             'overrides': args.set,
              'device': jax.devices()[0].device_kind, 'commit': bench.source_commit(),
              'rounds': args.rounds, 'pause_s': args.pause, 'step_ms': times,
              'step_ms_median': {name: statistics.median(t) for name, t in times.items()},
