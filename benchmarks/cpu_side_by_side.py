@@ -17,7 +17,6 @@ The process keeps freed memory as every dsjax command does (`dsjax.train.host_me
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import statistics
 import sys
@@ -43,10 +42,7 @@ WARMUP_PAIRS = 3
 
 
 def gpt_preln_config():
-  spec = importlib.util.spec_from_file_location('gpt_preln', ROOT / 'configs' / 'gpt_preln.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = paired.load_config(ROOT / 'configs' / 'gpt_preln.py')
   peer = {'model.depth': torch_gpt.DEPTH, 'model.width': torch_gpt.WIDTH,
           'model.num_heads': torch_gpt.HEADS, 'data.seq_len': torch_gpt.SEQ_LEN,
           'batch_size': torch_gpt.BATCH}

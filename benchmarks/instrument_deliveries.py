@@ -18,8 +18,6 @@ instrumented step to the plain one of the same round cancels the machine's drift
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import pathlib
 import statistics
@@ -43,33 +41,6 @@ WARMUP_ROUNDS = 3
 # name: (instrumented, delivered by callback, a callback per site)
 DELIVERIES = {'off': (False, False, False), 'return': (True, False, False),
               'callback_table': (True, True, False), 'callback_per_site': (True, True, True)}
-
-
-def load_config(path: str, overrides: list[str]):
-  """The config of the file at `path`, with each 'key.path=value' of `overrides` set (the value read as
-  a Python literal where it is one, else as a string)."""
-  spec = importlib.util.spec_from_file_location('benchmarked_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  for override in overrides:
-    key, _, text = override.partition('=')
-    try:
-      value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      value = text
-    *parents, name = key.split('.')
-    section = config
-    for depth, part in enumerate(parents + [name]):
-      if not hasattr(section, 'keys') or part not in section.keys():
-        raise ValueError(f'{override}: the config has no key {key!r}')
-      if depth < len(parents):
-        section = section[part]
-    try:
-      section[name] = value
-    except (TypeError, ValueError) as e:  # ml_collections keeps each field's type
-      raise ValueError(f'{override}: {e}') from None
-  return config
 
 
 def timed_steps(config) -> dict:
@@ -113,7 +84,7 @@ def main():
     if '=' not in override:
       parser.error(f'--set={override}: expected KEY=VALUE')
   try:
-    config = load_config(args.config, args.set)
+    config = paired.load_config(args.config, args.set)
   except ValueError as e:
     parser.error(f'--set={e}')
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)

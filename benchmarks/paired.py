@@ -1,5 +1,5 @@
-"""What the CPU benchmark scripts share: paired timing of two implementations in one process, and their
-output flags (the checks, and the JSON written).
+"""What the CPU benchmark scripts share: paired timing of implementations in one process, their flags
+(the checks, and the JSON written), and loading a config file with overrides.
 
 On a shared or virtual machine the speed drifts by tens of percent within minutes, so the scripts time
 both implementations in turn, in alternating order, and compare them round by round. Before each timed
@@ -10,6 +10,8 @@ work and would otherwise take cores from the other's next call.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import os
 import sys
@@ -24,6 +26,33 @@ def require_torch(script: str):
   except ModuleNotFoundError:
     sys.exit(f'{os.path.basename(script)} needs PyTorch beside dsjax: pip install torch')
   return torch
+
+
+def load_config(path, overrides: list[str] = ()):
+  """The config of the file at `path`, with each 'key.path=value' of `overrides` set (the value read as
+  a Python literal where it is one, else as a string)."""
+  spec = importlib.util.spec_from_file_location('benchmarked_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for override in overrides:
+    key, _, text = override.partition('=')
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    *parents, name = key.split('.')
+    section = config
+    for depth, part in enumerate(parents + [name]):
+      if not hasattr(section, 'keys') or part not in section.keys():
+        raise ValueError(f'{override}: the config has no key {key!r}')
+      if depth < len(parents):
+        section = section[part]
+    try:
+      section[name] = value
+    except (TypeError, ValueError) as e:  # ml_collections keeps each field's type
+      raise ValueError(f'{override}: {e}') from None
+  return config
 
 
 def timing_parser(description: str, count: str, what: str) -> argparse.ArgumentParser:

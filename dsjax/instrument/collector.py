@@ -112,16 +112,16 @@ class Collector:
     if not self.enabled:
       return
     key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer −1 = NO_LAYER.
-    records = [(key + (name,), float(value))
-               for name, value in zip(ACTIVATION_STATS, np.asarray(values))]
-    with self._lock:
-      self._received.extend(records)
+    self._buffer([(key + (name,), float(value))
+                  for name, value in zip(ACTIVATION_STATS, np.asarray(values))])
 
   def receive_table(self, step, table):
     """`jax.debug.callback` target: the (depth + 1, sites, statistics) table of loop step `step`."""
-    if not self.enabled:
-      return
-    records = list(moments_to_records(int(step), {'activations': np.asarray(table)}))
+    if self.enabled:
+      self._buffer(list(moments_to_records(int(step), {'activations': np.asarray(table)})))
+
+  def _buffer(self, records: list[tuple[Key, float]]):
+    """Keeps what a callback delivered (on XLA's host-callback thread) for the next `flush`."""
     with self._lock:
       self._received.extend(records)
 

@@ -270,24 +270,21 @@ def restore_model(config, data_info, workdir: str, flag: str):
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
     raise no_checkpoint
   checkpointer = Checkpointer(workdir, keep=1, create=False)
-  if checkpointer.latest_step() is None:
-    checkpointer.close()
-    raise no_checkpoint
   try:
+    if checkpointer.latest_step() is None:
+      raise no_checkpoint
     checkpointer.check_compatible(config, read_by=flag)
-  except ValueError:
+    prepared = schemes.preparation_for_run(config, data_info,
+                                           lambda: step_lib.first_model_inputs(config), workdir)
+    setup = state_lib.make_setup(config, data_info, prepared)
+    # Every array onto this process's first device, whatever mesh the run saved it from (without a
+    # sharding, Orbax would restore onto the saved one and refuse a different device count).
+    abstract = jax.eval_shape(setup.create_state)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restored = checkpointer.restore(
+        abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False)
+  finally:
     checkpointer.close()
-    raise
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config),
-                                         workdir)
-  setup = state_lib.make_setup(config, data_info, prepared)
-  # Every array onto this process's first device, whatever mesh the run saved it from (without a
-  # sharding, Orbax would restore onto the saved one and refuse a different device count).
-  abstract = jax.eval_shape(setup.create_state)
-  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  restored = checkpointer.restore(
-      abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False)
-  checkpointer.close()
   if restored is None:
     raise ValueError(f'{flag}={workdir} holds no intact checkpoint (see the warnings above)')
   state, _ = restored
