@@ -7,7 +7,8 @@ Needs PyTorch beside dsjax (`pip install torch`; not a dependency of dsjax). The
 `configs/gpt_preln.py` (batch 32 × seq 128 = 4096 tokens, width 128, FFN 512, 4 heads of 32, byte
 vocabulary), each product in the three forms a train step runs: the forward x·W, the input gradient
 dy·Wᵀ and the weight gradient xᵀ·dy (a product whose left operand is stored transposed: XLA's CPU
-backend hands those to a different kernel than the other two). The attention products are batched over
+backend hands those to a different kernel than the other two), the latter as dsjax's dense layer
+computes it (`dsjax.models.layers.matmul_last_axis`). The attention products are batched over
 batch × heads with full 128 × 128 score matrices: q·kᵀ, p·v and the value gradient pᵀ·dO. Each
 product is compiled once (`jax.jit`) or called as PyTorch eager does (`torch.matmul` on views). The two
 alternate: each round times `CALLS_PER_ROUND` calls back to back of one, then of the other, in
@@ -33,6 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dsjax.models import layers  # noqa: E402
+
 import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 
 torch = paired.require_torch(__file__)
@@ -46,12 +49,13 @@ LINEAR = [('qkv', WIDTH, 3 * WIDTH, DEPTH), ('out', WIDTH, WIDTH, DEPTH), ('ffn1
 
 def products():
   """(name, lhs shape, rhs shape, form, times per step): form 'nn' = a·b, 'nt' = a·bᵀ, 'tn' = aᵀ·b,
-  over the last two axes (leading axes batched)."""
+  over the last two axes (leading axes batched); 'weight_grad' = aᵀ·b as a dsjax dense layer's weight
+  gradient computes it (for a narrowing layer, d_in > d_out, as (bᵀ·a)ᵀ: `dsjax.models.layers`)."""
   rows = []
   for name, d_in, d_out, per_step in LINEAR:
     rows += [(f'{name} forward x·W', (TOKENS, d_in), (d_in, d_out), 'nn', per_step),
              (f'{name} input grad dy·Wᵀ', (TOKENS, d_out), (d_in, d_out), 'nt', per_step),
-             (f'{name} weight grad xᵀ·dy', (TOKENS, d_in), (TOKENS, d_out), 'tn', per_step)]
+             (f'{name} weight grad xᵀ·dy', (TOKENS, d_in), (TOKENS, d_out), 'weight_grad', per_step)]
   b, l, k = BATCH_HEADS, SEQ, HEAD_DIM
   rows += [('attention q·kᵀ (batched)', (b, l, k), (b, l, k), 'nt', None),
            ('attention p·v (batched)', (b, l, l), (b, l, k), 'nn', None),
@@ -59,15 +63,23 @@ def products():
   return rows
 
 
+def dense_weight_grad(x_ND: jax.Array, dy_NO: jax.Array) -> jax.Array:
+  """The kernel's cotangent of dsjax's dense matmul alone (its forward product is dead code)."""
+  kernel = jnp.zeros((x_ND.shape[1], dy_NO.shape[1]), x_ND.dtype)
+  _, pullback = jax.vjp(lambda k: layers.matmul_last_axis(x_ND, k), kernel)
+  return pullback(dy_NO)[0]
+
+
 def jax_product(form: str):
   swap = lambda t: jnp.swapaxes(t, -1, -2)  # noqa: E731
   return jax.jit({'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ swap(b),
-                  'tn': lambda a, b: swap(a) @ b}[form])
+                  'tn': lambda a, b: swap(a) @ b, 'weight_grad': dense_weight_grad}[form])
 
 
 def torch_product(form: str):
-  return {'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ b.transpose(-1, -2),
-          'tn': lambda a, b: a.transpose(-1, -2) @ b}[form]
+  tn = lambda a, b: a.transpose(-1, -2) @ b  # noqa: E731
+  return {'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ b.transpose(-1, -2), 'tn': tn,
+          'weight_grad': tn}[form]
 
 
 def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tuple[float, float]:

@@ -156,6 +156,24 @@ def _dtypes_by_rank(params) -> dict[str, set]:
           'vectors': {x.dtype for x in leaves if x.ndim == 2}}
 
 
+def test_narrowing_matmul_matches_the_plain_one_and_transposes_its_weight_gradient_on_cpu_only():
+  """A kernel with more rows than columns: value, gradients and forward-mode derivative equal the plain
+  matmul's; the weight gradient's transposed form (behind an optimization barrier) is lowered for the
+  CPU and not for GPUs or TPUs (lowered here without one)."""
+  x = jax.random.normal(jax.random.key(0), (4, 8, 48))
+  w = jax.random.normal(jax.random.key(1), (48, 16))
+  loss = lambda f: lambda x, w: jnp.sin(f(x, w)).sum()  # noqa: E731
+  ours, plain = loss(layers.matmul_last_axis), loss(lambda x, w: x @ w)
+  np.testing.assert_allclose(layers.matmul_last_axis(x, w), x @ w, rtol=1e-6, atol=1e-5)
+  for got, want in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.grad(plain, (0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  tangent = jax.jvp(lambda w: layers.matmul_last_axis(x, w), (w,), (0.5 * w,))[1]
+  np.testing.assert_allclose(tangent, 0.5 * (x @ w), rtol=1e-5, atol=1e-5)
+  for platform, transposed in (('cpu', True), ('cuda', False), ('tpu', False)):
+    module = jax.export.export(jax.jit(jax.grad(ours, (0, 1))), platforms=[platform])(x, w).mlir_module()
+    assert ('optimization_barrier' in module) == transposed, platform
+
+
 def test_float32_logits_keep_the_backward_matmuls_in_bfloat16():
   """The head writes float32 logits from bf16 inputs; its input and weight gradients stay bf16 matmuls
   (not float32 ones, which the float32 output gradient would otherwise make them), and close to the
