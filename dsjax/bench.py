@@ -35,7 +35,8 @@ the fraction of it.
 Profile (`--profile=DIR`): after the timed steps of the first mode, 3 more steps run under
 `jax.profiler.trace(DIR)` (open it with TensorBoard/XProf); the benchmark prints the device's busy time
 per step split into matmul, attention and other kernels (`KERNEL_KINDS`, by GPU kernel name; on a CPU,
-whose XLA ops stand in for kernels, everything counts as 'other') and the busiest kernels with the XLA op
+whose XLA ops stand in for kernels, an op that is or contains a dot counts as a matmul, the attention's
+included) and the busiest kernels with the XLA op
 that launched each, and writes the compiled step's HLO to DIR/step.hlo.txt, where fusion names can be
 looked up; the JSON lists every kernel.
 
@@ -53,6 +54,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -248,18 +250,19 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
   if profile_dir:
     with jax.profiler.trace(profile_dir):
       run_steps(WARMUP_STEPS + num_steps, PROFILED_STEPS)
+    hlo_text = compiled.as_text()
     with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
-      f.write(compiled.as_text())
-    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS)
+      f.write(hlo_text)
+    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS, matmul_ops(hlo_text))
   return results, state
 
 
-def device_time_per_kernel(profile_dir: str, num_steps: int) -> dict:
+def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set[str]) -> dict:
   """Device time per step of each kernel in the newest trace under `profile_dir`, summed over its
   launches and divided by the traced steps, with the XLA op that launched it (a fusion's kernel is named
   after the fusion; kernels that run in a command buffer (CUDA graph) name it as their op). Kernels are
   the events on the GPU planes' stream lines; the CPU has no device plane, so there the XLA ops are read
-  from the host plane."""
+  from the host plane. `matmul_hlo_ops`: the step's ops that are or contain a matmul (`matmul_ops`)."""
   paths = sorted(glob.glob(os.path.join(profile_dir, '**', '*.xplane.pb'), recursive=True),
                  key=os.path.getmtime)
   planes = list(jax.profiler.ProfileData.from_file(paths[-1]).planes)
@@ -281,20 +284,37 @@ def device_time_per_kernel(profile_dir: str, num_steps: int) -> dict:
   kernels = [{'kernel': name[:90], 'hlo_op': op_of[name], 'ms_per_step': ns / num_steps / 1e6}
              for name, ns in ranked]
   return {'busy_ms_per_step': sum(per_kernel_ns.values()) / num_steps / 1e6, 'trace': paths[-1],
-          'ms_per_step_by_kind': ms_by_kind(kernels), 'kernels': kernels}
+          'ms_per_step_by_kind': ms_by_kind(kernels, matmul_hlo_ops), 'kernels': kernels}
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
-# fused attention kernels (and its helper kernels) are attention; everything else (XLA's elementwise and
-# reduction fusions: norms, activations, residual adds, casts, bias gradients, the optimizer) is 'other'.
+# fused attention kernels (and its helper kernels) are attention. On a CPU, whose XLA ops stand in for
+# kernels, an op that is or contains a dot is a matmul (XLA's attention included). Everything else (XLA's
+# elementwise and reduction fusions: norms, activations, residual adds, casts, bias gradients, the
+# optimizer) is 'other'.
 KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'), 'attention': ('sdpa', 'cudnn', 'fmha', 'flash')}
 
 
-def ms_by_kind(kernels: list[dict]) -> dict[str, float]:
+def matmul_ops(hlo_text: str) -> set[str]:
+  """Names of the instructions of an HLO module's text that are a dot or call a computation that
+  contains one (a fusion around a matmul, such as the CPU's YNNPACK fusions)."""
+  is_dot = re.compile(r'[\]}] dot\(')  # the result's shape or layout, then the opcode
+  computations = re.findall(r'^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)
+  with_dot = {name for name, body in computations if is_dot.search(body)}
+  names = set()
+  for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M):
+    if is_dot.search(rest) or any(c in with_dot for c in re.findall(r'calls=%?([\w.\-]+)', rest)):
+      names.add(name)
+  return names
+
+
+def ms_by_kind(kernels: list[dict], matmul_hlo_ops: set[str]) -> dict[str, float]:
   totals = {kind: 0.0 for kind in (*KERNEL_KINDS, 'other')}
   for k in kernels:
     name = k['kernel'].lower()
     kind = next((kind for kind, marks in KERNEL_KINDS.items() if any(m in name for m in marks)), 'other')
+    if kind == 'other' and k['hlo_op'] in matmul_hlo_ops:
+      kind = 'matmul'
     totals[kind] += k['ms_per_step']
   return totals
 

@@ -42,6 +42,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   profile = results['modes']['off']['profile']
   assert profile['busy_ms_per_step'] > 0 and profile['kernels']
   assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
+  assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
   assert 'profile' not in results['modes']['callback']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
 
@@ -57,6 +58,23 @@ assert bench.peak_tflops_for(kind('NVIDIA H100 PCIe'), 'float32') == 378.0
 assert bench.peak_tflops_for(kind('TPU v5 lite'), 'bfloat16') == 197.0
 assert bench.peak_tflops_for(kind('TPU v5'), 'bfloat16') == 459.0
 assert bench.peak_tflops_for(kind('cpu'), 'float32') is None
+"""
+  result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+
+
+def test_matmul_ops_are_the_dots_and_the_fusions_around_one():
+  check = """
+import jax, jax.numpy as jnp
+from dsjax import bench
+x = jnp.ones((64, 64))
+compiled = jax.jit(lambda a, b, c: (jnp.tanh(a @ b), jnp.exp(c))).lower(x, x, x).compile()
+hlo = compiled.as_text()
+entry = {line.split(' = ')[0].split()[-1].lstrip('%'): line for line in hlo.split('ENTRY')[1].splitlines()
+         if ' = ' in line}
+ops = bench.matmul_ops(hlo) & set(entry)
+assert ops and all('exp' not in entry[op] for op in ops), (ops, hlo)
+assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
 """
   result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
