@@ -227,6 +227,27 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, fou
   _assert_same_state(workdir, four_step_run, 4)  # Retrained from step 2 to the same step 4.
 
 
+@pytest.mark.parametrize('failure', [MemoryError(), RuntimeError('RESOURCE_EXHAUSTED: Out of memory'),
+                                     PermissionError(errno.EACCES, 'Permission denied')])
+def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_step_run, monkeypatch,
+                                                               failure):
+  """Out of memory or denied access is the machine's failure, not the files': the step is not set aside
+  (which would drop every good checkpoint in turn), the run stops with that error."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  before = _snapshot(workdir)
+
+  def fail(self, step, abstract_state=None):
+    raise failure
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, 'restore_step', fail)
+  with pytest.raises(type(failure)):
+    _train(_config(total_steps=6, keep_checkpoints=5), workdir)
+  after = _snapshot(workdir)
+  after.pop(checkpoint_lib.LOCK_FILE)
+  before.pop(checkpoint_lib.LOCK_FILE)
+  assert after == before
+
+
 @pytest.mark.parametrize('key,value', [('model.num_heads', 4), ('model.width', 64),
                                        ('model.block', 'postln')])
 def test_checkpoint_of_another_architecture_is_refused_before_anything_is_written(

@@ -33,6 +33,7 @@ from flax import nnx
 
 from dsjax import schemes
 from dsjax.models.config import RESUMABLE_KEYS
+from dsjax.train import cli
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
@@ -226,7 +227,9 @@ class Checkpointer:
     Several processes: `all_ok(ok)` is True on every process when `ok` is True on all of them (the
     loop's `max_over_processes` vote), so all restore the same step, and one that any process cannot
     read is skipped by all. The chief moves it aside between two votes, the second a barrier after
-    which every process re-reads the list of steps. What this covers is a failure that each process
+    which every process re-reads the list of steps. A failure of the machine rather than of the files
+    (`_machine_failure`: out of memory, access denied) on any process is raised instead, on all of them,
+    and moves nothing. What this covers is a failure that each process
     meets and returns from, such as a missing or corrupted file they all read; a failure of one
     process inside Orbax's own cross-process restore (its barrier) would leave the others waiting."""
     for step in self.steps():
@@ -236,6 +239,14 @@ class Checkpointer:
         restored, error = None, e
       if all_ok(error is None):
         return restored
+      # Out of memory or denied access says nothing about the step's files: setting it aside would drop
+      # good checkpoints one after another, so every process stops instead.
+      machine_failed = error is not None and _machine_failure(error)
+      if not all_ok(not machine_failed):
+        if machine_failed:
+          raise error
+        raise ValueError(f'another process could not restore step {step} of {self.workdir} (out of '
+                         'memory or access denied there; see its log)')
       reason = (f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'.rstrip(': ') if error
                 else 'another process could not read it')
       where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place by this process'
@@ -255,6 +266,13 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _machine_failure(error: BaseException) -> bool:
+  """A restore failure that says nothing about the checkpoint's files: host or device memory ran out, or
+  the files may not be read (also as the storage layer's status text, which Orbax passes on)."""
+  return any(isinstance(e, (MemoryError, PermissionError)) or cli.out_of_memory(e)
+             or 'PERMISSION_DENIED' in str(e) for e in cli.errors_in_chain(error))
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:

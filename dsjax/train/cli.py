@@ -13,7 +13,7 @@ import logging as std_logging
 import os
 import re
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
 
@@ -119,16 +119,19 @@ def out_of_memory(error: BaseException) -> bool:
   return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
 
 
+def errors_in_chain(error: BaseException | None) -> Iterator[BaseException]:
+  """`error` and the exceptions behind it (its cause, or the context it was raised in)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    yield error
+    seen.add(id(error))
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+
+
 def _os_error_in_chain(error: BaseException) -> OSError | None:
   """An OSError behind `error` (Orbax's background writes re-raise a full disk or a vanished directory
   wrapped in their own exceptions)."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, OSError):
-      return error
-    seen.add(id(error))
-    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-  return None
+  return next((e for e in errors_in_chain(error) if isinstance(e, OSError)), None)
 
 
 def user_error_message(error: BaseException) -> str | None:
