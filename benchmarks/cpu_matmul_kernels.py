@@ -8,7 +8,8 @@ Needs PyTorch beside dsjax (`pip install torch`; not a dependency of dsjax). The
 vocabulary), each product in the three forms a train step runs: the forward x·W, the input gradient
 dy·Wᵀ and the weight gradient xᵀ·dy (a product whose left operand is stored transposed: XLA's CPU
 backend hands those to a different kernel than the other two), the latter as dsjax's dense layer
-computes it (`dsjax.models.layers.matmul_last_axis`). The attention products are batched over
+computes it (`dsjax.models.layers.matmul_last_axis`; a narrowing layer's also in XLA's plain form) and
+as PyTorch's `nn.Linear` does, dyᵀ·x. The attention products are batched over
 batch × heads with full 128 × 128 score matrices: q·kᵀ, p·v and the value gradient pᵀ·dO. Each
 product is compiled once (`jax.jit`) or called as PyTorch eager does (`torch.matmul` on views). The two
 alternate: each round times `CALLS_PER_ROUND` calls back to back of one, then of the other, in
@@ -49,13 +50,18 @@ LINEAR = [('qkv', WIDTH, 3 * WIDTH, DEPTH), ('out', WIDTH, WIDTH, DEPTH), ('ffn1
 
 def products():
   """(name, lhs shape, rhs shape, form, times per step): form 'nn' = a·b, 'nt' = a·bᵀ, 'tn' = aᵀ·b,
-  over the last two axes (leading axes batched); 'weight_grad' = aᵀ·b as a dsjax dense layer's weight
-  gradient computes it (for a narrowing layer, d_in > d_out, as (bᵀ·a)ᵀ: `dsjax.models.layers`)."""
+  over the last two axes (leading axes batched); 'weight_grad' = a dense layer's weight gradient from
+  its input a and output gradient b: in XLA aᵀ·b as dsjax computes it (for a narrowing layer,
+  d_in > d_out, as (bᵀ·a)ᵀ: `dsjax.models.layers`), in PyTorch bᵀ·a as `nn.Linear`'s backward does
+  (its weight is stored (d_out, d_in)); 'weight_grad_plain' the same with XLA's plain aᵀ·b."""
   rows = []
   for name, d_in, d_out, per_step in LINEAR:
     rows += [(f'{name} forward x·W', (TOKENS, d_in), (d_in, d_out), 'nn', per_step),
              (f'{name} input grad dy·Wᵀ', (TOKENS, d_out), (d_in, d_out), 'nt', per_step),
              (f'{name} weight grad xᵀ·dy', (TOKENS, d_in), (TOKENS, d_out), 'weight_grad', per_step)]
+    if d_in > d_out:  # dsjax's CPU form differs from the plain one: time both
+      rows.append((f'{name} weight grad, plain form', (TOKENS, d_in), (TOKENS, d_out),
+                   'weight_grad_plain', None))
   b, l, k = BATCH_HEADS, SEQ, HEAD_DIM
   rows += [('attention q·kᵀ (batched)', (b, l, k), (b, l, k), 'nt', None),
            ('attention p·v (batched)', (b, l, l), (b, l, k), 'nn', None),
@@ -73,13 +79,15 @@ def dense_weight_grad(x_ND: jax.Array, dy_NO: jax.Array) -> jax.Array:
 def jax_product(form: str):
   swap = lambda t: jnp.swapaxes(t, -1, -2)  # noqa: E731
   return jax.jit({'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ swap(b),
-                  'tn': lambda a, b: swap(a) @ b, 'weight_grad': dense_weight_grad}[form])
+                  'tn': lambda a, b: swap(a) @ b, 'weight_grad': dense_weight_grad,
+                  'weight_grad_plain': lambda a, b: swap(a) @ b}[form])
 
 
 def torch_product(form: str):
-  tn = lambda a, b: a.transpose(-1, -2) @ b  # noqa: E731
-  return {'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ b.transpose(-1, -2), 'tn': tn,
-          'weight_grad': tn}[form]
+  linear_weight_grad = lambda a, b: b.transpose(-1, -2) @ a  # noqa: E731
+  return {'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ b.transpose(-1, -2),
+          'tn': lambda a, b: a.transpose(-1, -2) @ b, 'weight_grad': linear_weight_grad,
+          'weight_grad_plain': linear_weight_grad}[form]
 
 
 def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tuple[float, float]:
@@ -87,7 +95,9 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
   lhs, rhs = (rng.standard_normal(s, dtype=np.float32) for s in (lhs_shape, rhs_shape))
   jax_fn, jax_args = jax_product(form), (jnp.asarray(lhs), jnp.asarray(rhs))
   torch_fn, torch_args = torch_product(form), (torch.from_numpy(lhs), torch.from_numpy(rhs))
-  np.testing.assert_allclose(np.asarray(jax_fn(*jax_args)), torch_fn(*torch_args).numpy(), rtol=2e-3,
+  torch_out = torch_fn(*torch_args).numpy()
+  np.testing.assert_allclose(np.asarray(jax_fn(*jax_args)),
+                             torch_out.T if form.startswith('weight_grad') else torch_out, rtol=2e-3,
                              atol=2e-3)
 
   def run_xla():

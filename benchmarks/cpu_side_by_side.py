@@ -54,23 +54,10 @@ def gpt_preln_config():
   return config
 
 
-def dsjax_train_step():
-  """The compiled step of `dsjax.bench` (instrumentation off), as a function that runs one step."""
-  prepared = bench.prepare(gpt_preln_config(), ['off'], 'random')
-  compiled = jax.jit(prepared.make_step(), donate_argnums=0).lower(prepared.state,
-                                                                   prepared.batch).compile()
-  state = prepared.state
-
-  def step():
-    nonlocal state
-    state, metrics = compiled(state, prepared.batch)
-    jax.block_until_ready(metrics)
-  return step
-
-
 def main():
   args = paired.parse_timing_args(paired.timing_parser(__doc__.split('\n\n')[0], 'pairs', 'pairs'), 'pairs')
-  steps = {'dsjax': dsjax_train_step(), 'pytorch': torch_gpt.make_train_step()}
+  steps = {'dsjax': bench.step_runner(bench.prepare(gpt_preln_config(), ['off'], 'random')),
+           'pytorch': torch_gpt.make_train_step()}
   seconds = paired.alternate(steps, args.pairs, WARMUP_PAIRS, args.pause)
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   ratios = np.array(times['dsjax']) / np.array(times['pytorch'])

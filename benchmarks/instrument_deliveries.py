@@ -18,7 +18,6 @@ instrumented step to the plain one of the same round cancels the machine's drift
 
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
 import sys
@@ -29,7 +28,6 @@ from dsjax.train import host_memory
 host_memory.keep_freed_memory()  # as every dsjax command does; before JAX starts its threads
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dsjax import bench  # noqa: E402
 from dsjax import instrument as instrument_lib  # noqa: E402
@@ -74,38 +72,19 @@ def _one_step(compiled, state, batch, collector):
 
 def main():
   parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
-  parser.add_argument('--config', default='configs/gpt_preln.py', help='A config file (configs/*.py).')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                      help='Override a config key, e.g. --set=model.depth=192 (repeatable).')
+  paired.add_config_args(parser)
   args = paired.parse_timing_args(parser, 'rounds')
-  if not os.path.isfile(args.config):
-    parser.error(f'--config={args.config} is not a file')
-  for override in args.set:
-    if '=' not in override:
-      parser.error(f'--set={override}: expected KEY=VALUE')
-  try:
-    config = paired.load_config(args.config, args.set)
-  except ValueError as e:
-    parser.error(f'--set={e}')
+  config = paired.config_from_args(parser, args)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
-  off = np.array(times['off'])
-  ratios = {name: np.array(t) / off for name, t in times.items() if name != 'off'}
+  summary = paired.ratio_summary(times, 'off')
   results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'config': args.config,
              'overrides': args.set,
              'device': jax.devices()[0].device_kind, 'commit': bench.source_commit(),
              'rounds': args.rounds, 'pause_s': args.pause, 'step_ms': times,
-             'step_ms_median': {name: statistics.median(t) for name, t in times.items()},
-             'ratio_to_off_median': {name: float(np.median(r)) for name, r in ratios.items()},
-             'ratio_to_off_quartiles': {name: [float(np.percentile(r, 25)), float(np.percentile(r, 75))]
-                                        for name, r in ratios.items()}}
+             'step_ms_median': {name: statistics.median(t) for name, t in times.items()}, **summary}
   print(f"{args.config}, {args.rounds} rounds on {results['device']}; jax {jax.__version__}, {results['date']}")
-  for name, t in times.items():
-    line = f'  {name:18s} {statistics.median(t):8.1f} ms/step median (min {min(t):.1f}, max {max(t):.1f})'
-    if name in ratios:
-      q = results['ratio_to_off_quartiles'][name]
-      line += f"   / off per round: {results['ratio_to_off_median'][name]:.3f} (quartiles {q[0]:.3f}–{q[1]:.3f})"
-    print(line)
+  paired.print_times(times, summary, 'off')
   paired.write_json(args.json, results)
 
 

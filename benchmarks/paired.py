@@ -14,9 +14,12 @@ import ast
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Callable
+
+import numpy as np
 
 
 def require_torch(script: str):
@@ -53,6 +56,47 @@ def load_config(path, overrides: list[str] = ()):
     except (TypeError, ValueError) as e:  # ml_collections keeps each field's type
       raise ValueError(f'{override}: {e}') from None
   return config
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+  """`--config` (a config file, default the default GPT's) and `--set=KEY=VALUE` (repeatable), read by
+  `config_from_args`."""
+  parser.add_argument('--config', default='configs/gpt_preln.py', help='A config file (configs/*.py).')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='Override a config key, e.g. --set=model.depth=192 (repeatable).')
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
+  """The config of `--config` with the `--set` overrides; one-line usage errors for a missing file, an
+  override without '=', a key the config lacks or a value of the wrong type."""
+  if not os.path.isfile(args.config):
+    parser.error(f'--config={args.config} is not a file')
+  for override in args.set:
+    if '=' not in override:
+      parser.error(f'--set={override}: expected KEY=VALUE')
+  try:
+    return load_config(args.config, args.set)
+  except ValueError as e:
+    parser.error(f'--set={e}')
+
+
+def ratio_summary(times_ms: dict[str, list[float]], base: str) -> dict:
+  """Per round, each arm's time over `base`'s: median and quartiles, by arm (`base` left out)."""
+  ratios = {name: np.array(t) / np.array(times_ms[base]) for name, t in times_ms.items() if name != base}
+  return {f'ratio_to_{base}_median': {name: float(np.median(r)) for name, r in ratios.items()},
+          f'ratio_to_{base}_quartiles': {name: [float(np.percentile(r, 25)), float(np.percentile(r, 75))]
+                                         for name, r in ratios.items()}}
+
+
+def print_times(times_ms: dict[str, list[float]], summary: dict, base: str) -> None:
+  """Each arm's median and min–max step time, with its per-round ratio to `base` (`ratio_summary`)."""
+  for name, t in times_ms.items():
+    line = f'  {name:18s} {statistics.median(t):8.1f} ms/step median (min {min(t):.1f}, max {max(t):.1f})'
+    if name != base:
+      q = summary[f'ratio_to_{base}_quartiles'][name]
+      line += (f"   / {base} per round: {summary[f'ratio_to_{base}_median'][name]:.3f} "
+               f'(quartiles {q[0]:.3f}–{q[1]:.3f})')
+    print(line)
 
 
 def timing_parser(description: str, count: str, what: str) -> argparse.ArgumentParser:

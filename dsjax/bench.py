@@ -288,24 +288,33 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
-# fused attention kernels (and its helper kernels) are attention. On a CPU, whose XLA ops stand in for
-# kernels, an op that is or contains a dot is a matmul (XLA's attention included). Everything else (XLA's
+# fused attention kernels (and its helper kernels) are attention. A kernel that neither name marks is a
+# matmul when the XLA op that launched it is or contains a dot (`matmul_ops`): on a CPU, whose XLA ops
+# stand in for kernels, every matmul is found so (XLA's attention included). Everything else (XLA's
 # elementwise and reduction fusions: norms, activations, residual adds, casts, bias gradients, the
 # optimizer) is 'other'.
 KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'), 'attention': ('sdpa', 'cudnn', 'fmha', 'flash')}
 
 
 def matmul_ops(hlo_text: str) -> set[str]:
-  """Names of the instructions of an HLO module's text that are a dot or call a computation that
-  contains one (a fusion around a matmul, such as the CPU's YNNPACK fusions)."""
-  is_dot = re.compile(r'[\]}] dot\(')  # the result's shape or layout, then the opcode
-  computations = re.findall(r'^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)
-  with_dot = {name for name, body in computations if is_dot.search(body)}
-  names = set()
-  for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M):
-    if is_dot.search(rest) or any(c in with_dot for c in re.findall(r'calls=%?([\w.\-]+)', rest)):
-      names.add(name)
-  return names
+  """Names of the instructions of an HLO module's text that are a dot or a convolution, or call a
+  computation that contains one, at any depth (a fusion around a matmul, such as the CPU's YNNPACK
+  fusions)."""
+  is_product = re.compile(r'[\]}] (?:dot|convolution)\(')  # the result's shape or layout, then the opcode
+  called = re.compile(r'(?:calls|to_apply|called_computations)=\{?((?:%?[\w.\-]+(?:, )?)+)')
+  computations = dict(re.findall(r'^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S))
+
+  def callees(text: str) -> set[str]:
+    return {name.lstrip('%') for group in called.findall(text) for name in group.split(', ')}
+
+  with_product = {name for name, body in computations.items() if is_product.search(body)}
+  grown = True
+  while grown:  # computations that call one with a product, to a fixed point
+    more = {name for name, body in computations.items() if callees(body) & with_product}
+    grown = not more <= with_product
+    with_product |= more
+  return {name for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M)
+          if is_product.search(rest) or callees(rest) & with_product}
 
 
 def ms_by_kind(kernels: list[dict], matmul_hlo_ops: set[str]) -> dict[str, float]:
@@ -330,7 +339,7 @@ class Prepared(NamedTuple):
 
 def prepare(config, modes: list[str], inputs: str) -> Prepared:
   """Checks the arguments (`check_args`), then builds the model, its first state, one batch and the
-  train-step maker (also used by benchmarks/cpu_side_by_side.py)."""
+  train-step maker (also used by the scripts in benchmarks/)."""
   data_info = check_args(config, modes, inputs)
   if inputs == 'real':
     batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
@@ -352,6 +361,20 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
                                     use_dropout, instrument, moments_receiver=receiver,
                                     moments_per_site=per_site, microbatches=config.microbatches)
   return Prepared(data_info, setup, state, batch, make_step)
+
+
+def step_runner(prepared: Prepared) -> Callable[[], None]:
+  """The plain train step of `prepared`, compiled, as a function that runs one step (the state carried
+  from call to call) and waits for it: what the paired CPU benchmarks in benchmarks/ time."""
+  compiled = jax.jit(prepared.make_step(), donate_argnums=0).lower(prepared.state,
+                                                                   prepared.batch).compile()
+  state = prepared.state
+
+  def step():
+    nonlocal state
+    state, metrics = compiled(state, prepared.batch)
+    jax.block_until_ready(metrics)
+  return step
 
 
 def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,

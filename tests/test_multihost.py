@@ -160,12 +160,14 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path):
     assert not re.search(r'step \d/\d \| loss', run[1].stderr), run[1].stderr[-2000:]
 
 
-def _start_two_processes(workdir, *overrides, stderr_files=None) -> list[subprocess.Popen]:
+def _start_two_processes(workdir, *overrides, stderr_files=None,
+                         extra_env=({}, {})) -> list[subprocess.Popen]:
   port = _free_port()
   return [subprocess.Popen([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
                             f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
                             f'--process_id={i}', *overrides],
-                           cwd=ROOT, env=_env(4), stdout=subprocess.DEVNULL, stderr=stderr_files[i], text=True)
+                           cwd=ROOT, env={**_env(4), **extra_env[i]}, stdout=subprocess.DEVNULL,
+                           stderr=stderr_files[i], text=True)
           for i in range(2)]
 
 
@@ -228,3 +230,40 @@ def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path):
   assert 'Checkpoint step 4 of' in second[0].stderr and 'Resumed from step 2' in second[0].stderr
   assert [r['step'] for r in _metrics(workdir)] == [1, 2, 3, 4, 5, 6]
   assert len(os.listdir(workdir / 'corrupt_checkpoints')) == 1
+
+
+def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp_path):
+  """Process 1 alone runs out of memory restoring the newest step: the files are fine, so neither
+  process sets the step aside; both stop with the one-line error (not in a vote the other never
+  joins)."""
+  workdir = tmp_path / 'run'
+  _run_two_processes(workdir, '--config.checkpoint_every=2')
+  # Process 1's interpreter loads the hook first: its restores run out of memory once Orbax has read
+  # the step (Orbax's own cross-process restore must still be entered by every process).
+  hook = tmp_path / 'hook'
+  hook.mkdir()
+  (hook / 'sitecustomize.py').write_text(
+      'from dsjax.train import checkpoint\n'
+      'read = checkpoint.Checkpointer.restore_step\n'
+      'def restore_step(self, step, abstract_state=None):\n'
+      '  read(self, step, abstract_state)\n'
+      '  raise MemoryError()\n'
+      'checkpoint.Checkpointer.restore_step = restore_step\n')
+  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
+  with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
+    procs = _start_two_processes(workdir, '--config.total_steps=6', stderr_files=[log_0, log_1],
+                                 extra_env=({}, {'PYTHONPATH': str(hook)}))
+    try:
+      codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
+    finally:
+      for proc in procs:
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+  stderr = [log.read_text() for log in logs]
+  assert codes == [2, 2], [s[-2000:] for s in stderr]
+  last = [s.strip().splitlines()[-1] for s in stderr]
+  assert all(line.startswith('dsjax.main: error: could not restore checkpoint step 4 of') for line in last)
+  assert 'on another process' in last[0] and 'MemoryError' in last[1], last
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
+  assert not (workdir / 'corrupt_checkpoints').exists()

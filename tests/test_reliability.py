@@ -232,7 +232,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, fou
 def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_step_run, monkeypatch,
                                                                failure):
   """Out of memory or denied access is the machine's failure, not the files': the step is not set aside
-  (which would drop every good checkpoint in turn), the run stops with that error."""
+  (which would drop every good checkpoint in turn), the run stops with one line naming the step."""
   workdir = tmp_path / 'run'
   shutil.copytree(four_step_run, workdir)
   before = _snapshot(workdir)
@@ -240,8 +240,9 @@ def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_st
   def fail(self, step, abstract_state=None):
     raise failure
   monkeypatch.setattr(checkpoint_lib.Checkpointer, 'restore_step', fail)
-  with pytest.raises(type(failure)):
+  with pytest.raises(ValueError, match='could not restore checkpoint step 4 of') as error:
     _train(_config(total_steps=6, keep_checkpoints=5), workdir)
+  assert '\n' not in str(error.value) and error.value.__cause__ is failure
   after = _snapshot(workdir)
   after.pop(checkpoint_lib.LOCK_FILE)
   before.pop(checkpoint_lib.LOCK_FILE)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsjax import schemes
@@ -245,6 +246,17 @@ def test_vit_on_a_mesh_trains_like_one_device(capfd):
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   _assert_sharded(state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'),
                   (2, 2, 2))
+
+
+def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication():
+  """The stacked q/k/v kernel (d, 3, inner), sharded over `inner` on 'tensor' (`Attention.project_qkv`),
+  multiplies the batch-sharded tokens with no collective: a reshape of it to (d, 3·inner) would gather it."""
+  mesh = sharding_lib.make_mesh((4, 1, 2), jax.devices()[:8])
+  x_ND = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P(('data', 'fsdp'))))
+  kernel_D3I = jax.ShapeDtypeStruct((32, 3, 16), jnp.float32,
+                                    sharding=NamedSharding(mesh, P(None, None, 'tensor')))
+  hlo = jax.jit(layers.matmul_last_axis).lower(x_ND, kernel_D3I).compile().as_text()
+  assert not re.search(r'all-gather|all-reduce|all-to-all|collective-permute', hlo), hlo
 
 
 def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logits():

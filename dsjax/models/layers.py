@@ -71,6 +71,11 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+# On the CPU, a narrowing kernel's weight gradient is computed as (dyᵀ·x)ᵀ (`_matmul_narrowing`); False
+# keeps the plain form (`benchmarks/cpu_weight_gradient_form.py` times the train step both ways).
+TRANSPOSED_NARROW_WEIGHT_GRADIENT = True
+
+
 def matmul_last_axis(x: jax.Array, kernel: jax.Array, out_dtype: Any = None) -> jax.Array:
   """x (..., d_in) contracted with kernel (d_in, *out) into (..., *out), written as one matmul over all
   leading axes of x flattened: with (B, L) kept as two axes, the weight gradient contracts over both,
@@ -79,13 +84,12 @@ def matmul_last_axis(x: jax.Array, kernel: jax.Array, out_dtype: Any = None) -> 
   form the CPU runs faster (`_matmul_narrowing`). `out_dtype`: the product's dtype (accumulated and
   written in it; default the inputs' dtype)."""
   x_ND = x.reshape(-1, x.shape[-1])
-  kernel_IO = kernel.reshape(kernel.shape[0], -1)
   if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
-    y = _matmul_wider_output(x_ND, kernel_IO, jnp.dtype(out_dtype))
-  elif kernel_IO.shape[0] > kernel_IO.shape[1]:
-    y = _matmul_narrowing(x_ND, kernel_IO)
-  else:
-    y = x_ND @ kernel_IO
+    y = _matmul_wider_output(x_ND, kernel, jnp.dtype(out_dtype))
+  elif TRANSPOSED_NARROW_WEIGHT_GRADIENT and kernel.ndim == 2 and kernel.shape[0] > kernel.shape[1]:
+    y = _matmul_narrowing(x_ND, kernel)
+  else:  # (A kernel of more axes is not reshaped: that would undo a sharding of its output axes.)
+    y = jnp.tensordot(x_ND, kernel, axes=1)
   return y.reshape(*x.shape[:-1], *kernel.shape[1:])
 
 
@@ -95,29 +99,37 @@ def _matmul_narrowing(x_NI: jax.Array, kernel_IO: jax.Array) -> jax.Array:
   return x_NI @ kernel_IO
 
 
-@_matmul_narrowing.defjvp
 def _matmul_narrowing_jvp(primals, tangents):
   # The weight gradient xᵀ·dy contracts the token axis, the major one of both operands. On the CPU, XLA
-  # runs that product ~25% slower when its output has more rows than columns (I > O) than the same
-  # product computed as (dyᵀ·x)ᵀ; measured for I/O = 512/128, 1024/256, 3072/768 and the reverse
-  # shapes (slower the other way round). The kernel's tangent term below is written so that its
-  # transpose, the weight gradient, is that product; the barrier keeps XLA from folding the final
-  # transpose back into the matmul. Other platforms' matmuls take either operand transposed at no cost
-  # and keep the plain form.
+  # runs that product more slowly when its output has more rows than columns (I > O) than the same
+  # product computed as (dyᵀ·x)ᵀ: `benchmarks/cpu_matmul_kernels.py` times both forms for the FFN's
+  # 512 → 128. The kernel's tangent term below is written so that its transpose, the weight gradient, is
+  # that product; the barrier keeps XLA from folding the final transpose back into the matmul. Other
+  # platforms' matmuls take either operand transposed at no cost and keep the plain form. Tangents that
+  # are symbolically zero (an input that depends on nothing differentiated) cost no matmul.
   (x_NI, kernel_IO), (dx_NI, dkernel_IO) = primals, tangents
 
   def kernel_term_cpu(dkernel_IO):
     dkernel_OI = jax.lax.optimization_barrier(dkernel_IO.T)
     return jax.lax.dot_general(dkernel_OI, x_NI, (((1,), (1,)), ((), ()))).T
 
-  kernel_term = jax.lax.platform_dependent(dkernel_IO, cpu=kernel_term_cpu, default=lambda d: x_NI @ d)
-  return _matmul_narrowing(x_NI, kernel_IO), dx_NI @ kernel_IO + kernel_term
+  y = _matmul_narrowing(x_NI, kernel_IO)
+  terms = []
+  if not isinstance(dx_NI, jax.custom_derivatives.SymbolicZero):
+    terms.append(dx_NI @ kernel_IO)
+  if not isinstance(dkernel_IO, jax.custom_derivatives.SymbolicZero):
+    terms.append(jax.lax.platform_dependent(dkernel_IO, cpu=kernel_term_cpu,
+                                            default=lambda d: x_NI @ d))
+  return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
+
+
+_matmul_narrowing.defjvp(_matmul_narrowing_jvp, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _matmul_wider_output(x_ND: jax.Array, kernel: jax.Array, out_dtype) -> jax.Array:
   """x·kernel in the inputs' dtype (bf16), accumulated and written in `out_dtype` (float32)."""
-  return jnp.matmul(x_ND, kernel, preferred_element_type=out_dtype)
+  return jnp.tensordot(x_ND, kernel, axes=1, preferred_element_type=out_dtype)
 
 
 @_matmul_wider_output.defjvp
@@ -126,7 +138,8 @@ def _matmul_wider_output_jvp(out_dtype, primals, tangents):
   # float32 output gradient would make the input and weight gradients float32 matmuls (for a head
   # over a large vocabulary, the costliest of the backward pass). Forward mode stays available.
   (x_ND, kernel), (dx_ND, dkernel) = primals, tangents
-  dy = (jnp.matmul(dx_ND, kernel).astype(out_dtype) + jnp.matmul(x_ND, dkernel).astype(out_dtype))
+  dy = (jnp.tensordot(dx_ND, kernel, axes=1).astype(out_dtype)
+        + jnp.tensordot(x_ND, dkernel, axes=1).astype(out_dtype))
   return _matmul_wider_output(x_ND, kernel, out_dtype), dy
 
 

@@ -242,13 +242,15 @@ class Checkpointer:
       # Out of memory or denied access says nothing about the step's files: setting it aside would drop
       # good checkpoints one after another, so every process stops instead.
       machine_failed = error is not None and _machine_failure(error)
-      if not all_ok(not machine_failed):
-        if machine_failed:
-          raise error
-        raise ValueError(f'another process could not restore step {step} of {self.workdir} (out of '
-                         'memory or access denied there; see its log)')
       reason = (f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'.rstrip(': ') if error
                 else 'another process could not read it')
+      if not all_ok(not machine_failed):
+        where = reason if machine_failed else 'on another process: see its log'
+        raise ValueError(
+            f'could not restore checkpoint step {step} of {self.workdir} ({where}): out of memory or '
+            f'access denied, nothing was moved aside; free memory or fix the permissions and rerun, or '
+            f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to resume from the '
+            f'previous step') from error
       where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place by this process'
       all_ok(True)  # Every process waits here until the step is moved.
       self.manager.reload()

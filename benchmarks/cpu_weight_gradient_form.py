@@ -1,0 +1,67 @@
+r"""The train step with the narrowing dense layers' weight gradient in its two forms, timed in turns in one
+process on the CPU.
+
+  python benchmarks/cpu_weight_gradient_form.py [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...]
+                                                [--rounds=40] [--pause=0.05] [--json=FILE]
+
+Two compiled train steps of one config on one device (instrumentation off, random inputs, built as
+`python -m dsjax.bench` builds them) that differ in one thing: the weight gradient of the dense layers
+with more inputs than outputs (the FFN's second), 'plain' as XLA writes xᵀ·dy and 'transposed' as
+dsjax computes it on the CPU, (dyᵀ·x)ᵀ (`dsjax.models.layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT`). The
+steps take turns, one each per round, in alternating order, with `--pause` seconds of idle before
+each; the ratio of the two in the same round cancels the machine's drift. Reported: each step's median
+and min–max time, and per round the ratio transposed/plain (median and quartiles).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+import time
+
+from dsjax.train import host_memory
+
+host_memory.keep_freed_memory()  # as every dsjax command does; before JAX starts its threads
+
+import jax  # noqa: E402
+
+from dsjax import bench  # noqa: E402
+from dsjax.models import layers  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
+
+WARMUP_ROUNDS = 3
+
+
+def step_with(config, transposed: bool):
+  """One step of the config's train step, compiled with the weight-gradient form chosen."""
+  layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT = transposed  # read when the step is traced
+  try:
+    return bench.step_runner(bench.prepare(config, ['off'], 'random'))
+  finally:
+    layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT = True
+
+
+def main():
+  parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
+  paired.add_config_args(parser)
+  args = paired.parse_timing_args(parser, 'rounds')
+  config = paired.config_from_args(parser, args)
+  steps = {'plain': step_with(config, False), 'transposed': step_with(config, True)}
+  seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)
+  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
+  summary = paired.ratio_summary(times, 'plain')
+  results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'config': args.config,
+             'overrides': args.set, 'device': jax.devices()[0].device_kind,
+             'commit': bench.source_commit(), 'rounds': args.rounds, 'pause_s': args.pause,
+             'step_ms': times, 'step_ms_median': {name: statistics.median(t) for name, t in times.items()},
+             **summary}
+  print(f"{args.config}, {args.rounds} rounds on {results['device']}; jax {jax.__version__}, {results['date']}")
+  paired.print_times(times, summary, 'plain')
+  paired.write_json(args.json, results)
+
+
+if __name__ == '__main__':
+  main()
