@@ -304,8 +304,6 @@ def _define_flags():
 
 def main(argv):
   del argv
-  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
-  logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   args = flags.FLAGS
   check = export(args.workdir, args.out, args.rtol)
   print(f'wrote {args.out}: plain {load_config(os.path.join(args.out, "config.json")).model.block} '

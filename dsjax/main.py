@@ -50,11 +50,8 @@ def main(argv):
                                                _DISTRIBUTED.value)
   if settings is not None:
     sharding_lib.initialize_distributed(settings, detect=_DISTRIBUTED.value)
-  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
   if jax.process_index() > 0 and logging.get_verbosity() <= logging.INFO:
     logging.set_verbosity(logging.WARNING)  # Process 0 reports progress; the others what goes wrong.
-  # Orbax logs every file it renames at INFO; keep the terminal to dsjax's own progress lines.
-  logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
   config = _CONFIG.value
   cli.check_output_dir('--workdir', _WORKDIR.value)
   loop.train_and_evaluate(config, _WORKDIR.value)

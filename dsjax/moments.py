@@ -305,7 +305,6 @@ def format_summary(result) -> str:
 
 def main(argv):
   del argv
-  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
   result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value,
                _THEORY_FORM.value)
   print(describe(_CONFIG.value))

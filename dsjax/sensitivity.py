@@ -604,7 +604,6 @@ def format_summary(result) -> str:
 
 def main(argv):
   del argv
-  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))  # -v 1 keeps tracebacks.
   args = flags.FLAGS
   result = run(args.config, args.out, args.draws)
   print(describe(args.config, args.draws))

@@ -158,6 +158,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
   def guarded_main(argv):
     try:
+      _progress_logging()
       main(argv)
     except Exit as e:
       print(f'{program_name()}: {e}', file=sys.stderr, flush=True)
@@ -171,6 +172,14 @@ def run(main: Callable[[list[str]], None]) -> None:
       fail(message)
 
   app.run(guarded_main, flags_parser=_quiet_backend_probe(parse_flags))
+
+
+def _progress_logging() -> None:
+  """dsjax's INFO lines on (a higher `-v` is kept: at 1, user errors also keep their traceback), Orbax's
+  off: it logs every file it renames or reads at INFO, which would bury the progress lines and precede a
+  one-line error."""
+  logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))
+  logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
 
 
 def _quiet_backend_probe(parse: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
