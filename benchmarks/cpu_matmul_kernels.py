@@ -9,7 +9,9 @@ vocabulary), each product in the three forms a train step runs: the forward x·W
 dy·Wᵀ and the weight gradient xᵀ·dy (a product whose left operand is stored transposed: XLA's CPU
 backend hands those to a different kernel than the other two), the latter as dsjax's dense layer
 computes it (`dsjax.models.layers.matmul_last_axis`; a narrowing layer's also in XLA's plain form) and
-as PyTorch's `nn.Linear` does, dyᵀ·x. The attention products are batched over
+as PyTorch's `nn.Linear` does, dyᵀ·x. q, k and v are timed as one (d, 3·d) kernel; the model multiplies
+their stack as (d, 3, d), which keeps a sharding of its last axis, and which XLA may lower differently.
+The attention products are batched over
 batch × heads with full 128 × 128 score matrices: q·kᵀ, p·v and the value gradient pᵀ·dO. Each
 product is compiled once (`jax.jit`) or called as PyTorch eager does (`torch.matmul` on views). The two
 alternate: each round times `CALLS_PER_ROUND` calls back to back of one, then of the other, in

@@ -253,7 +253,10 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
     hlo_text = compiled.as_text()
     with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
       f.write(hlo_text)
-    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS, matmul_ops(hlo_text))
+    # On a GPU the kernels name themselves; its XLA ops can be command buffers around whole graphs.
+    on_cpu = jax.devices()[0].platform == 'cpu'
+    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS,
+                                                matmul_ops(hlo_text) if on_cpu else set())
   return results, state
 
 
@@ -288,18 +291,18 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
-# fused attention kernels (and its helper kernels) are attention. A kernel that neither name marks is a
-# matmul when the XLA op that launched it is or contains a dot (`matmul_ops`): on a CPU, whose XLA ops
-# stand in for kernels, every matmul is found so (XLA's attention included). Everything else (XLA's
-# elementwise and reduction fusions: norms, activations, residual adds, casts, bias gradients, the
-# optimizer) is 'other'.
+# fused attention kernels (and its helper kernels) are attention. On a CPU, whose XLA ops stand in for
+# kernels, an op that is or contains a dot is a matmul (`matmul_ops`; XLA's attention included).
+# Everything else (XLA's elementwise and reduction fusions: norms, activations, residual adds, casts,
+# bias gradients, the optimizer) is 'other'.
 KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'), 'attention': ('sdpa', 'cudnn', 'fmha', 'flash')}
 
 
 def matmul_ops(hlo_text: str) -> set[str]:
-  """Names of the instructions of an HLO module's text that are a dot or a convolution, or call a
-  computation that contains one, at any depth (a fusion around a matmul, such as the CPU's YNNPACK
-  fusions)."""
+  """Names of the instructions of an HLO module's text that are a dot or a convolution, or call one
+  through `calls=`, `to_apply=` or `called_computations=` at any depth (a fusion around a matmul, such
+  as the CPU's YNNPACK fusions). Loops and conditionals (`body=`, `branch_computations=`) are not
+  followed: a loop is not a matmul."""
   is_product = re.compile(r'[\]}] (?:dot|convolution)\(')  # the result's shape or layout, then the opcode
   called = re.compile(r'(?:calls|to_apply|called_computations)=\{?((?:%?[\w.\-]+(?:, )?)+)')
   computations = dict(re.findall(r'^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S))

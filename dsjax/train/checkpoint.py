@@ -249,8 +249,8 @@ class Checkpointer:
         raise ValueError(
             f'could not restore checkpoint step {step} of {self.workdir} ({where}): out of memory or '
             f'access denied, nothing was moved aside; free memory or fix the permissions and rerun, or '
-            f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to resume from the '
-            f'previous step') from error
+            f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to use the previous '
+            f'step') from error
       where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place by this process'
       all_ok(True)  # Every process waits here until the step is moved.
       self.manager.reload()

@@ -152,8 +152,9 @@ def user_error_message(error: BaseException) -> str | None:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  """`absl.app.run(main)` with one-line user errors (see the module docstring), in a process that keeps
-  freed host memory for reuse (`host_memory`: before any JAX runtime thread exists)."""
+  """`absl.app.run(main)` with one-line user errors (see the module docstring) and dsjax's progress
+  lines (`_progress_logging`), in a process that keeps freed host memory for reuse (`host_memory`:
+  before any JAX runtime thread exists)."""
   host_memory.keep_freed_memory()
 
   def guarded_main(argv):
@@ -179,7 +180,11 @@ def _progress_logging() -> None:
   off: it logs every file it renames or reads at INFO, which would bury the progress lines and precede a
   one-line error."""
   logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))
-  logging.get_absl_handler().addFilter(lambda record: '/orbax/' not in record.pathname)
+  logging.get_absl_handler().addFilter(_not_from_orbax)  # the same function is added once
+
+
+def _not_from_orbax(record: std_logging.LogRecord) -> bool:
+  return '/orbax/' not in record.pathname
 
 
 def _quiet_backend_probe(parse: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
