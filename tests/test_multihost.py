@@ -5,6 +5,7 @@ CPU processes exchange collectives through Gloo (`sharding.initialize_distribute
 real `python -m dsjax.main` runs on localhost, with a free port for the coordinator.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -171,25 +172,32 @@ def _start_two_processes(workdir, *overrides, stderr_files=None,
           for i in range(2)]
 
 
-def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
-  """Preemption reaches hosts at different moments: SIGTERM to process 1 alone makes both processes
-  save the same step and exit (not hang in a collective the other never joins)."""
+@contextlib.contextmanager
+def _two_logged_processes(tmp_path, workdir, *overrides, extra_env=({}, {})):
+  """Processes 0 and 1 of one run, with their stderr in tmp_path/process_{0,1}.log; yields (processes,
+  log paths) and kills a process still running on leaving."""
   logs = [tmp_path / f'process_{i}.log' for i in range(2)]
   with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
-    procs = _start_two_processes(tmp_path / 'run', '--config.total_steps=100000',
-                                 stderr_files=[log_0, log_1])
+    procs = _start_two_processes(workdir, *overrides, stderr_files=[log_0, log_1], extra_env=extra_env)
     try:
-      deadline = time.time() + TIMEOUT_S
-      while not re.search(r'step 3/', logs[0].read_text()):
-        assert time.time() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
-        time.sleep(0.2)
-      procs[1].send_signal(signal.SIGTERM)
-      codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
+      yield procs, logs
     finally:
       for proc in procs:
         if proc.poll() is None:
           proc.kill()
           proc.wait()
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
+  """Preemption reaches hosts at different moments: SIGTERM to process 1 alone makes both processes
+  save the same step and exit (not hang in a collective the other never joins)."""
+  with _two_logged_processes(tmp_path, tmp_path / 'run', '--config.total_steps=100000') as (procs, logs):
+    deadline = time.time() + TIMEOUT_S
+    while not re.search(r'step 3/', logs[0].read_text()):
+      assert time.time() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
   stderr = [log.read_text() for log in logs]
   assert codes == [143, 143], [s[-2000:] for s in stderr]
   stopped = [re.search(r'stopped by (.+) after step (\d+); saved checkpoint \2', s) for s in stderr]
@@ -205,10 +213,8 @@ def test_a_locked_workdir_stops_every_process_in_one_line(tmp_path):
   workdir = tmp_path / 'run'
   owner = checkpoint_lib.WorkdirLock(str(workdir))
   owner.record_owner()
-  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
   try:
-    with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
-      procs = _start_two_processes(workdir, stderr_files=[log_0, log_1])
+    with _two_logged_processes(tmp_path, workdir) as (procs, logs):
       codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
   finally:
     owner.release()
@@ -249,18 +255,10 @@ def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp
       '  read(self, step, abstract_state)\n'
       '  raise MemoryError()\n'
       'checkpoint.Checkpointer.restore_step = restore_step\n')
-  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
-  with open(logs[0], 'w') as log_0, open(logs[1], 'w') as log_1:
-    procs = _start_two_processes(workdir, '--config.total_steps=6', stderr_files=[log_0, log_1],
-                                 extra_env=({}, {'PYTHONPATH': os.pathsep.join(
-                                     filter(None, [str(hook), os.environ.get('PYTHONPATH')]))}))
-    try:
-      codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-    finally:
-      for proc in procs:
-        if proc.poll() is None:
-          proc.kill()
-          proc.wait()
+  path = os.pathsep.join(filter(None, [str(hook), os.environ.get('PYTHONPATH')]))
+  with _two_logged_processes(tmp_path, workdir, '--config.total_steps=6',
+                             extra_env=({}, {'PYTHONPATH': path})) as (procs, logs):
+    codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
   stderr = [log.read_text() for log in logs]
   assert codes == [2, 2], [s[-2000:] for s in stderr]
   last = [s.strip().splitlines()[-1] for s in stderr]
