@@ -245,10 +245,12 @@ def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp
   workdir = tmp_path / 'run'
   _run_two_processes(workdir, '--config.checkpoint_every=2')
   # Process 1's interpreter loads the hook first: its restores run out of memory once Orbax has read
-  # the step (Orbax's own cross-process restore must still be entered by every process).
+  # the step (Orbax's own cross-process restore must still be entered by every process). The hook runs
+  # before the working directory is on the path: it imports dsjax from ROOT, as `-m dsjax.main` will.
   hook = tmp_path / 'hook'
   hook.mkdir()
   (hook / 'sitecustomize.py').write_text(
+      f'import sys\nsys.path.insert(0, {str(ROOT)!r})\n'
       'from dsjax.train import checkpoint\n'
       'read = checkpoint.Checkpointer.restore_step\n'
       'def restore_step(self, step, abstract_state=None):\n'
