@@ -229,9 +229,9 @@ class Checkpointer:
     read is skipped by all. The chief moves it aside between two votes, the second a barrier after
     which every process re-reads the list of steps. A failure of the machine rather than of the files
     (`_machine_failure`: out of memory, access denied) on any process is raised instead, on all of them,
-    and moves nothing. What this covers is a failure that each process
-    meets and returns from, such as a missing or corrupted file they all read; a failure of one
-    process inside Orbax's own cross-process restore (its barrier) would leave the others waiting."""
+    and moves nothing. What this covers is a failure that each process meets and returns from, such as
+    a missing or corrupted file they all read; a failure of one process inside Orbax's own
+    cross-process restore (its barrier) would leave the others waiting."""
     for step in self.steps():
       try:
         restored, error = self.restore_step(step, abstract_state), None
