@@ -80,9 +80,9 @@ def dense_weight_grad(x_ND: jax.Array, dy_NO: jax.Array) -> jax.Array:
 
 def jax_product(form: str):
   swap = lambda t: jnp.swapaxes(t, -1, -2)  # noqa: E731
-  return jax.jit({'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ swap(b),
-                  'tn': lambda a, b: swap(a) @ b, 'weight_grad': dense_weight_grad,
-                  'weight_grad_plain': lambda a, b: swap(a) @ b}[form])
+  tn = lambda a, b: swap(a) @ b  # noqa: E731
+  return jax.jit({'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ swap(b), 'tn': tn,
+                  'weight_grad': dense_weight_grad, 'weight_grad_plain': tn}[form])
 
 
 def torch_product(form: str):

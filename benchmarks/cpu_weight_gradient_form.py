@@ -16,9 +16,7 @@ and min–max time, and per round the ratio transposed/plain (median and quartil
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
-import time
 
 from dsjax.train import host_memory
 
@@ -51,15 +49,8 @@ def main():
   config = paired.config_from_args(parser, args)
   steps = {'plain': step_with(config, False), 'transposed': step_with(config, True)}
   seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)
-  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
-  summary = paired.ratio_summary(times, 'plain')
-  results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'config': args.config,
-             'overrides': args.set, 'device': jax.devices()[0].device_kind,
-             'commit': bench.source_commit(), 'rounds': args.rounds, 'pause_s': args.pause,
-             'step_ms': times, 'step_ms_median': {name: statistics.median(t) for name, t in times.items()},
-             **summary}
-  print(f"{args.config}, {args.rounds} rounds on {results['device']}; jax {jax.__version__}, {results['date']}")
-  paired.print_times(times, summary, 'plain')
+  results = paired.report(args, seconds, 'plain', jax.devices()[0].device_kind, bench.source_commit(),
+                           jax.__version__)
   paired.write_json(args.json, results)
 
 

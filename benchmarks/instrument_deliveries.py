@@ -19,9 +19,7 @@ instrumented step to the plain one of the same round cancels the machine's drift
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
-import time
 
 from dsjax.train import host_memory
 
@@ -48,26 +46,23 @@ def timed_steps(config) -> dict:
   for name, (instrument, by_callback, per_site) in DELIVERIES.items():
     collector = instrument_lib.Collector(keep_records=False)
     step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site)
-    state = jax.jit(prepared.setup.create_state)()
-    compiled = jax.jit(step_fn, donate_argnums=0).lower(state, prepared.batch).compile()
-    calls[name] = _one_step(compiled, state, prepared.batch, collector if instrument else None)
+    calls[name] = bench.step_runner(prepared, step_fn, jax.jit(prepared.setup.create_state)(),
+                                    _deliver_to(collector) if instrument else _wait_for_callbacks)
   return calls
 
 
-def _one_step(compiled, state, batch, collector):
-  """A function that runs one step (the state carried from call to call) and waits for its statistics."""
-  steps = 0
+def _wait_for_callbacks(step, metrics):
+  del step, metrics
+  jax.effects_barrier()  # the callbacks of this step have run
 
-  def call():
-    nonlocal state, steps
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    jax.effects_barrier()  # the callbacks of this step have run
-    steps += 1
-    if collector is not None:
-      collector.add(steps, metrics['moments'])  # new keys each step, as the callbacks' records are
-      collector.flush()
-  return call
+
+def _deliver_to(collector):
+  """After a step: its statistics turned into records, the callbacks' and the returned ones."""
+  def deliver(step, metrics):
+    _wait_for_callbacks(step, metrics)
+    collector.add(step, metrics['moments'])  # new keys each step, as the callbacks' records are
+    collector.flush()
+  return deliver
 
 
 def main():
@@ -76,15 +71,8 @@ def main():
   args = paired.parse_timing_args(parser, 'rounds')
   config = paired.config_from_args(parser, args)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
-  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
-  summary = paired.ratio_summary(times, 'off')
-  results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax.__version__, 'config': args.config,
-             'overrides': args.set,
-             'device': jax.devices()[0].device_kind, 'commit': bench.source_commit(),
-             'rounds': args.rounds, 'pause_s': args.pause, 'step_ms': times,
-             'step_ms_median': {name: statistics.median(t) for name, t in times.items()}, **summary}
-  print(f"{args.config}, {args.rounds} rounds on {results['device']}; jax {jax.__version__}, {results['date']}")
-  paired.print_times(times, summary, 'off')
+  results = paired.report(args, seconds, 'off', jax.devices()[0].device_kind, bench.source_commit(),
+                           jax.__version__)
   paired.write_json(args.json, results)
 
 

@@ -88,6 +88,22 @@ def ratio_summary(times_ms: dict[str, list[float]], base: str) -> dict:
                                          for name, r in ratios.items()}}
 
 
+def report(args: argparse.Namespace, seconds: dict[str, list[float]], base: str, device: str,
+           commit: str, jax_version: str) -> dict:
+  """Prints and returns (for `--json`) the results of a script that times config variants of one step
+  in turns (`--config`, `--set`, `--rounds`): each arm's step times, and per round its ratio to
+  `base`'s."""
+  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
+  summary = ratio_summary(times, base)
+  results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax_version, 'config': args.config,
+             'overrides': args.set, 'device': device, 'commit': commit, 'rounds': args.rounds,
+             'pause_s': args.pause, 'step_ms': times,
+             'step_ms_median': {name: statistics.median(t) for name, t in times.items()}, **summary}
+  print(f"{args.config}, {args.rounds} rounds on {device}; jax {jax_version}, {results['date']}")
+  print_times(times, summary, base)
+  return results
+
+
 def print_times(times_ms: dict[str, list[float]], summary: dict, base: str) -> None:
   """Each arm's median and min–max step time, with its per-round ratio to `base` (`ratio_summary`)."""
   for name, t in times_ms.items():

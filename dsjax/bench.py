@@ -310,10 +310,11 @@ def matmul_ops(hlo_text: str) -> set[str]:
   def callees(text: str) -> set[str]:
     return {name.lstrip('%') for group in called.findall(text) for name in group.split(', ')}
 
+  callees_of = {name: callees(body) for name, body in computations.items()}
   with_product = {name for name, body in computations.items() if is_product.search(body)}
   grown = True
   while grown:  # computations that call one with a product, to a fixed point
-    more = {name for name, body in computations.items() if callees(body) & with_product}
+    more = {name for name, called_names in callees_of.items() if called_names & with_product}
     grown = not more <= with_product
     with_product |= more
   return {name for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M)
@@ -366,17 +367,24 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   return Prepared(data_info, setup, state, batch, make_step)
 
 
-def step_runner(prepared: Prepared) -> Callable[[], None]:
-  """The plain train step of `prepared`, compiled, as a function that runs one step (the state carried
-  from call to call) and waits for it: what the paired CPU benchmarks in benchmarks/ time."""
-  compiled = jax.jit(prepared.make_step(), donate_argnums=0).lower(prepared.state,
-                                                                   prepared.batch).compile()
-  state = prepared.state
+def step_runner(prepared: Prepared, step_fn: Callable | None = None, state: dict | None = None,
+                after: Callable[[int, dict], None] | None = None) -> Callable[[], None]:
+  """`step_fn` (default: the plain train step of `prepared`), compiled, as a function that runs one step
+  from `state` (default `prepared.state`; the step donates it, so each runner needs its own), carries
+  the state from call to call, waits for the step's metrics and then calls `after(step number,
+  metrics)`: what the paired benchmarks in benchmarks/ time."""
+  step_fn = prepared.make_step() if step_fn is None else step_fn
+  state = prepared.state if state is None else state
+  compiled = jax.jit(step_fn, donate_argnums=0).lower(state, prepared.batch).compile()
+  steps = 0
 
   def step():
-    nonlocal state
+    nonlocal state, steps
     state, metrics = compiled(state, prepared.batch)
     jax.block_until_ready(metrics)
+    steps += 1
+    if after is not None:
+      after(steps, metrics)
   return step
 
 

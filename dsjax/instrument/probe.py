@@ -87,6 +87,11 @@ def _grad_row(g_BLD: jax.Array) -> jax.Array:
   return _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
 
 
+def _site_row(forward_row: jax.Array, g_BLD: jax.Array) -> jax.Array:
+  """A probe site's statistics in ACTIVATION_STATS order: its forward ones, then its gradient's."""
+  return jnp.concatenate([forward_row, _grad_row(g_BLD)])
+
+
 def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
   """The model's probe(site, x, layer), checking the site and calling tap(site_index, x, layer)."""
   def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
@@ -115,7 +120,7 @@ def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer):
 
 def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
   forward, layer = residuals
-  row = jnp.concatenate([forward, _grad_row(g_BLD)])
+  row = _site_row(forward, g_BLD)
   # One-hot products rather than a scatter at a traced index: plain elementwise ops, cheap at this
   # size and easy for the SPMD partitioner inside the transposed layer scan.
   at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
@@ -177,8 +182,7 @@ def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
 
 def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
   forward, step, layer = residuals
-  jax.debug.callback(receiver.receive, step, layer, site_index,
-                     jnp.concatenate([forward, _grad_row(g_BLD)]))
+  jax.debug.callback(receiver.receive, step, layer, site_index, _site_row(forward, g_BLD))
   return g_BLD, None, None  # step and layer are integers: no cotangents.
 
 
