@@ -1,14 +1,18 @@
-r"""The train step with the narrowing dense layers' weight gradient in its two forms, timed in turns in one
-process on the CPU.
+r"""The train step with one of dsjax's CPU gradient forms on and off, timed in turns in one process on
+the CPU.
 
-  python benchmarks/cpu_weight_gradient_form.py [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...]
-                                                [--rounds=40] [--pause=0.05] [--json=FILE]
+  python benchmarks/cpu_weight_gradient_form.py [--form=narrowing|attention]
+      [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...] [--rounds=40] [--pause=0.05] [--json=FILE]
 
 Two compiled train steps of one config on one device (instrumentation off, random inputs, built as
-`python -m dsjax.bench` builds them) that differ in one thing: the weight gradient of the dense layers
-with more inputs than outputs (the FFN's second), 'plain' as XLA writes xᵀ·dy and 'transposed' as
-dsjax computes it on the CPU, (dyᵀ·x)ᵀ (`dsjax.models.layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT`). The
-steps take turns, one each per round, in alternating order, with `--pause` seconds of idle before
+`python -m dsjax.bench` builds them) that differ in one thing, the form of some backward matmuls:
+  * `--form=narrowing` (default): the weight gradient of the dense layers with more inputs than
+    outputs (the FFN's second), 'plain' as XLA writes xᵀ·dy and 'transposed' as dsjax computes it on
+    the CPU, (dyᵀ·x)ᵀ (`dsjax.models.layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT`);
+  * `--form=attention`: the XLA attention's key and value gradients, 'plain' dSᵀ·Q and Pᵀ·dO as JAX
+    transposes the plain derivative, and 'transposed' as dsjax computes them on the CPU, dSᵀ written
+    out before its product and (dOᵀ·P)ᵀ (`dsjax.models.layers.TRANSPOSED_ATTENTION_GRADIENTS`).
+The steps take turns, one each per round, in alternating order, with `--pause` seconds of idle before
 each; the ratio of the two in the same round cancels the machine's drift. Reported: each step's median
 and min–max time, and per round the ratio transposed/plain (median and quartiles).
 """
@@ -33,24 +37,32 @@ import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 WARMUP_ROUNDS = 3
 
 
-def step_with(config, transposed: bool):
-  """One step of the config's train step, compiled with the weight-gradient form chosen."""
-  layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT = transposed  # read when the step is traced
+# --form: the switch in dsjax.models.layers that turns the CPU's form on (True, the default) or off.
+FORMS = {'narrowing': 'TRANSPOSED_NARROW_WEIGHT_GRADIENT', 'attention': 'TRANSPOSED_ATTENTION_GRADIENTS'}
+
+
+def step_with(config, switch: str, transposed: bool):
+  """One step of the config's train step, compiled with the form `switch` names on or off."""
+  setattr(layers, switch, transposed)  # read when the step is traced
   try:
     return bench.step_runner(bench.prepare(config, ['off'], 'random'))
   finally:
-    layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT = True
+    setattr(layers, switch, True)
 
 
 def main():
   parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
+  parser.add_argument('--form', choices=sorted(FORMS), default='narrowing',
+                      help='Which gradient form the two steps differ in.')
   paired.add_config_args(parser)
   args = paired.parse_timing_args(parser, 'rounds')
   config = paired.config_from_args(parser, args)
-  steps = {'plain': step_with(config, False), 'transposed': step_with(config, True)}
+  switch = FORMS[args.form]
+  steps = {'plain': step_with(config, switch, False), 'transposed': step_with(config, switch, True)}
   seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)
   results = paired.report(args, seconds, 'plain', jax.devices()[0].device_kind, bench.source_commit(),
                            jax.__version__)
+  results['form'] = args.form
   paired.write_json(args.json, results)
 
 

@@ -92,6 +92,30 @@ def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
                              np.asarray(out[:, :8], np.float32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('causal', [False, True])
+def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, monkeypatch):
+  """The XLA path's own derivative rule: forward mode and the gradients equal those of jax's XLA
+  attention, with the CPU's transposed key/value gradient forms and without them; the forms (behind
+  optimization barriers) are lowered for the CPU only (exported here for GPUs and TPUs without one)."""
+  q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))
+  ours = lambda q, k, v: layers._xla_attention(q, k, v, 8 ** -0.5, causal, 0.0, None)  # noqa: E731
+  xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, scale=8 ** -0.5, is_causal=causal, implementation='xla')
+  tangents = tuple(_qkv(jnp.float32, q.shape)[::-1])
+  for got, want in zip(jax.jvp(ours, (q, k, v), tangents), jax.jvp(xla, (q, k, v), tangents)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  loss = lambda f: lambda q, k, v: jnp.sin(f(q, k, v)).sum()  # noqa: E731
+  want = jax.grad(loss(xla), (0, 1, 2))(q, k, v)
+  for transposed in (True, False):
+    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_GRADIENTS', transposed)
+    for g, g_ref in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v), want):
+      np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+    for platform in ('cpu', 'cuda', 'tpu'):
+      module = jax.export.export(jax.jit(jax.grad(loss(ours), (0, 1, 2))), platforms=[platform])(
+          q, k, v).mlir_module()
+      assert ('optimization_barrier' in module) == (transposed and platform == 'cpu'), platform
+
+
 def test_causal_attention_with_dropout_sees_no_later_token():
   """The causal path's query blocks each draw their own dropout mask and still see only earlier keys."""
   q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))

@@ -317,31 +317,42 @@ def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logi
   the masked full attention's, with (n+1)/2n of its matmul work and logits memory (5/8 for n = 4) —
   the fully masked blocks that flash attention skips (Dao et al. 2022, arXiv:2205.14135) are never
   formed. The blocks are independent, so XLA's CPU runtime also runs them side by side on its threads.
+  Without dropout the derivative is `_attention_blocks`' own rule.
   """
   l = q_BLHK.shape[1]
   # Heads are moved next to the batch first, so both matmuls are batched over leading axes: on XLA's
   # CPU backend that halves the forward time against contracting the (B, L, H, K) layout directly.
   swap_heads = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
   q_BHLK, k_BHLK, v_BHLK = swap_heads(q_BLHK), swap_heads(k_BLHK), swap_heads(v_BLHK)
-  if not causal:
-    return swap_heads(_attention_block(q_BHLK, k_BHLK, v_BHLK, logit_scale, None, dropout_rate,
-                                       dropout_key))
   # Block boundaries ceil(l·i/n), i = 0..n (a set: short sequences give fewer, non-empty blocks).
-  bounds = sorted({-(-l * i // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS + 1)})
+  bounds = (tuple(sorted({-(-l * i // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS + 1)}))
+            if causal else (0, l))
+  if dropout_key is None or dropout_rate == 0.0:
+    return swap_heads(_attention_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal))
   out_blocks = []
-  for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-    # Query start + j may see keys 0 .. start + j.
-    mask_QT = jnp.tril(jnp.ones((end - start, end), dtype=bool), k=start)
-    key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-    out_blocks.append(_attention_block(q_BHLK[:, :, start:end], k_BHLK[:, :, :end], v_BHLK[:, :, :end],
-                                       logit_scale, mask_QT, dropout_rate, key))
+  for i, (q_BHQK, k_BHTK, v_BHTK, mask_QT) in enumerate(
+      _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)):
+    key = jax.random.fold_in(dropout_key, i) if causal else dropout_key
+    probs_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT).astype(v_BHTK.dtype)
+    probs_BHQT = dropout(probs_BHQT, dropout_rate, key)
+    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK))
   return swap_heads(jnp.concatenate(out_blocks, axis=2))
 
 
-def _attention_block(q_BHQK: jax.Array, k_BHTK: jax.Array, v_BHTK: jax.Array, logit_scale: float,
-                     mask_QT: jax.Array | None, dropout_rate: float,
-                     dropout_key: jax.Array | None) -> jax.Array:
-  """Queries Q against keys/values T, with `mask_QT` (True: may attend) when given."""
+def _query_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, bounds: tuple[int, ...],
+                  causal: bool):
+  """For each block of queries [start, end): its queries, the keys and values they may see (causal:
+  those up to `end`, else all) and the mask (True: may attend; None: all)."""
+  for start, end in zip(bounds[:-1], bounds[1:]):
+    seen = end if causal else k_BHLK.shape[2]
+    # Causal: query start + j may see keys 0 .. start + j.
+    mask_QT = jnp.tril(jnp.ones((end - start, end), dtype=bool), k=start) if causal else None
+    yield q_BHLK[:, :, start:end], k_BHLK[:, :, :seen], v_BHLK[:, :, :seen], mask_QT
+
+
+def _attention_probabilities(q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: float,
+                             mask_QT: jax.Array | None) -> jax.Array:
+  """softmax(scale·q·kᵀ) in float32 of queries Q against keys T, with `mask_QT` (True: may attend)."""
   logits_BHQT = jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, k_BHTK, preferred_element_type=jnp.float32)
   logits_BHQT = logits_BHQT * logit_scale
   if mask_QT is not None:
@@ -350,9 +361,65 @@ def _attention_block(q_BHQK: jax.Array, k_BHTK: jax.Array, v_BHTK: jax.Array, lo
   # ran the train step of configs/gpt_preln.py a little faster this way than with the four axes kept
   # (paired comparison of the two compiled steps in one process).
   rows_NT = jax.nn.softmax(logits_BHQT.reshape(-1, logits_BHQT.shape[-1]), axis=-1)
-  probs_BHQT = rows_NT.reshape(logits_BHQT.shape).astype(v_BHTK.dtype)
-  probs_BHQT = dropout(probs_BHQT, dropout_rate, dropout_key)
-  return jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK)
+  return rows_NT.reshape(logits_BHQT.shape)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _attention_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, logit_scale: float,
+                      bounds: tuple[int, ...], causal: bool) -> jax.Array:
+  """Attention without dropout over the query blocks `bounds` (`_query_blocks`), (B, H, L, K) layout."""
+  return jnp.concatenate([
+      jnp.einsum('bhqt,bhtk->bhqk', _attention_probabilities(q, k, logit_scale, mask).astype(v.dtype), v)
+      for q, k, v, mask in _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)], axis=2)
+
+
+# On the CPU, the attention's key and value gradients are computed in transposed forms
+# (`_attention_blocks_jvp`); False keeps the plain forms (`benchmarks/cpu_weight_gradient_form.py
+# --form=attention` times the train step both ways).
+TRANSPOSED_ATTENTION_GRADIENTS = True
+
+
+@_attention_blocks.defjvp
+def _attention_blocks_jvp(logit_scale, bounds, causal, primals, tangents):
+  # The derivative of P·V with P = softmax(S), S = scale·Q·Kᵀ: dS = scale·(dQ·Kᵀ + Q·dKᵀ),
+  # dP = P ⊙ (dS − rowsum(P ⊙ dS)) (masked entries have P = 0), d(P·V) = dP·V + P·dV. JAX transposes
+  # it into the backward pass. Two of its products contract over the queries, with the left operand
+  # read transposed, which XLA's CPU matmuls run slowly: dK = dSᵀ·Q and dV = Pᵀ·dO. On the CPU the key
+  # term is written so that its transpose writes dSᵀ out first and multiplies it as it lies, and the
+  # value term so that the transpose computes dVᵀ = dOᵀ·P (K rows, not T) and transposes that; the
+  # barriers keep XLA from folding the transposes back into the matmuls. In the train step of
+  # configs/gpt_preln.py this took the CPU step to ~0.95 of the plain forms' time (README,
+  # "Performance"). Other platforms take the plain forms.
+  swap = lambda t: jnp.swapaxes(t, 2, 3)  # noqa: E731
+  barrier = jax.lax.optimization_barrier
+  f32 = jnp.float32
+
+  def on_cpu_transposed(tangent, cpu, plain):
+    if not TRANSPOSED_ATTENTION_GRADIENTS:
+      return plain(tangent)
+    return jax.lax.platform_dependent(tangent, cpu=cpu, default=plain)
+
+  def key_term(q, dk):  # Q·dKᵀ, (B, H, Q, T)
+    return on_cpu_transposed(
+        dk, lambda dk: swap(barrier(jnp.einsum('bhtk,bhqk->bhtq', dk, q, preferred_element_type=f32))),
+        lambda dk: jnp.einsum('bhqk,bhtk->bhqt', q, dk, preferred_element_type=f32))
+
+  def value_term(probs, dv):  # P·dV, (B, H, Q, K)
+    return on_cpu_transposed(dv, lambda dv: jnp.einsum('bhkt,bhqt->bhqk', barrier(swap(dv)), probs),
+                             lambda dv: jnp.einsum('bhqt,bhtk->bhqk', probs, dv))
+
+  out_blocks, tangent_blocks = [], []
+  for (q, k, v, mask), (dq, dk, dv, _) in zip(_query_blocks(*primals, bounds, causal),
+                                              _query_blocks(*tangents, bounds, causal)):
+    probs_f32 = _attention_probabilities(q, k, logit_scale, mask)
+    probs = probs_f32.astype(v.dtype)
+    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs, v))
+    dlogits = logit_scale * (jnp.einsum('bhqk,bhtk->bhqt', dq, k, preferred_element_type=f32)
+                             + key_term(q, dk))
+    dprobs = probs_f32 * (dlogits - jnp.sum(probs_f32 * dlogits, axis=-1, keepdims=True))
+    tangent_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', dprobs.astype(v.dtype), v)
+                          + value_term(probs, dv))
+  return jnp.concatenate(out_blocks, axis=2), jnp.concatenate(tangent_blocks, axis=2)
 
 
 def _gelu(x: jax.Array) -> jax.Array:
