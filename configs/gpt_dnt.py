@@ -4,10 +4,11 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_dnt.py --workdir=/tmp/gpt_dnt
 
-Expected runtime: 7m19s wall on an otherwise idle 2-core CPU (measured; ~2.3 steps/s including the two
-evaluations and checkpoints); slower when other jobs share the cores.
-Expected result: eval loss 1.377 nats/byte (1.987 bits/byte, perplexity 3.96) at step 1000 (measured),
-against a unigram byte entropy of the validation split of 3.144 nats (4.536 bits).
+Expected runtime: 6m35s wall on a 2-core CPU (2026-11-24, ~2.5 steps/s including the two evaluations and
+checkpoints; for about two of those minutes a second training run shared the cores).
+Expected result: eval loss 1.361 nats/byte (1.964 bits/byte, perplexity 3.90) at step 1000 (measured
+2026-11-24, seed 0; 1.377 with the previous input pipeline, whose training order differed), against a
+unigram byte entropy of the validation split of 3.144 nats (4.536 bits).
 """
 
 from dsjax.train.config import base_config

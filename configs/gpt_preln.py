@@ -4,11 +4,12 @@ Command:
 
   python -m dsjax.main --config=configs/gpt_preln.py --workdir=/tmp/gpt_preln
 
-Expected runtime: 4m42s wall on a 2-core CPU (2026-11-23; 13m41s the same day on a slower 2-core machine,
-before dsjax kept freed host memory for reuse: compare step times only on one machine, side by side).
+Expected runtime: 3m46s wall on an idle 2-core CPU (2026-11-24; 4m42s on 2026-11-23 with earlier code,
+13m41s the same day on a slower 2-core machine before dsjax kept freed host memory for reuse: compare
+step times only on one machine, side by side).
 Expected result: eval loss 1.694 nats/byte (2.444 bits/byte, perplexity 5.44) at step 1000 (measured
-2026-11-23, seed 0), against the 3.144-nat unigram entropy of the validation split; the DNT model with
-mSGDW (configs/gpt_dnt.py) reached 1.377.
+2026-11-24 and 2026-11-23, seed 0), against the 3.144-nat unigram entropy of the validation split; the
+DNT model with mSGDW (configs/gpt_dnt.py) reached 1.361.
 """
 
 from dsjax.train.config import base_config
