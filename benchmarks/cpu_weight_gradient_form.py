@@ -1,7 +1,7 @@
 r"""The train step with one of dsjax's CPU gradient forms on and off, timed in turns in one process on
 the CPU.
 
-  python benchmarks/cpu_weight_gradient_form.py [--form=narrowing|attention]
+  python benchmarks/cpu_weight_gradient_form.py [--form=narrowing|attention|attention_key|attention_value]
       [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...] [--rounds=40] [--pause=0.05] [--json=FILE]
 
 Two compiled train steps of one config on one device (instrumentation off, random inputs, built as
@@ -11,7 +11,9 @@ Two compiled train steps of one config on one device (instrumentation off, rando
     the CPU, (dyᵀ·x)ᵀ (`dsjax.models.layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT`);
   * `--form=attention`: the XLA attention's key and value gradients, 'plain' dSᵀ·Q and Pᵀ·dO as JAX
     transposes the plain derivative, and 'transposed' as dsjax computes them on the CPU, dSᵀ written
-    out before its product and (dOᵀ·P)ᵀ (`dsjax.models.layers.TRANSPOSED_ATTENTION_GRADIENTS`).
+    out before its product and (dOᵀ·P)ᵀ (`dsjax.models.layers.TRANSPOSED_ATTENTION_KEY_GRADIENT`,
+    `..._VALUE_GRADIENT`); `--form=attention_key` / `attention_value`: one of the two, the other
+    transposed in both steps.
 The steps take turns, one each per round, in alternating order, with `--pause` seconds of idle before
 each; the ratio of the two in the same round cancels the machine's drift. Reported: each step's median
 and min–max time, and per round the ratio transposed/plain (median and quartiles).
@@ -37,17 +39,23 @@ import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 WARMUP_ROUNDS = 3
 
 
-# --form: the switch in dsjax.models.layers that turns the CPU's form on (True, the default) or off.
-FORMS = {'narrowing': 'TRANSPOSED_NARROW_WEIGHT_GRADIENT', 'attention': 'TRANSPOSED_ATTENTION_GRADIENTS'}
+# --form: the switches in dsjax.models.layers that turn the CPU's forms on (True, the default) or off.
+FORMS = {'narrowing': ('TRANSPOSED_NARROW_WEIGHT_GRADIENT',),
+         'attention': ('TRANSPOSED_ATTENTION_KEY_GRADIENT', 'TRANSPOSED_ATTENTION_VALUE_GRADIENT'),
+         'attention_key': ('TRANSPOSED_ATTENTION_KEY_GRADIENT',),
+         'attention_value': ('TRANSPOSED_ATTENTION_VALUE_GRADIENT',)}
 
 
-def step_with(config, switch: str, transposed: bool):
-  """One step of the config's train step, compiled with the form `switch` names on or off."""
-  setattr(layers, switch, transposed)  # read when the step is traced
+def step_with(config, switches: tuple[str, ...], transposed: bool):
+  """One step of the config's train step, compiled with the forms `switches` name on or off (the
+  others on)."""
+  for switch in switches:
+    setattr(layers, switch, transposed)  # read when the step is traced
   try:
     return bench.step_runner(bench.prepare(config, ['off'], 'random'))
   finally:
-    setattr(layers, switch, True)
+    for switch in switches:
+      setattr(layers, switch, True)
 
 
 def main():
@@ -57,8 +65,8 @@ def main():
   paired.add_config_args(parser)
   args = paired.parse_timing_args(parser, 'rounds')
   config = paired.config_from_args(parser, args)
-  switch = FORMS[args.form]
-  steps = {'plain': step_with(config, switch, False), 'transposed': step_with(config, switch, True)}
+  switches = FORMS[args.form]
+  steps = {'plain': step_with(config, switches, False), 'transposed': step_with(config, switches, True)}
   seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)
   results = paired.report(args, seconds, 'plain', jax.devices()[0].device_kind, bench.source_commit(),
                            jax.__version__)

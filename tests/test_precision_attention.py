@@ -95,25 +95,33 @@ def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
 @pytest.mark.parametrize('causal', [False, True])
 def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, monkeypatch):
   """The XLA path's own derivative rule: forward mode and the gradients equal those of jax's XLA
-  attention, with the CPU's transposed key/value gradient forms and without them; the forms (behind
-  optimization barriers) are lowered for the CPU only (exported here for GPUs and TPUs without one)."""
-  q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))
+  attention with each of the CPU's transposed key/value gradient forms on or off; each form puts one
+  optimization barrier per query block into the CPU's backward pass and none into a GPU's or TPU's
+  (exported here without one); bfloat16 inputs get bfloat16 derivatives close to the float32 ones."""
+  q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))  # 37: uneven query blocks (10, 9, 9, 9)
+  tangents = tuple(jax.random.normal(key, q.shape) for key in jax.random.split(jax.random.key(5), 3))
   ours = lambda q, k, v: layers._xla_attention(q, k, v, 8 ** -0.5, causal, 0.0, None)  # noqa: E731
   xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, scale=8 ** -0.5, is_causal=causal, implementation='xla')
-  tangents = tuple(_qkv(jnp.float32, q.shape)[::-1])
-  for got, want in zip(jax.jvp(ours, (q, k, v), tangents), jax.jvp(xla, (q, k, v), tangents)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  loss = lambda f: lambda q, k, v: jnp.sin(f(q, k, v)).sum()  # noqa: E731
-  want = jax.grad(loss(xla), (0, 1, 2))(q, k, v)
-  for transposed in (True, False):
-    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_GRADIENTS', transposed)
-    for g, g_ref in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v), want):
-      np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+  grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sin(f(q, k, v)).sum(), (0, 1, 2)))  # noqa: E731
+  want_jvp, want_grad = jax.jvp(xla, (q, k, v), tangents), grad(xla)(q, k, v)
+  blocks = 4 if causal else 1
+  for key_form, value_form in [(True, True), (True, False), (False, True), (False, False)]:
+    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_KEY_GRADIENT', key_form)
+    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT', value_form)
+    for got, want in [*zip(jax.jvp(ours, (q, k, v), tangents), want_jvp),
+                      *zip(grad(ours)(q, k, v), want_grad)]:
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for platform in ('cpu', 'cuda', 'tpu'):
-      module = jax.export.export(jax.jit(jax.grad(loss(ours), (0, 1, 2))), platforms=[platform])(
-          q, k, v).mlir_module()
-      assert ('optimization_barrier' in module) == (transposed and platform == 'cpu'), platform
+      module = jax.export.export(grad(ours), platforms=[platform])(q, k, v).mlir_module()
+      expected = blocks * (key_form + value_form) if platform == 'cpu' else 0
+      assert module.count('stablehlo.optimization_barrier') == expected, (platform, key_form, value_form)
+  q16, k16, v16 = (t.astype(jnp.bfloat16) for t in (q, k, v))
+  tangent16 = jax.jvp(ours, (q16, k16, v16), tuple(t.astype(jnp.bfloat16) for t in tangents))[1]
+  chex.assert_type(tangent16, jnp.bfloat16)
+  for got, want in zip(grad(ours)(q16, k16, v16), want_grad):
+    chex.assert_type(got, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05 * np.abs(want).max())
 
 
 def test_causal_attention_with_dropout_sees_no_later_token():

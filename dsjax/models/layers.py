@@ -374,9 +374,10 @@ def _attention_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, l
 
 
 # On the CPU, the attention's key and value gradients are computed in transposed forms
-# (`_attention_blocks_jvp`); False keeps the plain forms (`benchmarks/cpu_weight_gradient_form.py
-# --form=attention` times the train step both ways).
-TRANSPOSED_ATTENTION_GRADIENTS = True
+# (`_attention_blocks_jvp`); False keeps that one's plain form (`benchmarks/cpu_weight_gradient_form.py
+# --form=attention|attention_key|attention_value` times the train step both ways).
+TRANSPOSED_ATTENTION_KEY_GRADIENT = True
+TRANSPOSED_ATTENTION_VALUE_GRADIENT = True
 
 
 @_attention_blocks.defjvp
@@ -390,35 +391,40 @@ def _attention_blocks_jvp(logit_scale, bounds, causal, primals, tangents):
   # barriers keep XLA from folding the transposes back into the matmuls. The CPU's train steps of
   # configs/gpt_preln.py, gpt_dnt.py and vit_dnt.py took 0.92–0.96 of their time with the plain forms
   # (README, "Performance"). Other platforms take the plain forms.
-  swap = lambda t: jnp.swapaxes(t, 2, 3)  # noqa: E731
+  swap = lambda t: jnp.swapaxes(t, 2, 3)  # noqa: E731 (B, H, X, Y) <-> (B, H, Y, X)
   barrier = jax.lax.optimization_barrier
   f32 = jnp.float32
 
-  def on_cpu_transposed(tangent, cpu, plain):
-    if not TRANSPOSED_ATTENTION_GRADIENTS:
+  def on_cpu_transposed(switch, tangent, cpu, plain):
+    if not switch:
       return plain(tangent)
     return jax.lax.platform_dependent(tangent, cpu=cpu, default=plain)
 
-  def key_term(q, dk):  # Q·dKᵀ, (B, H, Q, T)
+  def key_term(q_BHQK, dk_BHTK):  # Q·dKᵀ
     return on_cpu_transposed(
-        dk, lambda dk: swap(barrier(jnp.einsum('bhtk,bhqk->bhtq', dk, q, preferred_element_type=f32))),
-        lambda dk: jnp.einsum('bhqk,bhtk->bhqt', q, dk, preferred_element_type=f32))
+        TRANSPOSED_ATTENTION_KEY_GRADIENT, dk_BHTK,
+        lambda dk: swap(barrier(jnp.einsum('bhtk,bhqk->bhtq', dk, q_BHQK, preferred_element_type=f32))),
+        lambda dk: jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, dk, preferred_element_type=f32))
 
-  def value_term(probs, dv):  # P·dV, (B, H, Q, K)
-    return on_cpu_transposed(dv, lambda dv: jnp.einsum('bhkt,bhqt->bhqk', barrier(swap(dv)), probs),
-                             lambda dv: jnp.einsum('bhqt,bhtk->bhqk', probs, dv))
+  def value_term(probs_BHQT, dv_BHTK):  # P·dV
+    return on_cpu_transposed(
+        TRANSPOSED_ATTENTION_VALUE_GRADIENT, dv_BHTK,
+        lambda dv: jnp.einsum('bhkt,bhqt->bhqk', barrier(swap(dv)), probs_BHQT),
+        lambda dv: jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, dv))
 
   out_blocks, tangent_blocks = [], []
-  for (q, k, v, mask), (dq, dk, dv, _) in zip(_query_blocks(*primals, bounds, causal),
-                                              _query_blocks(*tangents, bounds, causal)):
-    probs_f32 = _attention_probabilities(q, k, logit_scale, mask)
-    probs = probs_f32.astype(v.dtype)
-    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs, v))
-    dlogits = logit_scale * (jnp.einsum('bhqk,bhtk->bhqt', dq, k, preferred_element_type=f32)
-                             + key_term(q, dk))
-    dprobs = probs_f32 * (dlogits - jnp.sum(probs_f32 * dlogits, axis=-1, keepdims=True))
-    tangent_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', dprobs.astype(v.dtype), v)
-                          + value_term(probs, dv))
+  for (q_BHQK, k_BHTK, v_BHTK, mask_QT), (dq_BHQK, dk_BHTK, dv_BHTK, _) in zip(
+      _query_blocks(*primals, bounds, causal), _query_blocks(*tangents, bounds, causal)):
+    probs_f32_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT)
+    probs_BHQT = probs_f32_BHQT.astype(v_BHTK.dtype)
+    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK))
+    dlogits_BHQT = logit_scale * (
+        jnp.einsum('bhqk,bhtk->bhqt', dq_BHQK, k_BHTK, preferred_element_type=f32)
+        + key_term(q_BHQK, dk_BHTK))
+    dprobs_BHQT = probs_f32_BHQT * (
+        dlogits_BHQT - jnp.sum(probs_f32_BHQT * dlogits_BHQT, axis=-1, keepdims=True))
+    tangent_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', dprobs_BHQT.astype(v_BHTK.dtype), v_BHTK)
+                          + value_term(probs_BHQT, dv_BHTK))
   return jnp.concatenate(out_blocks, axis=2), jnp.concatenate(tangent_blocks, axis=2)
 
 
