@@ -4,11 +4,11 @@ Command (2-core CPU, no network; the dataset is built from scikit-learn's copy o
 
   python -m dsjax.main --config=configs/vit_dnt.py --workdir=/tmp/vit_dnt
 
-Expected runtime: 3–12 minutes on a 2-core CPU (measured 2026-11-23 from a fresh clone: 3m27s wall
-including `pip install .`, of which the run itself 144 s; 12m01s earlier while a second training run
-shared the two cores).
+Expected runtime: 2–12 minutes on a 2-core CPU (measured 2026-11-24 from a fresh clone: the run itself
+128 s on an idle machine, 144 s on 2026-11-23; 12m01s earlier while a second training run shared the
+two cores).
 Expected result: test accuracy 0.960 (288/300) at step 600, eval loss 0.135 (measured with this command,
-seed 0; 0.957 with the previous input pipeline, whose training order differed).
+seed 0, 2026-11-23 and 2026-11-24; 0.957 with the previous input pipeline, whose training order differed).
 
 DNT setting S5 (Qi et al. 2025, §4.4 and Appendix C): InputNorm, PreNorm on attention only, QKNorm,
 MidNorm on both branches, RMSNorm. DNT's claim is that this placement trains with plain momentum SGD
