@@ -388,9 +388,9 @@ def _attention_blocks_jvp(logit_scale, bounds, causal, primals, tangents):
   # read transposed, which XLA's CPU matmuls run slowly: dK = dSᵀ·Q and dV = Pᵀ·dO. On the CPU the key
   # term is written so that its transpose writes dSᵀ out first and multiplies it as it lies, and the
   # value term so that the transpose computes dVᵀ = dOᵀ·P (K rows, not T) and transposes that; the
-  # barriers keep XLA from folding the transposes back into the matmuls. The CPU's train steps of
-  # configs/gpt_preln.py, gpt_dnt.py and vit_dnt.py took 0.92–0.96 of their time with the plain forms
-  # (README, "Performance"). Other platforms take the plain forms.
+  # barriers keep XLA from folding the transposes back into the matmuls. With both forms the CPU's train
+  # steps of configs/gpt_preln.py, gpt_dnt.py and vit_dnt.py take 0.92–0.96 of the plain forms' time,
+  # most of it from the key term's (README, "Performance"). Other platforms take the plain forms.
   swap = lambda t: jnp.swapaxes(t, 2, 3)  # noqa: E731 (B, H, X, Y) <-> (B, H, Y, X)
   barrier = jax.lax.optimization_barrier
   f32 = jnp.float32
