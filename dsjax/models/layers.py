@@ -329,25 +329,32 @@ def _xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logi
             if causal else (0, l))
   if dropout_key is None or dropout_rate == 0.0:
     return swap_heads(_attention_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal))
-  out_blocks = []
-  for i, (q_BHQK, k_BHTK, v_BHTK, mask_QT) in enumerate(
-      _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)):
-    key = jax.random.fold_in(dropout_key, i) if causal else dropout_key
-    probs_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT).astype(v_BHTK.dtype)
-    probs_BHQT = dropout(probs_BHQT, dropout_rate, key)
-    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK))
-  return swap_heads(jnp.concatenate(out_blocks, axis=2))
+  return swap_heads(_attention_over_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal,
+                                           dropout_rate, dropout_key))
 
 
 def _query_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, bounds: tuple[int, ...],
                   causal: bool):
-  """For each block of queries [start, end): its queries, the keys and values they may see (causal:
-  those up to `end`, else all) and the mask (True: may attend; None: all)."""
+  """For each block of queries [start, end): its queries, the keys and values up to `end` (all of them
+  for the one block of non-causal attention) and the mask (True: may attend; None: all)."""
   for start, end in zip(bounds[:-1], bounds[1:]):
-    seen = end if causal else k_BHLK.shape[2]
     # Causal: query start + j may see keys 0 .. start + j.
     mask_QT = jnp.tril(jnp.ones((end - start, end), dtype=bool), k=start) if causal else None
-    yield q_BHLK[:, :, start:end], k_BHLK[:, :, :seen], v_BHLK[:, :, :seen], mask_QT
+    yield q_BHLK[:, :, start:end], k_BHLK[:, :, :end], v_BHLK[:, :, :end], mask_QT
+
+
+def _attention_over_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, logit_scale: float,
+                           bounds: tuple[int, ...], causal: bool, dropout_rate: float = 0.0,
+                           dropout_key: jax.Array | None = None) -> jax.Array:
+  """Attention over the query blocks `bounds` (`_query_blocks`), (B, H, L, K) layout, with dropout on
+  the probabilities when a key is given (each causal block draws its own mask)."""
+  out_blocks = []
+  for i, (q_BHQK, k_BHTK, v_BHTK, mask_QT) in enumerate(
+      _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)):
+    key = jax.random.fold_in(dropout_key, i) if causal and dropout_key is not None else dropout_key
+    probs_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT).astype(v_BHTK.dtype)
+    out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', dropout(probs_BHQT, dropout_rate, key), v_BHTK))
+  return jnp.concatenate(out_blocks, axis=2)
 
 
 def _attention_probabilities(q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: float,
@@ -367,10 +374,8 @@ def _attention_probabilities(q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _attention_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, logit_scale: float,
                       bounds: tuple[int, ...], causal: bool) -> jax.Array:
-  """Attention without dropout over the query blocks `bounds` (`_query_blocks`), (B, H, L, K) layout."""
-  return jnp.concatenate([
-      jnp.einsum('bhqt,bhtk->bhqk', _attention_probabilities(q, k, logit_scale, mask).astype(v.dtype), v)
-      for q, k, v, mask in _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)], axis=2)
+  """`_attention_over_blocks` without dropout, differentiated by its own rule (below)."""
+  return _attention_over_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal)
 
 
 # On the CPU, the attention's key and value gradients are computed in transposed forms
