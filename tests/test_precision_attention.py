@@ -1,7 +1,8 @@
 """Compute dtype, parameter dtype, attention implementations and layer-stack options.
 
 Every attention implementation available on this machine must give the outputs and gradients of the
-XLA one (on a GPU also cuDNN's fused kernel); every layer-stack option must compute the same function.
+XLA one (on a GPU also cuDNN's fused kernel; on every machine the TPU's splash kernel, in Pallas'
+interpreter off a TPU); every layer-stack option must compute the same function.
 """
 
 import types
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 from dsjax import models, schemes
-from dsjax.models import layers
+from dsjax.models import layers, tpu_attention
 from dsjax.train import optimizers
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
@@ -43,14 +44,16 @@ def _qkv(dtype, shape):
 def _attention_fns():
   """(name, f(q, k, v, causal) -> out, dtype) for every implementation this machine runs."""
   fns = [('explicit', lambda q, k, v, causal: layers._xla_attention(
-      q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32)]
+      q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32),
+         ('splash', lambda q, k, v, causal: tpu_attention.splash_attention(
+             q, k, v, 32 ** -0.5, causal), jnp.float32)]
   if ON_GPU:
     fns.append(('cudnn', lambda q, k, v, causal: layers._cudnn_attention(
         q, k, v, 32 ** -0.5, causal), jnp.bfloat16))
   return fns
 
 
-@pytest.mark.parametrize('seq_len', [64, 37])  # 37: odd, padded for cuDNN
+@pytest.mark.parametrize('seq_len', [64, 37])  # 37: odd, padded for cuDNN (and for splash to 128)
 @pytest.mark.parametrize('causal', [False, True])
 @pytest.mark.parametrize('name,fn,dtype', _attention_fns(), ids=[f[0] for f in _attention_fns()])
 def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
@@ -69,7 +72,7 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), **tol)
 
 
-@pytest.mark.parametrize('implementation,dtype', [('xla', jnp.float32)] + (
+@pytest.mark.parametrize('implementation,dtype', [('xla', jnp.float32), ('splash', jnp.float32)] + (
     [('cudnn', jnp.bfloat16)] if ON_GPU else []))
 def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   """A DNT block (QKNorm) with a non-default logit scale equals QKNorm + jax.nn.dot_product_attention at
@@ -155,6 +158,31 @@ def test_auto_resolution():
   m.dtype = 'bfloat16'
   with pytest.raises(ValueError, match='needs the backend that must be a GPU'):
     models.attention_implementation(m, 'cpu')
+  # TPU: the splash kernel, in any compute dtype and at any head dimension; not with attention dropout.
+  m.attention, m.dtype = 'auto', 'float32'
+  assert models.attention_implementation(m, 'tpu') == 'splash'
+  assert models.attention_implementation(m, 'tpu', head_dim=30) == 'splash'
+  m.attn_dropout = 0.1
+  assert models.attention_implementation(m, 'tpu') == 'xla'
+  m.attention = 'splash'
+  with pytest.raises(ValueError, match='model.attention=splash needs model.attn_dropout that must be 0'):
+    models.attention_implementation(m, 'tpu')
+  m.attn_dropout = 0.0
+  assert models.attention_implementation(m, 'cpu') == 'splash'  # Pallas' interpreter
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_splash_attention_lowers_to_the_tpu_kernel(causal, monkeypatch):
+  """The splash path's gradient exported for a TPU (no TPU needed: Pallas lowers its kernels to Mosaic
+  custom calls) holds the kernel's forward and backward custom calls and no interpreted copy of them,
+  at ViT-B/16's odd length (197, padded to 256) and GPT-2 small's head dimension (64)."""
+  monkeypatch.setattr(tpu_attention, 'INTERPRET', False)
+  q, k, v = _qkv(jnp.bfloat16, (2, 197, 2, 64))
+  loss = lambda q, k, v: tpu_attention.splash_attention(q, k, v, 0.125, causal).astype(jnp.float32).sum()  # noqa: E731
+  module = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=['tpu'])(q, k, v).mlir_module()
+  # The forward kernel, and the backward's dq and dk/dv kernels.
+  assert module.count('tpu_custom_call') >= 3, module.count('tpu_custom_call')
+  assert 'stablehlo.while' not in module  # the interpreter runs the kernel's grid as loops
 
 
 @pytest.mark.parametrize('capability,expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'), ('7.5', 'xla'),

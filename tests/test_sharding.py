@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsjax import schemes
-from dsjax.models import layers
+from dsjax.models import layers, tpu_attention
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
@@ -123,8 +123,8 @@ MESHES = [((2, 2, 2), 0.0)] + [pytest.param(shape, 0.1, marks=pytest.mark.slow)
                                for shape in ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))]
 
 
-def _config(model_name, dropout=0.0, microbatches=1):
-  config = tiny_config(model_name, dropout=dropout, depth=2, width=32, num_heads=4)
+def _config(model_name, dropout=0.0, microbatches=1, attention='auto'):
+  config = tiny_config(model_name, dropout=dropout, depth=2, width=32, num_heads=4, attention=attention)
   config.total_steps, config.microbatches = STEPS, microbatches
   return config
 
@@ -151,16 +151,17 @@ def _initial_state(model_name, dropout):
   return jax.device_get(jax.jit(setup.create_state)())
 
 
-def _train(model_name, shape, dropout=0.0, microbatches=1):
+def _train(model_name, shape, dropout=0.0, microbatches=1, attention='auto'):
   """(the losses of STEPS steps, the final train state on its mesh)."""
-  config, setup = _config(model_name, dropout, microbatches), _setup(model_name, dropout)
+  config = _config(model_name, dropout, microbatches, attention)
+  setup = state_lib.make_setup(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO)
   mesh = sharding_lib.make_mesh(shape, jax.devices()[:math.prod(shape)])
   shardings = sharding_lib.state_shardings(jax.eval_shape(setup.create_state),
                                            sharding_lib.logical_axes(setup.abstract_model), mesh)
   state = jax.device_put(_initial_state(model_name, dropout), shardings)
   train_step = loop.make_train_step(config, setup, mesh, shardings)
   losses = []
-  with jax.set_mesh(mesh):
+  with sharding_lib.use_mesh(mesh):
     for batch in _batches(model_name, config):
       state, metrics = train_step(state, sharding_lib.global_batch(batch, mesh))
       losses.append(float(metrics['train/loss']))
@@ -168,8 +169,8 @@ def _train(model_name, shape, dropout=0.0, microbatches=1):
 
 
 @functools.cache
-def _one_device(model_name, dropout):
-  losses, state = _train(model_name, (1, 1, 1), dropout)
+def _one_device(model_name, dropout, attention='auto'):
+  losses, state = _train(model_name, (1, 1, 1), dropout, attention=attention)
   return losses, jax.device_get(state)
 
 
@@ -178,8 +179,8 @@ def _relative_error(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _assert_same_training(model_name, dropout, losses, state):
-  losses_1, state_1 = _one_device(model_name, dropout)
+def _assert_same_training(model_name, dropout, losses, state, attention='auto'):
+  losses_1, state_1 = _one_device(model_name, dropout, attention)
   np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
   # Parameters and optimizer state, array by array. The attention key bias is left out: it adds q·b
   # to every score of a query, which the softmax removes, so its gradient is 0 in exact arithmetic and
@@ -246,6 +247,23 @@ def test_vit_on_a_mesh_trains_like_one_device(capfd):
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   _assert_sharded(state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'),
                   (2, 2, 2))
+
+
+def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(monkeypatch):
+  """The TPU's splash kernel (in Pallas' interpreter here) runs inside `jax.shard_map`, each device on
+  its batch rows and heads; 5 steps on a (2, 2, 2) mesh match one device, whose losses match the XLA
+  attention's. On a mesh without the logical axis rules (`sharding.use_mesh`) it refuses to run."""
+  specs = []
+  shard_specs = tpu_attention._shard_specs
+  monkeypatch.setattr(tpu_attention, '_shard_specs', lambda shape: specs.append(shard_specs(shape)) or specs[-1])
+  losses, state = _train('gpt', (2, 2, 2), attention='splash')
+  assert specs and set(specs) == {(P(('data', 'fsdp'), 'tensor', None, None), P(('data', 'fsdp'), None))}
+  _assert_same_training('gpt', 0.0, losses, state, attention='splash')
+  np.testing.assert_allclose(_one_device('gpt', 0.0, 'splash')[0], _one_device('gpt', 0.0)[0], rtol=RTOL)
+  q = jnp.ones((8, 16, 4, 8))
+  with jax.set_mesh(sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])):
+    with pytest.raises(ValueError, match="needs logical axis rules for 'batch'"):
+      jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
 
 
 def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication():

@@ -7,6 +7,7 @@ The method keys (`model.scheme` and its own section, e.g. `model.dslm`) are adde
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import jax
 import ml_collections
@@ -42,7 +43,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   # How a step is computed (none of these changes the parameters; a run may resume with others).
   m.dtype = 'auto'                # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
   m.param_dtype = 'float32'       # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
-  m.attention = 'auto'            # 'xla' | 'cudnn' (fused, GPU, bf16) | 'auto' (cudnn where it applies)
+  m.attention = 'auto'            # 'xla' | 'cudnn' (fused, GPU, bf16) | 'splash' (fused, TPU) | 'auto'
   m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
   m.scan_unroll = 1               # layers per scan iteration
@@ -61,7 +62,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
 RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat', 'dtype', 'attention', 'scan_layers', 'scan_unroll')
 
 DTYPES = ('float32', 'bfloat16')
-ATTENTIONS = ('auto', 'xla', 'cudnn')
+ATTENTIONS = ('auto', 'xla', 'cudnn', 'splash')
 
 
 def one_of(key: str, value, allowed):
@@ -117,7 +118,7 @@ def validate_model(m) -> None:
   one_of('model.dtype', m.dtype, ('auto',) + DTYPES)
   one_of('model.param_dtype', m.param_dtype, DTYPES)
   one_of('model.attention', m.attention, ATTENTIONS)
-  attention_implementation(m)  # Checks that an explicit 'cudnn' can run here.
+  attention_implementation(m)  # Checks that an explicit 'cudnn' or 'splash' can run here.
   one_of('model.remat', m.remat, REMAT_POLICIES)
   boolean('model.scan_layers', m.scan_layers)
   positive_int('model.scan_unroll', m.scan_unroll)
@@ -136,13 +137,19 @@ def compute_dtype(m, backend: str | None = None) -> str:
 
 
 def attention_implementation(m, backend: str | None = None, *, head_dim: int | None = None) -> str:
-  """`model.attention` resolved to a `jax.nn.dot_product_attention` implementation ('xla' | 'cudnn').
+  """`model.attention` resolved to the implementation the attention modules run ('xla' | 'cudnn' |
+  'splash').
 
-  'auto' takes cuDNN's fused kernel where it applies — an NVIDIA GPU of compute capability 8.0 or newer
-  (cuDNN's flash attention; jax does not check the capability itself), bf16 compute, no attention
-  dropout (the kernel never forms the probabilities to drop), a head dimension the kernel supports (a
-  multiple of 8, at most 128) — and the XLA path elsewhere. An explicit 'cudnn' that cannot apply is an
-  error. `head_dim`: the attention's head dimension where it is not model.width / model.num_heads (a
+  'auto' takes the backend's fused kernel where it applies, and the XLA path elsewhere:
+    * on a GPU, cuDNN's flash attention (`jax.nn.dot_product_attention`): an NVIDIA GPU of compute
+      capability 8.0 or newer (jax does not check the capability itself), bf16 compute, no attention
+      dropout (the kernel never forms the probabilities to drop), a head dimension the kernel supports
+      (a multiple of 8, at most 128);
+    * on a TPU, the Pallas splash-attention kernel (`dsjax.models.tpu_attention`): no attention dropout.
+  An explicit 'cudnn' that cannot apply is an error; so is an explicit 'splash' with attention dropout.
+  Off a TPU an explicit 'splash' runs the kernel in Pallas' interpreter: the TPU's blocks, masks and
+  padding on any machine, slowly (for checking them, as the tests do on a CPU).
+  `head_dim`: the attention's head dimension where it is not model.width / model.num_heads (a
   concatenation residual's attention width). `backend` given (e.g. 'gpu' from a machine without one):
   resolved for that backend, its GPU taken to be a capable one.
   """
@@ -150,8 +157,11 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
     return 'xla'
   gpu_capable = _flash_attention_gpu() if backend is None else True
   backend = backend or jax.default_backend()
+  no_dropout = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernels have no dropout)')}
+  if m.attention == 'splash' or (m.attention == 'auto' and backend == 'tpu'):
+    return _fused_or_xla(m.attention, 'splash', no_dropout)
   head_dim = m.width // m.num_heads if head_dim is None else head_dim
-  blockers = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernel has no dropout)'),
+  blockers = {**no_dropout,
               'model.dtype': (compute_dtype(m, backend) != 'bfloat16', 'must be bfloat16 (or auto on a GPU)'),
               'model.width / model.num_heads': (head_dim % 8 or head_dim > 128,
                                                 f'(the head dimension, {head_dim}) must be a multiple of 8 '
@@ -159,11 +169,17 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
               'the backend': (backend != 'gpu', f'must be a GPU, not {backend}'),
               'the GPU': (backend == 'gpu' and not gpu_capable,
                           'must be an NVIDIA GPU of compute capability 8.0 or newer')}
+  return _fused_or_xla(m.attention, 'cudnn', blockers)
+
+
+def _fused_or_xla(requested: str, fused: str, blockers: dict[str, tuple[Any, str]]) -> str:
+  """`fused` unless one of `blockers` ({key: (blocks, why)}) blocks it: then 'xla' for 'auto', and for
+  an explicit request the first blocker's one-line error."""
   blocked = [(key, why) for key, (is_blocked, why) in blockers.items() if is_blocked]
-  if m.attention == 'cudnn' and blocked:
+  if requested == fused and blocked:
     key, why = blocked[0]
-    raise ValueError(f'model.attention=cudnn needs {key} that {why}')
-  return 'xla' if blocked else 'cudnn'
+    raise ValueError(f'model.attention={fused} needs {key} that {why}')
+  return 'xla' if blocked else fused
 
 
 def _flash_attention_gpu() -> bool:

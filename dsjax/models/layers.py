@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsjax.models.tpu_attention import splash_attention
+
 # E[z²] of a standard normal truncated to [-2, 2]; dividing by its sqrt makes truncated draws have
 # exactly the requested variance, which the theory (`dsjax.theory`) assumes.
 _TRUNC2_STD = 0.87962566103423978
@@ -209,9 +211,10 @@ class Attention(nnx.Module):
   Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4).
 
   `implementation`: 'xla' (the probabilities materialised, B·H·L² memory, 5/8 of that when causal;
-  attention dropout applies to them) or 'cudnn' (the fused flash-attention kernel of cuDNN through
-  `jax.nn.dot_product_attention`, NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout). Both compute
-  the logits and the softmax in float32; the 'xla' path is written out (`_xla_attention`) rather than
+  attention dropout applies to them), 'cudnn' (the fused flash-attention kernel of cuDNN through
+  `jax.nn.dot_product_attention`, NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout) or 'splash'
+  (the Pallas splash-attention kernel for TPUs, `dsjax.models.tpu_attention`, memory linear in L, no
+  dropout). All compute the logits and the softmax in float32; the 'xla' path is written out (`_xla_attention`) rather than
   taken from `jax.nn.dot_product_attention(implementation='xla')`, which computes the same (tested) but
   is slower on the CPU and has no dropout.
   """
@@ -273,6 +276,8 @@ class Attention(nnx.Module):
     v_BLHK = split_heads(v_BLD)
     if self.implementation == 'cudnn':
       out_BLHK = _cudnn_attention(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal)
+    elif self.implementation == 'splash':
+      out_BLHK = splash_attention(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal)
     else:
       out_BLHK = _xla_attention(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal,
                                 self.attn_dropout, dropout_key)
@@ -282,7 +287,7 @@ class Attention(nnx.Module):
     return self.o(out_BLHK.reshape(b, l, self.num_heads * self.head_dim))
 
 
-ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
+ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'splash')
 # Blocks of queries in the XLA path's causal attention (`_xla_attention`): more blocks skip more of the
 # masked half but add copies of the key/value prefixes. In the 2-core CPU's train step of
 # configs/gpt_preln.py (seq 128) 2 and 4 were within run-to-run noise of each other and 8 slower; the

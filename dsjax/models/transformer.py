@@ -78,7 +78,7 @@ class TransformerConfig:
   scan_layers: bool = True      # False: a Python loop over the layers (per-layer values can leave it)
   scan_unroll: int = 1          # layers per scan iteration (jax.lax.scan's `unroll`)
   dtype: str = 'float32'        # compute dtype of the branches (the residual stream stays float32)
-  attention: str = 'xla'        # jax.nn.dot_product_attention implementation: 'xla' | 'cudnn'
+  attention: str = 'xla'        # attention implementation: 'xla' | 'cudnn' | 'splash' (layers.Attention)
 
 
 def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:

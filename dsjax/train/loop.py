@@ -249,7 +249,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   jit_train_step = lambda **kw: make_train_step(config, setup, mesh, state_shardings, **kw)
   next_batch = lambda: sharding_lib.global_batch(next(train_data), mesh)
   batch = next_batch() if first_step < config.total_steps else None
-  with jax.set_mesh(mesh):
+  with sharding_lib.use_mesh(mesh):
     if batch is not None:
       train_step, step_memory = _compile('train step', jit_train_step(), state, batch)
   # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
@@ -263,7 +263,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     instrumented_train_step = jit_train_step(instrument=True, moments_receiver=receiver,
                                              moments_per_site=mesh.size > 1)
     if batch is not None:
-      with jax.set_mesh(mesh):
+      with sharding_lib.use_mesh(mesh):
         instrumented_train_step, _ = _compile('instrumented train step', instrumented_train_step, state, batch)
   eval_step = make_eval_step(config, setup, mesh, state_shardings)
 
@@ -318,7 +318,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
                  metrics['train/lr'], steps_per_sec, eta_s // 60, eta_s % 60,
                  ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()))
 
-  with jax.set_mesh(mesh):
+  with sharding_lib.use_mesh(mesh):
     for step in range(first_step + 1, config.total_steps + 1):
       batch = batch if step == first_step + 1 else next_batch()
       try:

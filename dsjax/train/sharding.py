@@ -25,9 +25,10 @@ devices of one process (`check_process_layout`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import ml_collections
@@ -39,6 +40,9 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor',
               'patch': None, 'seq': None, None: None}
+# Logical axes of activations, for the model code that places them itself (a fused attention kernel
+# that runs per device inside `jax.shard_map`), as Flax's logical axis rules (`use_mesh`).
+ACTIVATION_AXIS_RULES = (('batch', BATCH_AXES), ('heads', AXIS_RULES['heads']))
 
 
 def mesh_config() -> ml_collections.ConfigDict:
@@ -76,6 +80,14 @@ def make_mesh(shape, devices=None) -> Mesh:
   mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
   check_process_layout(np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices))
   return mesh
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[None]:
+  """`mesh` as the current mesh of the steps traced and run inside, with the activations' logical axis
+  rules (`ACTIVATION_AXIS_RULES`) that the model code reads where it places arrays itself."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(ACTIVATION_AXIS_RULES):
+    yield
 
 
 def check_process_layout(process_of_device_DFT: np.ndarray):

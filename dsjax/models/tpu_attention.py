@@ -1,0 +1,105 @@
+"""TPU attention: the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.splash_attention`).
+
+Splash attention is a block-sparse flash attention (Dao et al. 2022, arXiv:2205.14135) for TPUs: it
+never forms the B·H·L² probabilities, skips the key blocks the causal mask hides entirely, and keeps
+its softmax statistics and accumulators in float32. Its training kernels want a sequence length that
+is a multiple of the 128 lanes of a TPU vector register; a shorter or uneven one (ViT's patches plus
+the class token, e.g. 197) is padded to the next multiple, and segment ids keep the padding positions
+out of every real position's softmax (each padding query attends to padding keys only, so no row is
+empty). The kernel takes no logit scale: q is multiplied by it first.
+
+Sharding. A Pallas kernel is a custom call XLA cannot partition, so on a mesh of several devices the
+kernel runs inside `jax.shard_map`, each device on its own batch rows and heads: the batch over the
+mesh axes the logical axis 'batch' maps to and the heads over those of 'heads', read from Flax's
+logical axis rules (`flax.core.spmd.logical_axis_rules`; the training loop sets them with its mesh).
+A dimension its mesh axes do not divide stays whole on each device of that axis.
+
+Off a TPU the same kernel runs in Pallas' interpreter (`INTERPRET`): slow, but the same blocks, masks
+and padding, which is how the tests check it against the XLA attention on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
+
+LANES = 128
+# The kernel's blocks of queries and keys: the largest of these that divides the padded length (512
+# is the splash kernel's own default block).
+BLOCK_CANDIDATES = (512, 256, 128)
+# True/False: always/never the Pallas interpreter; None: the interpreter unless the default backend is
+# a TPU.
+INTERPRET: bool | None = None
+
+
+def splash_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
+                     causal: bool) -> jax.Array:
+  """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out."""
+  b, l = q_BLHK.shape[:2]
+  padded = -(-l // LANES) * LANES
+  heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
+  pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, padded - l), (0, 0)))  # noqa: E731 (B, H, L, K)
+  q_scaled_BLHK = (q_BLHK.astype(jnp.float32) * logit_scale).astype(q_BLHK.dtype)
+  q_BHPK, k_BHPK, v_BHPK = (pad(heads_first(t)) for t in (q_scaled_BLHK, k_BLHK, v_BLHK))
+  # Segment 1: the real positions; 0: the padding.
+  segments_BP = jnp.broadcast_to((jnp.arange(padded) < l).astype(jnp.int32), (b, padded))
+
+  def attend(q_BHPK, k_BHPK, v_BHPK, segments_BP):
+    kernel = _kernel(q_BHPK.shape[1], padded, causal, _interpret())
+    per_example = lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s))  # noqa: E731
+    return jax.vmap(per_example)(q_BHPK, k_BHPK, v_BHPK, segments_BP)
+
+  specs = _shard_specs(q_BHPK.shape)
+  if specs is not None:
+    qkv_spec, segments_spec = specs
+    attend = jax.shard_map(attend, in_specs=(qkv_spec,) * 3 + (segments_spec,), out_specs=qkv_spec,
+                           check_vma=False)
+  out_BHPK = attend(q_BHPK, k_BHPK, v_BHPK, segments_BP)
+  return heads_first(out_BHPK[:, :, :l])
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != 'tpu' if INTERPRET is None else INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(num_heads: int, length: int, causal: bool, interpret: bool):
+  """The splash kernel for `num_heads` heads of `length` positions (a multiple of LANES), built once:
+  building it analyses the mask block by block on the host."""
+  block = next(b for b in BLOCK_CANDIDATES if length % b == 0)
+  mask = splash_mask.CausalMask((length, length)) if causal else splash_mask.FullMask((length, length))
+  blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                             block_kv_dq=block)
+  return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * num_heads), block_sizes=blocks,
+                                head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _shard_specs(shape_BHPK: tuple[int, ...]) -> tuple[P, P] | None:
+  """(q/k/v spec, segment-ids spec) for `jax.shard_map` over the current mesh, or None on one device.
+
+  The batch goes over the mesh axes the logical axis rules give 'batch', the heads over those they give
+  'heads'; a mesh of several devices without a rule for 'batch' is an error, never a silent replication
+  of the whole attention on every device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  rules = dict(spmd.get_logical_axis_rules())
+  if 'batch' not in rules:
+    raise ValueError(f'splash attention on a mesh of {mesh.size} devices needs logical axis rules for '
+                     "'batch' (and 'heads'): set them with flax.core.spmd.logical_axis_rules")
+
+  def axes_dividing(logical: str, size: int):
+    names = rules.get(logical)
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
+
+  batch, heads = axes_dividing('batch', shape_BHPK[0]), axes_dividing('heads', shape_BHPK[1])
+  return P(batch, heads, None, None), P(batch, None)
