@@ -230,6 +230,11 @@ class Measurement:
 
   def __init__(self, config, data_info, prepared=None):
     self.depth = config.model.depth
+    # Forward-mode derivatives (`jax.linearize`) need an attention that JAX differentiates both ways:
+    # the fused kernels (cuDNN's, the TPU's splash) define only a backward pass, so the measurement
+    # runs the XLA path, the same function (tests/test_precision_attention.py).
+    config = config.copy_and_resolve_references()
+    config.model.attention = 'xla'
 
     def build(key):
       return schemes.build_model(config, data_info, nnx.Rngs(params=key), prepared)

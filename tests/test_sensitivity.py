@@ -118,6 +118,18 @@ def small_postln():
   return config, measurement, inputs
 
 
+def test_a_fused_attention_is_measured_by_the_xla_one():
+  """Forward mode needs an attention JAX differentiates both ways: a config asking for a fused kernel
+  (here the TPU's splash kernel, which defines only its backward pass) is measured with the XLA path;
+  the caller's config is left as it was."""
+  config = tiny_config('gpt', depth=2, attention='splash')
+  measurement = sensitivity.Measurement(config, TEXT_INFO)
+  assert models.attention_implementations(measurement.model) == ['xla']
+  assert config.model.attention == 'splash'
+  inputs = jax.random.randint(jax.random.key(1), (config.batch_size, config.data.seq_len), 0, 256)
+  assert np.isfinite(float(measurement.draw(jax.random.key(0), inputs)['all']))
+
+
 def test_jvp_is_the_finite_difference_limit(small_postln):
   config, measurement, inputs = small_postln
   key = jax.random.key(7)
