@@ -171,13 +171,15 @@ def test_auto_resolution():
   assert models.attention_implementation(m, 'cpu') == 'splash'  # Pallas' interpreter
 
 
+@pytest.mark.parametrize('length', [197, 256])
 @pytest.mark.parametrize('causal', [False, True])
-def test_splash_attention_lowers_to_the_tpu_kernel(causal, monkeypatch):
+def test_splash_attention_lowers_to_the_tpu_kernel(causal, length, monkeypatch):
   """The splash path's gradient exported for a TPU (no TPU needed: Pallas lowers its kernels to Mosaic
   custom calls) holds the kernel's forward and backward custom calls and no interpreted copy of them,
-  at ViT-B/16's odd length (197, padded to 256) and GPT-2 small's head dimension (64)."""
+  at ViT-B/16's odd length (197, padded to 256 with segment ids), at 256 (no padding) and GPT-2 small's
+  head dimension (64)."""
   monkeypatch.setattr(tpu_attention, 'INTERPRET', False)
-  q, k, v = _qkv(jnp.bfloat16, (2, 197, 2, 64))
+  q, k, v = _qkv(jnp.bfloat16, (2, length, 2, 64))
   loss = lambda q, k, v: tpu_attention.splash_attention(q, k, v, 0.125, causal).astype(jnp.float32).sum()  # noqa: E731
   module = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=['tpu'])(q, k, v).mlir_module()
   # The forward kernel, and the backward's dq and dk/dv kernels.
