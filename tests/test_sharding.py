@@ -260,8 +260,16 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
   assert specs and set(specs) == {(P(('data', 'fsdp'), 'tensor', None, None), P(('data', 'fsdp'), None))}
   _assert_same_training('gpt', 0.0, losses, state, attention='splash')
   np.testing.assert_allclose(_one_device('gpt', 0.0, 'splash')[0], _one_device('gpt', 0.0)[0], rtol=RTOL)
-  q = jnp.ones((8, 16, 4, 8))
-  with jax.set_mesh(sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])):
+  # Two separately traced calls of the same shapes: the kernel built in the first trace (inside
+  # shard_map) is reused by the second, and must hold no tracer of the first.
+  mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
+  q = jax.random.normal(jax.random.key(0), (8, 37, 4, 8))
+  reference = jax.nn.dot_product_attention(q, q, q, scale=0.3, is_causal=True)
+  with sharding_lib.use_mesh(mesh):
+    for _ in range(2):
+      out = jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 0.3, True))(q)
+      np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+  with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="needs logical axis rules for 'batch'"):
       jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
 

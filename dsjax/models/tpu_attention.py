@@ -79,6 +79,13 @@ def _kernel(num_heads: int, length: int, causal: bool, interpret: bool, segmente
   segment ids; it is part of the key because one kernel object called with them and later without
   fails in the second call's vmapped gradient (tests/test_precision_attention.py lowers both)."""
   del segmented
+  # The kernel keeps the mask's block tables as arrays: made inside a trace (the first call may come
+  # inside `jax.shard_map`) they would be that trace's tracers, leaked into every later call.
+  with jax.ensure_compile_time_eval():
+    return _make_kernel(num_heads, length, causal, interpret)
+
+
+def _make_kernel(num_heads: int, length: int, causal: bool, interpret: bool):
   block = next(b for b in BLOCK_CANDIDATES if length % b == 0)
   mask = splash_mask.CausalMask((length, length)) if causal else splash_mask.FullMask((length, length))
   blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
