@@ -180,7 +180,8 @@ def test_splash_attention_lowers_to_the_tpu_kernel(causal, length, monkeypatch):
   head dimension (64)."""
   monkeypatch.setattr(tpu_attention, 'INTERPRET', False)
   q, k, v = _qkv(jnp.bfloat16, (2, length, 2, 64))
-  loss = lambda q, k, v: tpu_attention.splash_attention(q, k, v, 0.125, causal).astype(jnp.float32).sum()  # noqa: E731
+  def loss(q, k, v):
+    return tpu_attention.splash_attention(q, k, v, 0.125, causal).astype(jnp.float32).sum()
   module = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=['tpu'])(q, k, v).mlir_module()
   # The forward kernel, and the backward's dq and dk/dv kernels.
   assert module.count('tpu_custom_call') >= 3, module.count('tpu_custom_call')

@@ -253,9 +253,13 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
   """The TPU's splash kernel (in Pallas' interpreter here) runs inside `jax.shard_map`, each device on
   its batch rows and heads; 5 steps on a (2, 2, 2) mesh match one device, whose losses match the XLA
   attention's. On a mesh without the logical axis rules (`sharding.use_mesh`) it refuses to run."""
-  specs = []
-  shard_specs = tpu_attention._shard_specs
-  monkeypatch.setattr(tpu_attention, '_shard_specs', lambda shape: specs.append(shard_specs(shape)) or specs[-1])
+  specs, shard_specs = [], tpu_attention._shard_specs
+
+  def recorded_shard_specs(shape):
+    specs.append(shard_specs(shape))
+    return specs[-1]
+
+  monkeypatch.setattr(tpu_attention, '_shard_specs', recorded_shard_specs)
   losses, state = _train('gpt', (2, 2, 2), attention='splash')
   assert specs and set(specs) == {(P(('data', 'fsdp'), 'tensor', None, None), P(('data', 'fsdp'), None))}
   _assert_same_training('gpt', 0.0, losses, state, attention='splash')

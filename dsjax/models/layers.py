@@ -214,9 +214,9 @@ class Attention(nnx.Module):
   attention dropout applies to them), 'cudnn' (the fused flash-attention kernel of cuDNN through
   `jax.nn.dot_product_attention`, NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout) or 'splash'
   (the Pallas splash-attention kernel for TPUs, `dsjax.models.tpu_attention`, memory linear in L, no
-  dropout). All compute the logits and the softmax in float32; the 'xla' path is written out (`_xla_attention`) rather than
-  taken from `jax.nn.dot_product_attention(implementation='xla')`, which computes the same (tested) but
-  is slower on the CPU and has no dropout.
+  dropout). All compute the logits and the softmax in float32; the 'xla' path is written out
+  (`_xla_attention`) rather than taken from `jax.nn.dot_product_attention(implementation='xla')`, which
+  computes the same (tested) but is slower on the CPU and has no dropout.
   """
 
   def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,

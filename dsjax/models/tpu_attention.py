@@ -6,7 +6,8 @@ its softmax statistics and accumulators in float32. Its training kernels want a 
 is a multiple of the 128 lanes of a TPU vector register; a shorter or uneven one (ViT's patches plus
 the class token, e.g. 197) is padded to the next multiple, and segment ids keep the padding positions
 out of every real position's softmax (each padding query attends to padding keys only, so no row is
-empty). The kernel takes no logit scale: q is multiplied by it first.
+empty). The kernel takes no logit scale: q is multiplied by it first (in float32, then rounded to
+q's dtype).
 
 Sharding. A Pallas kernel is a custom call XLA cannot partition, so on a mesh of several devices the
 kernel runs inside `jax.shard_map`, each device on its own batch rows and heads: the batch over the

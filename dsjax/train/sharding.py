@@ -16,7 +16,9 @@ error, never a silent replication.
 Activations: the train and eval steps (`dsjax.train.loop`) pin the batch axis of the inputs, of the
 residual stream at every layer and of the model outputs to data × fsdp with `activation_sharding`, and
 leave their other axes to XLA's sharding propagation (GSPMD, Xu et al. 2021, arXiv:2105.04663); they
-gather the embedding tables and heads over fsdp before use (`gather_tables_over_fsdp`).
+gather the embedding tables and heads over fsdp before use (`gather_tables_over_fsdp`). Model code that
+places activations itself (a Pallas attention kernel, per device inside `jax.shard_map`) reads the mesh
+axes of 'batch' and 'heads' from Flax's logical axis rules, which `use_mesh` sets with the mesh.
 
 Several processes (`jax.distributed`, initialised by `dsjax.main` from `distributed_settings`): each
 process reads its own rows of every global batch (`dsjax.data`), so every batch shard must live on the
