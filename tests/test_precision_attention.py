@@ -46,7 +46,9 @@ def _attention_fns():
   fns = [('explicit', lambda q, k, v, causal: layers._xla_attention(
       q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32),
          ('splash', lambda q, k, v, causal: tpu_attention.splash_attention(
-             q, k, v, 32 ** -0.5, causal), jnp.float32)]
+             q, k, v, 32 ** -0.5, causal), jnp.float32),
+         ('splash_bf16', lambda q, k, v, causal: tpu_attention.splash_attention(
+             q, k, v, 32 ** -0.5, causal), jnp.bfloat16)]
   if ON_GPU:
     fns.append(('cudnn', lambda q, k, v, causal: layers._cudnn_attention(
         q, k, v, 32 ** -0.5, causal), jnp.bfloat16))
