@@ -292,7 +292,8 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
 # fused attention kernels (and its helper kernels) and the Pallas splash kernels (named `splash_mha_*`;
-# no TPU trace has been read here) are attention. On a CPU, whose XLA ops stand in for kernels, an op that is or contains a dot is a matmul (`matmul_ops`; XLA's attention included).
+# no TPU trace has been read here) are attention. On a CPU, whose XLA ops stand in for kernels, an op
+# that is or contains a dot is a matmul (`matmul_ops`; XLA's attention included).
 # Everything else (XLA's elementwise and reduction fusions: norms, activations, residual adds, casts,
 # bias gradients, the optimizer) is 'other'.
 KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'),

@@ -217,6 +217,16 @@ def _sum_sq(x: jax.Array) -> jax.Array:
 # One draw: the measurement and the local factors of the composition, on device.
 # ------------------------------------------------------------------------------------------------
 
+def with_xla_attention(config):
+  """A copy of `config` whose model runs the XLA attention. Forward-mode derivatives (`jax.linearize`)
+  need an attention that JAX differentiates both ways: the fused kernels (cuDNN's, the TPU's splash)
+  define only a backward pass; the XLA path computes the same function
+  (tests/test_precision_attention.py)."""
+  config = config.copy_and_resolve_references()
+  config.model.attention = 'xla'
+  return config
+
+
 class Measurement:
   """The model of a config and the jitted computations of one draw (module docstring).
 
@@ -230,11 +240,7 @@ class Measurement:
 
   def __init__(self, config, data_info, prepared=None):
     self.depth = config.model.depth
-    # Forward-mode derivatives (`jax.linearize`) need an attention that JAX differentiates both ways:
-    # the fused kernels (cuDNN's, the TPU's splash) define only a backward pass, so the measurement
-    # runs the XLA path, the same function (tests/test_precision_attention.py).
-    config = config.copy_and_resolve_references()
-    config.model.attention = 'xla'
+    config = with_xla_attention(config)
 
     def build(key):
       return schemes.build_model(config, data_info, nnx.Rngs(params=key), prepared)
@@ -433,7 +439,9 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   """`Measurement.draw` on `num_draws` draws (host arrays), and the model's residual layout."""
   if isinstance(num_draws, bool) or not isinstance(num_draws, int) or num_draws < 1:
     raise ValueError(f'--draws must be a positive integer, got {num_draws!r}')
-  # The run's config checks; the measurement runs on one device without a mesh, so not mesh.shape.
+  # The run's config checks (of the attention it will run); the measurement runs on one device without
+  # a mesh, so not mesh.shape.
+  config = with_xla_attention(config)
   data_info = config_lib.validate_single_device_run(config, training=False)
   prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
   measurement = Measurement(config, data_info, prepared)

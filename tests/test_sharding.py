@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -276,6 +277,23 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="needs logical axis rules for 'batch'"):
       jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
+
+
+def test_evaluation_runs_on_the_mesh_with_its_axis_rules_whoever_calls_it():
+  """A run resumed when already done evaluates outside the training loop: the eval step must still see
+  the mesh and the activations' logical axis rules (the splash kernel's shard_map needs them)."""
+  mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
+  seen = []
+
+  def eval_step(state, batch):
+    del state, batch
+    seen.append((jax.sharding.get_abstract_mesh().size, dict(spmd.get_logical_axis_rules())))
+    return {'loss_sum': 1.0, 'count': 1.0}
+
+  config = tiny_config('gpt')
+  config.eval_batch_size = 8
+  loop.evaluate(eval_step, None, config, mesh, dict(process_index=0, process_count=1))
+  assert seen and all(size == 8 and rules['batch'] == sharding_lib.BATCH_AXES for size, rules in seen)
 
 
 def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication():

@@ -6,11 +6,13 @@ The method keys (`model.scheme` and its own section, e.g. `model.dslm`) are adde
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any
 
 import jax
 import ml_collections
+from absl import logging
 from ml_collections import config_dict
 
 from dsjax.models.layers import ACTIVATIONS
@@ -159,6 +161,8 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
   backend = backend or jax.default_backend()
   no_dropout = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernels have no dropout)')}
   if m.attention == 'splash' or (m.attention == 'auto' and backend == 'tpu'):
+    if backend != 'tpu':
+      _warn_splash_interpreted(backend)
     return _fused_or_xla(m.attention, 'splash', no_dropout)
   head_dim = m.width // m.num_heads if head_dim is None else head_dim
   blockers = {**no_dropout,
@@ -170,6 +174,12 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
               'the GPU': (backend == 'gpu' and not gpu_capable,
                           'must be an NVIDIA GPU of compute capability 8.0 or newer')}
   return _fused_or_xla(m.attention, 'cudnn', blockers)
+
+
+@functools.cache
+def _warn_splash_interpreted(backend: str) -> None:
+  logging.warning('model.attention=splash on %s runs the TPU kernel in Pallas\' interpreter: the same '
+                  'function, many times slower (model.attention=auto picks the fast path here)', backend)
 
 
 def _fused_or_xla(requested: str, fused: str, blockers: dict[str, tuple[Any, str]]) -> str:

@@ -214,7 +214,8 @@ class Attention(nnx.Module):
   attention dropout applies to them), 'cudnn' (the fused flash-attention kernel of cuDNN through
   `jax.nn.dot_product_attention`, NVIDIA GPUs, bf16/fp16, memory linear in L, no dropout) or 'splash'
   (the Pallas splash-attention kernel for TPUs, `dsjax.models.tpu_attention`, memory linear in L, no
-  dropout). All compute the logits and the softmax in float32; the 'xla' path is written out
+  dropout; q·scale is rounded to q's dtype before the kernel's product, an extra rounding in bfloat16).
+  All compute the logits and the softmax in float32; the 'xla' path is written out
   (`_xla_attention`) rather than taken from `jax.nn.dot_product_attention(implementation='xla')`, which
   computes the same (tested) but is slower on the CPU and has no dropout.
   """

@@ -2,12 +2,12 @@
 
 Splash attention is a block-sparse flash attention (Dao et al. 2022, arXiv:2205.14135) for TPUs: it
 never forms the B·H·L² probabilities, skips the key blocks the causal mask hides entirely, and keeps
-its softmax statistics and accumulators in float32. Its training kernels want a sequence length that
-is a multiple of the 128 lanes of a TPU vector register; a shorter or uneven one (ViT's patches plus
-the class token, e.g. 197) is padded to the next multiple, and segment ids keep the padding positions
-out of every real position's softmax (each padding query attends to padding keys only, so no row is
-empty). The kernel takes no logit scale: q is multiplied by it first (in float32, then rounded to
-q's dtype).
+its softmax statistics and accumulators in float32. Its kernels take a sequence length that is a
+multiple of their block (`BLOCK`, 128: the lanes of a TPU vector register); a shorter or uneven one
+(ViT's patches plus the class token, e.g. 197) is padded to the next multiple, and segment ids keep
+the padding positions out of every real position's softmax (each padding query attends to padding
+keys only, so no row is empty). The kernel takes no logit scale: q is multiplied by it first (in
+float32, then rounded to q's dtype).
 
 Sharding. A Pallas kernel is a custom call XLA cannot partition, so on a mesh of several devices the
 kernel runs inside `jax.shard_map`, each device on its own batch rows and heads: the batch over the
@@ -31,10 +31,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-LANES = 128
-# The kernel's blocks of queries and keys: the largest of these that divides the padded length (512
-# is the splash kernel's own default block).
-BLOCK_CANDIDATES = (512, 256, 128)
+# The kernel's blocks of queries and keys, forward and backward (a multiple of the 128 lanes of a TPU
+# vector register; the sequence is padded to a multiple of it): the kernel's own default
+# (`BlockSizes.get_default`). Larger blocks are a tuning to be measured on a TPU, which has not been done.
+BLOCK = 128
 # True/False: always/never the Pallas interpreter; None: the interpreter unless the default backend is
 # a TPU.
 INTERPRET: bool | None = None
@@ -44,7 +44,7 @@ def splash_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, lo
                      causal: bool) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out."""
   b, l = q_BLHK.shape[:2]
-  padded = -(-l // LANES) * LANES
+  padded = -(-l // BLOCK) * BLOCK
   heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
   pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, padded - l), (0, 0)))  # noqa: E731 (B, H, L, K)
   q_scaled_BLHK = (q_BLHK.astype(jnp.float32) * logit_scale).astype(q_BLHK.dtype)
@@ -75,7 +75,7 @@ def _interpret() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(num_heads: int, length: int, causal: bool, interpret: bool, segmented: bool):
-  """The splash kernel for `num_heads` heads of `length` positions (a multiple of LANES), built once:
+  """The splash kernel for `num_heads` heads of `length` positions (a multiple of BLOCK), built once:
   building it analyses the mask block by block on the host. `segmented`: whether it is called with
   segment ids; it is part of the key because one kernel object called with them and later without
   fails in the second call's vmapped gradient (tests/test_precision_attention.py lowers both)."""
@@ -87,21 +87,23 @@ def _kernel(num_heads: int, length: int, causal: bool, interpret: bool, segmente
 
 
 def _make_kernel(num_heads: int, length: int, causal: bool, interpret: bool):
-  block = next(b for b in BLOCK_CANDIDATES if length % b == 0)
   mask = splash_mask.CausalMask((length, length)) if causal else splash_mask.FullMask((length, length))
-  blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                             block_kv_dq=block)
+  blocks = splash.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK, block_q_dkv=BLOCK,
+                             block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK, block_q_dq=BLOCK,
+                             block_kv_dq=BLOCK)
   return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * num_heads), block_sizes=blocks,
                                 head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _shard_specs(shape_BHPK: tuple[int, ...]) -> tuple[P, P] | None:
-  """(q/k/v spec, segment-ids spec) for `jax.shard_map` over the current mesh, or None on one device.
+  """(q/k/v spec, segment-ids spec) for `jax.shard_map` over the current mesh, or None without one
+  (or on one device).
 
   The batch goes over the mesh axes the logical axis rules give 'batch', the heads over those they give
-  'heads'; a mesh of several devices without a rule for 'batch' is an error, never a silent replication
-  of the whole attention on every device."""
+  'heads'. A mesh of several devices without a rule for 'batch' is an error. A dimension its axes do
+  not divide is kept whole on every device of them (each computes it all); the training run's checks
+  make the batch and the heads divide. A step traced with no current mesh (`jax.set_mesh`) cannot be
+  told from one device here; on several TPUs XLA then refuses to partition the kernel."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return None

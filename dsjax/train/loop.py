@@ -74,14 +74,17 @@ def make_eval_step(config, setup: state_lib.TrainSetup, mesh, state_shardings):
 
 
 def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
-  """One pass over the dataset's evaluation split (padded rows masked out, so averages are exact)."""
+  """One pass over the dataset's evaluation split (padded rows masked out, so averages are exact). The
+  step runs on `mesh` with its logical axis rules whoever calls (a resumed run that is already done
+  evaluates outside the training loop)."""
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size,
                                     seed=config.seed, train=False, **process)
   totals: dict[str, float] = {}
-  for batch in pipeline:
-    sums = jax.device_get(eval_step(state, sharding_lib.global_batch(batch, mesh)))
-    for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
+  with sharding_lib.use_mesh(mesh):
+    for batch in pipeline:
+      sums = jax.device_get(eval_step(state, sharding_lib.global_batch(batch, mesh)))
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
   return step_lib.summarize_eval(config.model.name, totals)
 
 
