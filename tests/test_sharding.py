@@ -254,15 +254,15 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
   """The TPU's splash kernel (in Pallas' interpreter here) runs inside `jax.shard_map`, each device on
   its batch rows and heads; 5 steps on a (2, 2, 2) mesh match one device, whose losses match the XLA
   attention's. On a mesh without the logical axis rules (`sharding.use_mesh`) it refuses to run."""
-  specs, shard_specs = [], tpu_attention._shard_specs
+  specs, shard_spec = [], tpu_attention._shard_spec
 
-  def recorded_shard_specs(shape):
-    specs.append(shard_specs(shape))
+  def recorded_shard_spec(shape):
+    specs.append(shard_spec(shape))
     return specs[-1]
 
-  monkeypatch.setattr(tpu_attention, '_shard_specs', recorded_shard_specs)
+  monkeypatch.setattr(tpu_attention, '_shard_spec', recorded_shard_spec)
   losses, state = _train('gpt', (2, 2, 2), attention='splash')
-  assert specs and set(specs) == {(P(('data', 'fsdp'), 'tensor', None, None), P(('data', 'fsdp'), None))}
+  assert specs and set(specs) == {P(('data', 'fsdp'), 'tensor', None, None)}
   _assert_same_training('gpt', 0.0, losses, state, attention='splash')
   np.testing.assert_allclose(_one_device('gpt', 0.0, 'splash')[0], _one_device('gpt', 0.0)[0], rtol=RTOL)
   # Two separately traced calls of the same shapes: the kernel built in the first trace (inside

@@ -43,30 +43,26 @@ INTERPRET: bool | None = None
 def splash_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
                      causal: bool) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out."""
-  b, l = q_BLHK.shape[:2]
+  l = q_BLHK.shape[1]
   padded = -(-l // BLOCK) * BLOCK
   heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
   pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, padded - l), (0, 0)))  # noqa: E731 (B, H, L, K)
   q_scaled_BLHK = (q_BLHK.astype(jnp.float32) * logit_scale).astype(q_BLHK.dtype)
   q_BHPK, k_BHPK, v_BHPK = (pad(heads_first(t)) for t in (q_scaled_BLHK, k_BLHK, v_BLHK))
-  # Segment 1: the real positions; 0: the padding. Without padding none are given: the kernel then
-  # skips the segment comparison.
+  # Segment 1: the real positions; 0: the padding (the same for every example). Without padding none
+  # are given: the kernel then skips the segment comparison.
   segmented = padded > l
-  segments_BP = jnp.broadcast_to((jnp.arange(padded) < l).astype(jnp.int32), (b, padded))
 
-  def attend(q_BHPK, k_BHPK, v_BHPK, segments_BP):
+  def attend(q_BHPK, k_BHPK, v_BHPK):
     kernel = _kernel(q_BHPK.shape[1], padded, causal, _interpret(), segmented)
-    segment_ids = lambda s: splash.SegmentIds(q=s, kv=s) if segmented else None  # noqa: E731
-    per_example = lambda q, k, v, s: kernel(q, k, v, segment_ids=segment_ids(s))  # noqa: E731
-    return jax.vmap(per_example)(q_BHPK, k_BHPK, v_BHPK, segments_BP)
+    segments_P = (jnp.arange(padded) < l).astype(jnp.int32)
+    segment_ids = splash.SegmentIds(q=segments_P, kv=segments_P) if segmented else None
+    return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segment_ids))(q_BHPK, k_BHPK, v_BHPK)
 
-  specs = _shard_specs(q_BHPK.shape)
-  if specs is not None:
-    qkv_spec, segments_spec = specs
-    attend = jax.shard_map(attend, in_specs=(qkv_spec,) * 3 + (segments_spec,), out_specs=qkv_spec,
-                           check_vma=False)
-  out_BHPK = attend(q_BHPK, k_BHPK, v_BHPK, segments_BP)
-  return heads_first(out_BHPK[:, :, :l])
+  spec = _shard_spec(q_BHPK.shape)
+  if spec is not None:
+    attend = jax.shard_map(attend, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+  return heads_first(attend(q_BHPK, k_BHPK, v_BHPK)[:, :, :l])
 
 
 def _interpret() -> bool:
@@ -95,9 +91,9 @@ def _make_kernel(num_heads: int, length: int, causal: bool, interpret: bool):
                                 head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _shard_specs(shape_BHPK: tuple[int, ...]) -> tuple[P, P] | None:
-  """(q/k/v spec, segment-ids spec) for `jax.shard_map` over the current mesh, or None without one
-  (or on one device).
+def _shard_spec(shape_BHPK: tuple[int, ...]) -> P | None:
+  """The q/k/v (and output) spec for `jax.shard_map` over the current mesh, or None without one (or
+  on one device).
 
   The batch goes over the mesh axes the logical axis rules give 'batch', the heads over those they give
   'heads'. A mesh of several devices without a rule for 'batch' is an error. A dimension its axes do
@@ -118,4 +114,4 @@ def _shard_specs(shape_BHPK: tuple[int, ...]) -> tuple[P, P] | None:
     return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
 
   batch, heads = axes_dividing('batch', shape_BHPK[0]), axes_dividing('heads', shape_BHPK[1])
-  return P(batch, heads, None, None), P(batch, None)
+  return P(batch, heads, None, None)
