@@ -1,6 +1,7 @@
 """The benchmark numbers in the docs and the JSONs behind them stay together: every results file the docs
-name (README.md, the package's READMEs, experiments/) is in `benchmarks/results/`, and every file there
-is named by some doc, so no number loses its source and no stale result lingers unexplained.
+name (README.md, docs/, benchmarks/README.md, the package's READMEs, experiments/) is in
+`benchmarks/results/`, and every file there is named by some doc, so no number loses its source and no
+stale result lingers unexplained.
 
 The docs name files singly (`h100_gpt2_small_b16.json`) or by shell-like patterns: braces
 (`cpu_side_by_side_{1,...,6}.json`, `cpu4_*_{1..5}.json`, `h100_gpt_192x256_{before,after}.json`) and
@@ -15,7 +16,8 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'benchmarks' / 'results'
-DOCS = [ROOT / 'README.md', *sorted((ROOT / 'dsjax').rglob('README.md')),
+DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md')),
+        *sorted((ROOT / 'benchmarks').rglob('*.md')), *sorted((ROOT / 'dsjax').rglob('README.md')),
         *sorted((ROOT / 'experiments').rglob('*.md'))]
 # A results name as the docs write it: a device prefix, then name characters, braces and wildcards.
 RESULT_NAME = re.compile(r'\b((?:h100|cpu)[\w*{},.]*)')
