@@ -1,122 +1,39 @@
-r"""Per-layer sensitivity of a transformer at initialisation (Davis et al. 2021, Catformer).
+r"""Per-layer sensitivity of a transformer at initialisation (Davis et al. 2021, Catformer, App. B).
 
   python -m dsjax.sensitivity --config=configs/gpt_preln.py --out=DIR [--draws=8]
       [--config.model.depth=32 --config.model.width=32 --config.model.num_heads=4
        --config.data.seq_len=16 --config.batch_size=4 --config.model.block=postln ...]
 
-Writes DIR/sensitivity.json ({"config", "draws", "definition", "summary", "layers": [{"layer", "s",
-"s_normalised", "predicted": {"composition", "local", "idealised"}, "input_sensitivity", "attn": {"rho",
-"branch_sensitivity"}, "ffn": {...}}, ...]}) and DIR/sensitivity.png (ŝ_n against the layer, measured
-and predicted; the local factors), and prints the mean and median over layers with jackknife standard
-errors over the draws. Cost: N JVPs through N layers per draw; at width 32, seq 16, batch 4 on a 2-core
-CPU about 0.1 s per draw at depth 8, 0.5 s at 32 and 6 s at 128, plus ~30 s of compilation.
+Measures, per layer n of N, s_n = N·S[f; θ_n]: the sensitivity of the trunk output f (the final hidden
+state the head reads, all tokens of a training batch, dropout off) to layer n's parameters θ_n under
+their initial distribution (Catformer, ICML 2021, App. B, Def. 2 and Prop. 5),
 
-Definition (Davis et al. 2021, "Catformer: Designing Stable Transformers via Sensitivity Analysis",
-ICML 2021, App. B, Def. 2 and Prop. 5). With V[f] = E‖f‖²/dim(f), the sensitivity of f to parameters u
-under their initial distribution is
+    S[f; u] = E‖J_u f·ũ‖² / E‖f‖²,
 
-    S[f; u] = lim_{δ→0} E‖f(u + δũ) − f(u)‖² / (δ²·dim(f)·V[f]) = E‖J_u f·ũ‖² / E‖f‖²,
+measured with JVPs as Σ‖J_u f·ũ‖² / Σ‖f‖² over `--draws` draws of (u, ũ, training batch); draw i uses
+key_i = fold_in(key(config.seed), i), u is initialised with fold_in(key_i, 0) and ũ = (u' − u'')/√2
+from two more initialisations, so ũ has the covariance of the initialisation's random part and
+constant-initialised parameters are not perturbed. Its mean over layers is what the DSLM paper (Kedia et
+al. 2024, arXiv:2403.09635, §3.5) writes as N·β²/σ²_skip.
 
-ũ a perturbation drawn independently of u. It is measured with a JVP, t = J_u f·ũ, as
-S ≈ Σ‖t‖² / Σ‖f‖² over `--draws` independent draws of (u, ũ, input batch):
-  * f is the trunk output: the final hidden state the head reads (after the final norm and the output
-    scale where the model has them), all tokens of a training batch, dropout off;
-  * u is layer n's parameters θ_n (slice n of the stacked block parameters, or layer n's subtree of a
-    concatenation trunk); embeddings, head and the other layers are held fixed. For a concatenation
-    trunk only s_n is reported: the normalisation and the predictions below need the additive blocks;
-  * draw i uses key_i = fold_in(key(config.seed), i) and the i-th training batch of the config's data;
-    u is initialised with fold_in(key_i, 0) and the perturbation is ũ = (u' − u'')/√2 with u', u'' two
-    more initialisations (fold_in(key_i, 1), fold_in(key_i, 2)). ũ has exactly the covariance of the
-    initialisation's random part and is independent of u; parameters initialised to a constant (biases
-    and norm biases at 0, norm gains at 1, zero or constant residual scales) get zero perturbation.
-    Def. 2 draws ũ from p(u) itself, but its Prop. 5 (S = Σ_k V(u_k)·V(∇_{u_k} f)/V[f]) and with it
-    every composition rule need E[ũũᵀ] diagonal, which holds for zero-mean draws only (a gain drawn
-    "from p" would be 1 in every entry at once); we keep the proposition's premise.
+Reported normalised, ŝ_n = s_n / S_layer (S_layer the branches' measured sensitivity to their own
+parameters, idealised 4), beside three predictions, in this order:
+  * composition: the chain rule along the stream (Catformer Prop. 6) with local factors measured on
+    the same draws: ℓ_n = S[x_n; θ_n], the layer's input sensitivity g_n for the perturbation that
+    arrives, g_f for the trunk's tail; s_n = N·ℓ_n·Π_{m>n} g_m·g_f per draw;
+  * local: the same with every input sensitivity 1 (Catformer Prop. 8), N·ℓ_n;
+  * idealised (Catformer App. C): from the model's λ, β and norm layout only, ŝ_n = N·(ρ_attn + ρ_ffn)/2
+    with ρ = β²V_F/(λ²V_x + β²V_F): Pre-LN mean ½(H_{2N+1} − 1), Post-LN N/2, weighted residual
+    (1 − λ²)N, DSLM k.
 
-Reported per layer: s_n = N·S[f; θ_n] (N = model.depth), the quantity whose mean over layers the DSLM
-paper (Kedia et al. 2024, "Transformers Get Stable", ICML 2024, arXiv:2403.09635, §3.5) writes as
-N·β²/σ²_skip and whose median it argues is the robust summary.
+Writes DIR/sensitivity.json (per layer: s, ŝ, the predictions, the input sensitivity, each branch's ρ
+and sensitivity) and DIR/sensitivity.png, and prints the mean and median over layers with jackknife
+standard errors over the draws. Cost: N JVPs through N layers per draw (about 0.1 s per draw at depth 8,
+6 s at 128, at width 32 on a 2-core CPU). The attention runs on the XLA path, which JAX differentiates
+in forward mode, whatever `model.attention` says.
 
-Normalisation. The closed forms assume (Catformer App. C) one residual add per layer whose branch has
-sensitivity 1 to its own parameters. A dsjax layer has two adds (attention, FFN), and each branch holds
-two random matrices in a chain (V then O; FFN1 then FFN2); Catformer's rules give such a chain
-sensitivity 1 + 1 = 2 (the parameters of different functions of a composition add). We report
-
-    ŝ_n = s_n / S_layer,   S_layer = mean over layers of S[F_attn; θ_attn] + S[F_ffn; θ_ffn],
-
-the branches' own-parameter sensitivities measured on the same draws (branch output F before its β,
-perturbing only that branch). Idealised S_layer = 4; measured 4.1–4.4: V, O and FFN2 give exactly 1
-each, Q and K add what the softmax makes of a logit change (attention 2.0–2.3), FFN1 gives
-E[φ'(h)²]E[h²]/E[φ(h)²] (1 for ReLU, slightly above for GeLU: FFN 2.05–2.1). Without amplification
-along the stream, ŝ_n is then the average over a layer's two adds of N·ρ, ρ = β²V[F]/V[λx + βF]
-(exactly so for equal branch sensitivities), which for the idealised layer is the DSLM paper's
-N·β²/σ²_skip.
-
-Predictions, normalised the same way:
-  * composition (the exact expectation from the rules): the chain rule along the stream (Catformer
-    Prop. 6 and the proof of Thm. 2, S[x_n] = S_{x_{n−1}}[x_n]·S[x_{n−1}] + S[x_n; θ_n]) with local
-    factors measured on the same draws in one pass over the layers (each through the model's own Block):
-    ℓ_n = S[x_n; θ_n] (the layer output's sensitivity to its own parameters), g_n = S_{x_{n−1}}[x_n]
-    (the layer's input sensitivity for the perturbation that actually arrives: the JVP of all earlier
-    layers' perturbations, carried along) and g_f for the trunk's tail; s_n = N·ℓ_n·Π_{m>n} g_m·g_f per
-    draw, summed over draws like the measurement. Its one premise is the chain rule's: a perturbation
-    from layer n is amplified like the sum of all of them.
-  * local: the same with every input sensitivity 1 (Catformer Prop. 8's premise S_x̂ F = 1): N·ℓ_n,
-    ℓ_n ≈ Σ_adds ρ·S[F; θ_F] with the measured ρ (per add in the JSON).
-  * idealised (Catformer App. C): input variance 1, every branch variance-preserving (output variance 1
-    behind a pre- or mid-norm, else that of its input), adds uncorrelated, input sensitivity 1. From the
-    model's residual scales λ, β and its norm layout only: ŝ_n = N·(ρ_attn + ρ_ffn)/2,
-    ρ = β²V_F/(λ²V_x + β²V_F), V_x ← 1 after a post-add norm. The closed forms are this tier:
-      - Pre-LN, λ = β = 1: the variance after add j is j + 1 and ρ_j = 1/(j + 1) over the 2N adds, so
-        ŝ_n = (N/2)(1/(2n+2) + 1/(2n+3)) ≈ N/(2n + 2.5). Mean over layers ½(H_{2N+1} − 1) (H_m the
-        harmonic number): half of Catformer's harmonic sum, taken over the 2N adds, and
-        H_{2N+1} − 1 → ln N + ln 2 + γ − 1 = ln N + 0.27, which is the "log N" (above ln N by 17%, 8.5%,
-        5.7% at N = 8, 32, 128). Median ≈ N/(N + 1.5) → 1, flat (only the first layers are large).
-      - Post-LN, λ = β = 1: ρ = 1/2 at every add, ŝ_n = N/2.
-      - Weighted Pre-LN, λ² + β² = 1 constant: the variance stays 1, ρ = β², ŝ_n = (1 − λ²)·N
-        (Catformer's (1 − α²)N with α = λ).
-      - DSLM, β² = k/N, λ² = 1 − k/N at both adds: ρ = k/N, ŝ_n = k at every layer and depth.
-
-Measured (configs/gpt_preln.py with width 32, 4 heads, seq 16, batch 4; 32 draws at depths 8 and 32,
-16 at 128 for Pre-LN and DSLM, 32 for the others; ŝ mean / median; weighted: model.scheme='dslm' with
-model.dslm.alpha=0, k=0.5, i.e. λ² = β² = 1/2; DSLM: k = 2; tests/test_sensitivity.py):
-
-    case      N   measured         composition     local          idealised (closed form)
-    Pre-LN    8   2.36 / 1.32      2.40 / 1.28     1.92 / 1.10    1.22 / 0.85
-             32   3.30 / 1.29      3.49 / 1.26     2.73 / 1.12    1.88 / 0.96
-            128   3.59 / 1.04      3.38 / 0.93     3.36 / 0.99    2.56 / 0.99
-    Post-LN   8   3.50 / 3.48      3.39 / 3.31     2.24 / 2.33    4  (N/2)
-             32   41.7 / 26.0      37.3 / 28.5     10.3 / 10.6    16
-            128   423 / 231        318 / 214       43.0 / 43.2    64
-    weighted  8   5.60 / 5.99      5.00 / 4.88     3.80 / 3.87    4  ((1 − λ²)N)
-             32   192 / 146        189 / 117       16.2 / 16.1    16
-            128   4.0e5 / 2.1e4    3.8e5 / 1.6e4   65.0 / 65.1    64
-    DSLM      8   2.49 / 2.57      2.35 / 2.38     1.81 / 1.84    2  (k)
-             32   2.67 / 2.65      2.65 / 2.72     1.79 / 1.87    2
-            128   3.21 / 3.27      3.28 / 3.38     1.82 / 1.89    2
-
-The measurement follows the composition prediction: within 15% in mean and median for Pre-LN and DSLM
-at every depth and for Post-LN at depth 8; elsewhere within two jackknife standard errors of the ratio,
-because the draws scatter more than 15% there. Post-LN and the weighted residual at depths 32 and 128
-multiply many per-layer gains, so their sensitivity is heavy-tailed over draws (standard errors of
-25–45% at 32 draws, 65% for the weighted mean at 128); the weighted median at depth 8 is 23% off
-(± 14%). The measurement departs from the closed forms for two reasons:
-  1. Variances (local vs idealised). The GPT's Xavier embeddings start the stream at variance ≈ 0.014,
-     not 1, so layer 0's attention add has ρ ≈ 0.96 instead of 1/2 and dominates the Pre-LN mean; the
-     branch outputs have variance ≈ 0.7–0.9 (attention) and ≈ 0.23 (GeLU FFN) under Xavier, ≈ 0.3 and
-     ≈ 1.0 under DSLM's simple init, not 1 (the Post-LN ρ are ≈ 0.45 and 0.19, and DSLM's local ŝ is
-     0.9k at every depth: depth-independent, as the paper says).
-  2. Input sensitivity above 1 (composition vs local). The blocks amplify a perturbation of their input:
-     g_n is 1.0–1.1 on average per layer and up to 1.4–2 in single layers (Q·K logits move; GeLU is not
-     homogeneous). Where ρ falls like 1/n or k/N (Pre-LN, DSLM) this is a bounded factor (Pre-LN ×1.0–1.3;
-     DSLM ×1.3 at depth 8 growing to ×1.8 at 128, so DSLM's measured ŝ is 1.25k, 1.33k and 1.6k rather
-     than depth-independent); where ρ stays O(1) (Post-LN, constant-β weighted residual) it compounds
-     over the layers above and the sensitivity grows exponentially in depth instead of linearly.
-Against the closed forms, then: the Pre-LN median is flat and O(1) (within 5% of the closed form at
-depth 128, 55% and 34% above it at 8 and 32); the Pre-LN mean grows slowly with N but is 1.9×, 1.75×
-and 1.4× ½(H_{2N+1} − 1) (2·mean = 4.7, 6.6, 7.2 against ln N = 2.1, 3.5, 4.9); Post-LN matches N/2 at
-depth 8 (−12.5%) only and is 2.6× and ≈ 7× N/2 at 32 and 128; the weighted residual is 1.4× (1 − λ²)N
-at depth 8, 12× at 32 and 300× (median) at 128; DSLM is 25%, 33% and 60% above k.
+The definitions in full, their premises, the measurements at depths 8, 32 and 128 and why they depart
+from the closed forms: docs/sensitivity.md.
 """
 
 from __future__ import annotations

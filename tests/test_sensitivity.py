@@ -1,5 +1,5 @@
 """`dsjax.sensitivity`: per-layer sensitivity (Davis et al. 2021, Catformer, App. B Def. 2) against the
-composition rules and the closed forms (module docstring of dsjax/sensitivity.py).
+composition rules and the closed forms (docs/sensitivity.md; the module docstring of dsjax/sensitivity.py).
 
 Fast: the measurement is the δ → 0 limit of the definition (central differences), the perturbation has
 the initialisation's covariance and spares constant-initialised parameters, the bookkeeping of the
@@ -217,7 +217,7 @@ def _agrees_with_composition(summary, stat):
 @pytest.mark.slow
 @pytest.mark.parametrize('case', list(CASES))
 def test_measured_against_composition_and_closed_forms(case, tmp_path):
-  """The table of the module docstring (5–9 min per case on a busy 2-core CPU, 27 min for all four)."""
+  """The table of docs/sensitivity.md (5–9 min per case on a busy 2-core CPU, 27 min for all four)."""
   summaries, ideal = {}, {}
   for depth, draws in SLOW_DRAWS[case].items():
     result = sensitivity.run(_cli_config(depth, **CASES[case]), str(tmp_path / str(depth)), draws)
