@@ -33,19 +33,10 @@ more exact form derived here is the default and the paper's formula stays availa
 Block formulas (`attention_block`, `ffn_block`) do not include the block's own LayerNorm: pass the
 LayerNorm output statistics (`layernorm(...)`), as `dsjax.theory.model` does.
 
-Accuracy (`python -m dsjax.theory.verify`, results in its docstring). The simulation there has far less
-Monte Carlo noise than the paper's (variance reduction), so errors below Table 21's do not by themselves
-show a better formula: where the formula is the paper's (Linear, ReLU except the token covariance, GeLU,
-Dropout, LayerNorm mean/variance) the gap is simulation noise. Theories are compared on the same
-simulations: e.g. single-head attention gradient variance [0.4, 2.0, 4.1]% at the 50/90/99th percentile
-with `form='exact'` against [0.6, 6.0, 46.7]% with the paper's formula (Table 21: [2.2, 13.3, 44.5]%);
-every such pair is in `experiments/table21.py`'s table (experiments/README.md).
-
-Two corrections to the paper's attention-block summary (Table 2 / Appendix B.1), both visible
-in simulation (`python -m dsjax.theory.verify`): the output dropout of the block decorrelates the
-incoming gradient (rg → (1−p)·rg) before it reaches the value path, so the block's gradient variance is
-≈ C1·(1−p)·rg·g2, not C1·rg·g2; and the input-gradient token correlation of the block is ≈ 1 (the value
-path averages the gradients of all queries), not 1−p.
+Accuracy: `python -m dsjax.theory.verify` checks every component against simulation. Its results, the
+paper's formulas on the same simulations, and two corrections to the paper's attention-block summary
+(Table 2 / Appendix B.1: the block's output dropout decorrelates the incoming gradient, and the block's
+input-gradient token correlation is ≈ 1) are in docs/theory.md.
 """
 
 from __future__ import annotations

@@ -14,123 +14,19 @@ causal variant, and the FFN block (ReLU and GeLU). The full run takes ~7 minutes
 `--quick` ~30 seconds.
 
 Simulation. Inputs have the requested mean, variance and token correlation: x_t = mu + sqrt(r·s2)·c +
-sqrt((1−r)·s2)·δ_t with c shared by the tokens of a sample (one value per hidden unit) and δ_t i.i.d.
-(hidden units independent). The gradient arriving at the output is injected the same way (variance g2,
-token correlation rg, shared part c') as the cotangent of `jax.vjp`. Weights are i.i.d. N(0, var);
-dropout masks are exact Bernoulli (p quantised to k/65536; the prediction uses the quantised p).
-Moments are pooled over samples, tokens and hidden units; the token covariance is the mean over token
-pairs t ≠ s at the same hidden index of (y_t − ȳ)(y_s − ȳ), the hidden covariance likewise over pairs
-of hidden units of a token.
+sqrt((1−r)·s2)·δ_t with c shared by the tokens of a sample and δ_t i.i.d.; the gradient arriving at the
+output is injected the same way (variance g2, token correlation rg) as the cotangent of `jax.vjp`.
+Weights are i.i.d. N(0, var); dropout masks are exact Bernoulli (p quantised to k/65536). Moments are
+pooled over samples, tokens and hidden units.
 
-Variance reduction (every single sample keeps exactly the requested distribution; the estimates stay
-unbiased, only their Monte Carlo noise shrinks):
-  * the shared parts c, c' are stratified over a configuration: scrambled 2-D Sobol points for the
-    elementwise components, Latin hypercube otherwise, randomly assigned to samples;
-  * a component with weights pushes each input draw through several weight draws, and the norms of
-    each weight matrix along the input's token average (input side) and along the all-ones output
-    direction and the gradient's shared part (output side) are stratified across draws
-    (`gaussian_matrices`: a Gaussian matrix splits into independent pieces along and across fixed
-    directions, and the norm of each piece can be redrawn from its own law). These are the chi-square
-    fluctuations that the variance of a shared direction, and the output mean, would otherwise carry;
-  * causal attention needs many input draws (its first positions see one or two tokens), so it gets
-    128 of them.
+Variance reduction keeps every single sample's distribution exact and the estimates unbiased: the
+shared parts c, c' are stratified (Sobol points or a Latin hypercube), and each weight matrix's norms
+along the input's token average and the output's shared directions are stratified across weight draws
+(`gaussian_matrices`). Error: the paper's definition, from its released scripts (|m − p|/|m| for
+variances; see `percent_error`); the k-th percentile of n sorted errors is element int(n·k/100).
 
-Error (the paper's definition, from its released scripts; its Appendix D does not state it): |m − p|/|m|
-for variances; for means and covariances min(|m − p|/|m|, |m − p|/σ²_pred), and min(|m|, |m|/σ²_pred)
-when p = 0; the single-head gradient covariance and the softmax mean use |m − p|/|m|, as in the paper's
-scripts. As in the paper, the k-th percentile of n sorted errors is element int(n·k/100), so for n < 100
-the 99th is the maximum.
-
-Full run (seed 0, 399 s on the shared 2-core CPU): % error [p50, p90, p99], default forms, and the
-paper's Table 21. Every cell is at or below Table 21's (closest: Linear grad_var p50, 0.19 vs 0.2), but
-that compares simulations as much as formulas: this simulation's variance reduction lowers the Monte
-Carlo noise, and where the formula is the paper's the gap is that noise. The paper's formulas on these
-same simulations are listed after the table; `experiments/table21.py` sets them side by side.
-
-  component               statistic     this run             paper
-  linear                  mean          [ 0.0,  0.1,  0.4]   [ 0.0,  0.4,  1.3]
-  linear                  var           [ 0.1,  0.2,  0.5]   [ 0.4,  1.4,  2.8]
-  linear                  grad_var      [ 0.2,  0.5,  0.9]   [ 0.2,  1.0,  2.2]
-  linear                  cov_seq       [ 0.1,  0.2,  0.4]   [ 0.4,  1.4,  2.8]
-  linear                  grad_cov_seq  [ 0.1,  0.3,  0.6]   [ 0.2,  1.0,  2.2]
-  linear                  cov_hidden    [ 0.0,  0.0,  0.1]   —
-  relu                    mean          [ 0.0,  0.1,  0.3]   [ 0.3,  1.3,  2.3]
-  relu                    var           [ 0.1,  0.2,  0.5]   [ 0.5,  1.9,  3.4]
-  relu                    grad_var      [ 0.1,  0.2,  0.4]   [ 0.6,  1.5,  2.6]
-  relu                    cov_seq       [ 0.0,  0.1,  0.2]   [ 0.3,  1.6,  3.1]
-  relu                    grad_cov_seq  [ 0.0,  0.2,  0.3]   [ 0.2,  1.1,  2.3]
-  gelu                    mean          [ 0.0,  0.2,  0.4]   [ 0.1,  1.0,  2.4]
-  gelu                    var           [ 0.1,  0.2,  0.3]   [ 0.2,  0.6,  1.3]
-  gelu                    grad_var      [ 0.1,  0.2,  0.4]   [ 0.2,  0.6,  1.1]
-  gelu                    cov_seq       [ 0.0,  0.1,  0.3]   [ 0.1,  0.5,  1.2]
-  gelu                    grad_cov_seq  [ 0.0,  0.1,  0.4]   [ 0.1,  0.4,  0.9]
-  layernorm               mean          [ 0.0,  0.0,  0.0]   [ 0.0,  0.0,  0.0]
-  layernorm               var           [ 0.0,  0.0,  0.0]   [ 0.0,  0.0,  0.0]
-  layernorm               grad_var      [ 0.1,  0.3,  0.6]   [ 0.4,  1.5,  3.2]
-  layernorm               cov_seq       [ 0.0,  0.1,  0.1]   [ 0.1,  0.5,  1.0]
-  layernorm               grad_cov_seq  [ 0.1,  0.2,  0.6]   [ 0.2,  0.9,  2.2]
-  layernorm               cov_hidden    [ 0.0,  0.0,  0.0]   [ 0.0,  0.0,  0.0]
-  dropout                 mean          [ 0.0,  0.0,  0.1]   [ 0.0,  0.1,  0.5]
-  dropout                 var           [ 0.0,  0.1,  0.5]   [ 0.1,  0.5,  1.5]
-  dropout                 grad_var      [ 0.1,  0.2,  0.6]   [ 0.1,  0.7,  1.5]
-  dropout                 cov_seq       [ 0.0,  0.1,  0.2]   [ 0.0,  0.4,  1.3]
-  dropout                 grad_cov_seq  [ 0.0,  0.1,  0.2]   [ 0.1,  0.5,  1.2]
-  dropout                 cov_hidden    [ 0.0,  0.0,  0.1]   —
-  softmax                 mean          [ 0.0,  0.0,  0.0]   [ 0.0,  0.0,  0.0]
-  softmax                 var           [ 0.1,  0.2,  1.4]   [ 0.2,  0.9,  4.0]
-  softmax                 grad_var      [ 0.1,  0.2,  0.7]   [ 0.1,  0.6,  4.5]
-  softmax                 cov_seq       [ 0.0,  0.0,  0.0]   —
-  softmax                 grad_cov_seq  [ 0.0,  0.0,  0.0]   —
-  attention_head          mean          [ 0.0,  0.1,  0.7]   [ 0.2,  1.0,  2.5]
-  attention_head          var           [ 0.4,  1.2,  3.9]   [ 1.4,  4.1,  7.8]
-  attention_head          grad_var      [ 0.4,  2.0,  4.1]   [ 2.2, 13.3, 44.5]
-  attention_head          cov_seq       [ 0.3,  1.2,  3.8]   [ 1.3,  3.9,  7.4]
-  attention_head          grad_cov_seq  [ 0.4,  2.5,  6.1]   [ 1.6,  4.5,  8.2]
-  attention_head_causal   mean          [ 0.0,  0.1,  0.2]   —
-  attention_head_causal   var           [ 0.2,  3.0,  5.0]   —
-  attention_head_causal   grad_var      [ 0.7,  2.2,  4.9]   —
-  attention_head_causal   cov_seq       [ 0.1,  0.4,  0.6]   —
-  attention_head_causal   grad_cov_seq  [ 0.3,  2.0,  3.3]   —
-  attention_block         mean          [ 0.0,  0.1,  0.2]   —
-  attention_block         var           [ 0.4,  1.3,  2.4]   —
-  attention_block         grad_var      [ 1.5,  3.5,  6.0]   —
-  attention_block         cov_seq       [ 0.4,  0.9,  1.8]   —
-  attention_block         grad_cov_seq  [ 1.1,  2.4,  5.3]   —
-  attention_block_causal  mean          [ 0.1,  0.2,  0.2]   —
-  attention_block_causal  var           [ 0.4,  1.1,  2.8]   —
-  attention_block_causal  grad_var      [ 1.8,  5.2,  6.5]   —
-  attention_block_causal  cov_seq       [ 0.2,  0.6,  0.7]   —
-  attention_block_causal  grad_cov_seq  [ 0.4,  1.0,  1.3]   —
-  ffn_block               mean          [ 0.0,  0.1,  0.1]   —
-  ffn_block               var           [ 0.6,  1.0,  1.7]   —
-  ffn_block               grad_var      [ 0.7,  1.6,  3.6]   —
-  ffn_block               cov_seq       [ 0.2,  0.7,  1.3]   —
-  ffn_block               grad_cov_seq  [ 0.5,  2.1,  3.0]   —
-
-The paper's own formulas on the same simulations (where they differ from the default form):
-
-  attention_head[paper]         grad_var  [ 0.6,  6.0, 46.7]
-  attention_head[paper]         var       [ 0.4,  1.2,  3.9]
-  attention_head_causal[paper]  grad_var  [ 1.3, 16.2, 26.1]
-  attention_head_causal[paper]  var       [ 1.1,  3.9,  8.7]
-  attention_block[paper]        grad_var  [ 5.3, 36.4, 77.1]
-  attention_block[paper]        var       [ 0.5,  1.2,  2.4]
-  attention_block_causal[paper] grad_var  [ 5.9, 34.6, 39.6]
-  attention_block_causal[paper] var       [ 0.7,  7.7, 41.0]
-  softmax[lognormal]            var       [ 0.2,  0.8,  5.4]
-  softmax[lognormal]            grad_var  [ 4.7, 100.9, 115.1]
-  softmax[simple]               var       [ 0.1,  0.5,  3.7]
-  softmax[simple]               grad_var  [ 3.9, 100.9, 112.9]
-  layernorm[paper]              grad_var  [ 0.3,  1.0,  1.6]
-  layernorm[paper]              cov_seq   [ 0.1,  0.7,  0.7]
-  relu[fit]                     cov_seq   [ 0.3,  0.5,  0.7]
-
-Notes. The paper's single-head gradient formula ignores the gradient through the softmax (query and key
-paths) and the spread of the attention weights; on this grid it reaches 46.7% at the 99th percentile
-(Table 21: 44.5%), where `form='exact'` stays at 4.1%. Its softmax forms ignore the incoming gradient's
-token correlation (the shared part cancels in a softmax: variance ×(1 − rg)), hence ~100% when rg = 0.5
-(the paper's grid only has rg = 0). The attention-block "paper" rows compose the Appendix A.8 head with
-the block's dropout and projection.
+The full run's table, set beside Table 21, the paper's own formulas on the same simulations, and what
+they leave out: docs/theory.md, "Checking the formulas". `experiments/table21.py` compares the theories.
 """
 
 from __future__ import annotations
