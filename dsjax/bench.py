@@ -6,46 +6,25 @@ r"""Train-step speed and memory: compile time, step time, throughput, model FLOP
 
 What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
 the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
-'return' (per-layer moments returned from the step and written to moments.jsonl + TensorBoard) and
-'callback' (the same statistics delivered by `jax.debug.callback`: the step's whole table in one
-callback, as the training loop sends it on one device). As in the training loop, each step's moments
-are fetched and written while the next step runs. Each mode is compiled ahead of time (the compile
-time is reported), run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the
-median and the spread (min–max) are reported.
+'return' (per-layer moments returned from the step) and 'callback' (the same statistics delivered by
+`jax.debug.callback`, as the training loop sends them on one device). Each mode is compiled ahead of
+time, run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the median and the
+spread (min–max) are reported. `--inputs=random` (the default) times random tokens / images of the
+configured shape, so no dataset is read; `--inputs=real` times one real batch of the dataset.
 
-Inputs: `--inputs=random` (the default) times random tokens / images of the configured shape, so no
-dataset is read and any shape can be benchmarked; `--inputs=real` times one real batch of the dataset.
+Model FLOPs per step follow PaLM's Appendix B (Chowdhery et al. 2022, arXiv:2204.02311): per token
+6·N + 12·depth·d·L, N the parameters that take part in matmuls (all but the looked-up embedding tables
+and class token), L the sequence length, causal attention counted in full. MFU divides by
+`--peak_tflops`, else the device kind's data-sheet peak (`PEAK_TFLOPS`); on a CPU by the benchmark's own
+measured matmul peak.
 
-Model FLOPs per step (one documented formula, as PaLM's Appendix B, Chowdhery et al. 2022,
-arXiv:2204.02311): per token 6·N + 12·depth·d·L, times tokens per step; N counts the parameters that
-take part in matmuls (every parameter except the token/position embedding tables and the class token,
-which are looked up, not multiplied) and L is the sequence length (ViT: patches, plus the class token).
-Causal attention is counted as full L×L attention (the PaLM convention, which the cuDNN kernel's
-skipped blocks do not change), so a causal model's MFU is comparable with other reports but ~2× the
-attention FLOPs actually needed. Rematerialisation's recomputation is not counted (it is not model
-FLOPs). The count is uniform rather than exact in a few places, each small: N includes the norms' gains
-and biases (0.1% of GPT-2 small's N); ViT's classifier runs on one pooled vector per image but is
-counted at every position (+0.85% of ViT-B/16's FLOPs); a tied GPT head (which multiplies by the token
-table) is not counted; a concatenation residual's attention term uses model.width, not its own
-attention width. MFU = model FLOP/s ÷ the peak: `--peak_tflops` when given, else the device kind's dense
-bf16 (or fp32) peak from `PEAK_TFLOPS`; on a CPU there is no data-sheet number, so the benchmark measures
-its own matmul peak (the fastest of 10 runs of a large square matmul in the compute dtype) and reports
-the fraction of it.
+`--profile=DIR` traces 3 more steps with the JAX profiler, prints the device's busy time per step split
+into matmul, attention and other kernels (`KERNEL_KINDS`) with the busiest kernels, and writes the
+step's HLO to DIR/step.hlo.txt. Memory is the compiled step's `memory_analysis()` (and on GPUs the
+device's peak bytes in use). `--json` writes everything printed, with the device, the peak's source and
+the git commit of the dsjax source that ran (`source_commit`).
 
-Profile (`--profile=DIR`): after the timed steps of the first mode, 3 more steps run under
-`jax.profiler.trace(DIR)` (open it with TensorBoard/XProf); the benchmark prints the device's busy time
-per step split into matmul, attention and other kernels (`KERNEL_KINDS`, by GPU kernel name; on a CPU,
-whose XLA ops stand in for kernels, an op that is or contains a dot counts as a matmul, the attention's
-included) and the busiest kernels with the XLA op
-that launched each, and writes the compiled step's HLO to DIR/step.hlo.txt, where fusion names can be
-looked up; the JSON lists every kernel.
-
-Memory: the compiled step's `memory_analysis()` (arguments, outputs, temporaries: what the step needs
-before it runs), and on GPUs the device's peak bytes in use after the timed steps.
-
-`--json` writes everything printed, with the device (kind, jax version, date), where the peak came
-from, and the git commit of the dsjax source that ran (`source_commit`), so that a number can be traced
-to its code.
+What each count includes and leaves out, and the measured rows: benchmarks/README.md.
 """
 
 from __future__ import annotations
