@@ -1,60 +1,26 @@
 """Deterministic, resumable, multi-host input pipelines on Grain.
 
-A pipeline is an iterator of numpy batch dicts: a chain of lazy
-`grain.MapDataset` transformations iterated through a Grain
-`DatasetIterator`. Grain works on the *index space*: it samples which
-example (or text window) each row of the global stream is, draws per-row
-random choices, batches, shards and keeps the iterator state; a batch-level
-`map` then reads the batch's rows from the TFDS data source (random access
-over array_record files) with one `__getitems__` call. (Reading per element
-inside Grain would decode one record per call, as `MapDataset.batch` fetches
-its elements one by one; batched reads are about twice as fast.)
+A pipeline is an iterator of numpy batch dicts: a chain of lazy `grain.MapDataset` transformations
+iterated through a Grain `DatasetIterator`. Grain works on the *index space*: it samples which example (or
+text window) each row of the global stream is, draws per-row random choices, batches, shards and keeps
+the iterator state; a batch-level `map` then reads the batch's rows from the TFDS data source with one
+`__getitems__` call (batched reads are about twice as fast as Grain's per-element ones).
 
-Which examples land in the batch of global step `t` is a pure function of
-(seed, t, global batch size B):
+Which examples land in the batch of global step `t` is a pure function of (seed, t, global batch size B):
+  * training, images: Grain's per-epoch permutation of the split, repeated; step `t` takes positions
+    [t * B, (t + 1) * B) of that stream, across epoch ends; the optional flip is a `random_map` on it;
+  * training, text: Grain's shuffled stream over the window *start offsets* of the split's byte stream
+    (every offset once per epoch); a row is the window of seq_len + 1 bytes at its start;
+  * evaluation: one pass in stored order, padded with all-zero rows to whole global batches, with a
+    float32 'mask' (1 = real row) that makes averages exact.
 
-* Training, images: `range(n).shuffle().repeat()` is the endless stream of
-  epochs, epoch `e` being Grain's permutation of the split (an
-  `index_shuffle` bijection, so no permutation array is held) with its seed
-  folded with `e`. Global step `t` takes positions [t * B, (t + 1) * B) of
-  that stream, so batches run across epoch ends without dropping or repeating
-  examples. The optional flip is a `random_map` on that stream, whose
-  generator Grain keys by (seed, stream position).
-* Training, text: the rows are Grain's shuffled stream over the window
-  *start offsets* of the split's byte stream, `range(num_starts).shuffle()
-  .repeat()`, and a row is the window of seq_len + 1 bytes at its start. So
-  the windows come from Grain's index sampler: within an epoch every start
-  offset is used exactly once (sampling without replacement), rather than
-  drawing offsets independently per row. Corpora with more than
-  `MAX_IN_MEMORY_TEXT_DOCUMENTS` documents are not loaded; their rows start at
-  the documents of the shuffled document stream and continue through the
-  following documents.
-* Evaluation: one pass in stored order; images one example per row, text
-  non-overlapping windows; the pass is padded (Grain `concatenate`) with
-  all-zero rows to a whole number of global batches, and a float32 'mask'
-  (1 = real row, 0 = padding) makes averages exact.
+Process `p` of `P` reads only rows [p * B/P, (p + 1) * B/P) of every global batch, so the shares
+concatenate to the single-process batch and a run's data does not depend on the number of hosts. The
+state is the Grain iterator's (`{'next_index': t}`) plus identifying fields checked on restore, so
+`set_state(get_state())` resumes bitwise exactly, even with another number of processes. Grain seeds are
+derived from the 64-bit run seed with `random_bits` (Philox), one per purpose.
 
-Sharding: process `p` of `P` gets rows [p * B/P, (p + 1) * B/P) of every
-global batch. The row stream is batched at the local size b = B/P, which
-makes local batch `t * P + p` exactly that share, and Grain's slice `[p::P]`
-keeps this process' local batches; only those are read. Concatenating the
-shares in process order gives the single-process batch whatever P is, so a
-run's data does not depend on the number of hosts; this is the layout that
-`jax.make_array_from_process_local_data` expects for a batch-sharded array.
-(`ShardOptions` / `dataset[p::P]` on single examples would interleave the
-processes' rows instead and tie the data to P.)
-
-The state is the Grain iterator's state (`{'next_index': t}`, the number of
-global batches produced, the same on every process) plus identifying fields
-checked on restore, so `set_state(get_state())` resumes bitwise exactly, even
-with a different number of processes. The order depends on Grain's shuffle
-and random_map algorithms; a test pins a few rows so that a Grain upgrade
-which changes them is noticed.
-
-Per-transformation Grain seeds (shuffle, flips, text offsets) are derived from
-the 64-bit run seed with `random_bits` (Philox), one per purpose: Grain takes
-32-bit seeds and reseeds epoch `e` with seed + e, so passing run seeds
-through would make seeds s and s + 1 share all but one epoch's order.
+Why each of these choices, in detail: docs/data.md, "How a batch is chosen".
 """
 
 from collections.abc import Iterator, Sequence
