@@ -13,13 +13,9 @@ of sub-layer k−1):
     initial ω (every entry)        ω_0 = 1,  ω_k² = Var[x_0] + Σ_{j<k} Var[F_j(x_j)]  for k ≥ 1
     weights                        Xavier (`vanilla.xavier_plan`), untouched by the method
 
-The paper writes ω_i = sqrt(Σ_{j<i} Var[f_j(x_{j−1})]) over sub-layers i = 1, 2, ...: the skip term of an
-add gets the variance of everything added to the stream before it. We count the stack input as the
-0-th term of that sum, as the authors' profiling code does (its running ratio starts at 1 and after each
-sub-layer becomes sqrt(Var[ω·x] + Var[F]), variances pooled over the whole batch). The skip term
-ω_k·x_k then has variance Var[x_0] + Σ_{j<k} Var[F_j]: x_0 is not normalised and enters the first add as
-it is (ω_0 = 1), every later x_k is a LayerNorm output of variance 1 (gain 1, bias 0 at
-initialisation), so ω_k² is that sum.
+The skip term ω_k·x_k then has variance Var[x_0] + Σ_{j<k} Var[F_j]: the stack input counts as the 0-th
+term of the paper's sum, as the authors' profiling code does. Why, and the choices the paper leaves open
+(one profiling pass with ω = 1, four batches, Post-LN only): docs/methods.md, "ADMIN".
 
 `model.admin.omega` picks where the variances come from:
 
@@ -39,14 +35,6 @@ initialisation), so ω_k² is that sum.
       ω = sqrt((n+1)/ln(n+1) − 1) for n = 2N residual sub-layers, every sub-layer alike. It is a
       different choice, not the expectation of the profile: it bounds the output change by O(log n),
       while the profile (every ω_k² summing all earlier branch variances) grows ω_k² linearly in k.
-
-Choices the paper leaves open:
-  * The profile runs with ω = 1 everywhere (one pass). The authors' code sets each ω while the profiling
-    pass runs, so later sub-layers see LN(ω·x + F) instead of LN(x + F); in a Post-LN stack that changes
-    the later branch variances only through the token correlation of the LayerNorm output.
-  * Four training batches rather than one, to reduce the sampling noise of the variances.
-  * Block: Post-LN only (the paper's subject). With `norm='rmsnorm'` the closed form still uses the
-    LayerNorm theory (equal for the zero-mean stream at initialisation).
 """
 
 from __future__ import annotations

@@ -27,30 +27,15 @@ For a stack of N layers (one layer = attention add + FFN add), width d, dropout 
                                           exactly the logit statistics of a tied one
     biases 0, norm gains 1                (the model's defaults)
 
-The weight variances are `theory.model.dslm_weight_vars` and λ, β `theory.model.dslm_residual_scales`.
-r_n is the correlation of the residual stream *entering* layer n (`theory.model.dslm_layer_correlations`),
-starting from the token correlation of the embedded input times (1−p) (the embedding dropout). The
-reference code uses this value; the paper's pseudocode (Fig. 15) may read one layer later.
-
-The embedded input, per model:
-  * GPT: token table + learned position table, K = 2. Token correlation: Zipf's law over the vocabulary
-    (`theory.components.embedding_corr`, Appendix A.1), measured on real batches, or a number.
-  * ViT: the patch embedding is a Linear (P²·C → d) of the pixels, which the input pipeline normalises
-    to zero mean and unit variance; a Linear's output variance is d_in·σw²·E[x²] (Appendix A.2), so a
-    kernel variance σe²/(P²·C) gives the patch term the variance σe² of one "table". With the learned
-    position table that makes K = 2. The fixed sincos table (variance 1/2, strongly correlated
-    neighbours) does not fit the recipe and is rejected. The token correlation of images has no closed
-    form: measure it (the paper measured 0.46 on ImageNet, Appendix H) or give a number. A CLS token
-    (zero-initialised by the model) is one zero row among L+1; 'measure' sees it.
-
-`input_corr='measure'`: the preparation step (`measure_input_moments`) embeds a few real batches with a
-provisional model and returns the variance and token correlation of the summed embeddings (before the
-embedding dropout), pooled as in `dsjax.instrument.stats` (the theory's `Stats` convention). The
-provisional model
-has depth 1 and the same seed: its embedding weights are drawn before the trunk and with stds that do not
-depend on depth, so they are exactly the final model's. The measured variance is logged and saved
-(the run's `scheme_preparation.json`) as a check of the embedding init; the recurrence of `dsjax.theory` starts from
-variance 1 (the design value, λ² + β² = 1 keeps it there) and takes only the correlation.
+The weight variances are `theory.model.dslm_weight_vars`, λ and β `theory.model.dslm_residual_scales`; r_n,
+the correlation of the stream entering layer n, is `theory.model.dslm_layer_correlations`, starting from the
+embedded input's token correlation times (1−p). GPT sums a token and a learned position table (K = 2), its
+token correlation from Zipf's law (Appendix A.1), measured, or a number. ViT's patch embedding is a Linear
+of unit-variance pixels, so its kernel variance σe²/(P²·C) gives the patch term the variance σe² of one
+table (K = 2 with the learned position table; the sincos table is rejected). `input_corr='measure'` is a
+preparation step (`measure_input_moments`): a depth-1 provisional model with the same seed (exactly the
+final embedding weights) embeds a few real batches; the measured token correlation starts the recurrence,
+the measured variance is logged and saved as a check. Details and reasons: docs/theory.md, "DeepScaleLM".
 """
 
 from __future__ import annotations

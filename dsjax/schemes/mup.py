@@ -16,28 +16,9 @@ With width_mult = model.width / base_width (`model.mup.base_width`), μP relativ
                                              independent of width
     attention logits                         q·k × 1/d_head instead of 1/sqrt(d_head)
 
-What the paper leaves open, and our choices:
-  * The constants. μP fixes how each scale changes with width, not its value at the base width. We take
-    the Xavier plan (`vanilla.xavier_plan`, Glorot & Bengio 2010) as the base model: at width =
-    base_width every weight has exactly the vanilla Xavier std. Xavier's 2/(fan_in + fan_out) is ∝
-    1/fan_in for every hidden matrix (fan_out/fan_in is fixed as the width grows), so the hidden
-    matrices keep the Xavier formula at every width; the input, position and head stds are frozen at
-    their base-width Xavier values (the head as `MuReadout` does by rescaling the standard init by
-    sqrt(width_mult)). The learned ViT position table keeps the base plan's 0.02.
-  * The readout form: the paper's Table 3 puts 1/fan_in² on the output-weight variance and 1/fan_in on
-    its Adam lr; we use the equivalent multiplier form (base-width variance, input × 1/width_mult,
-    unscaled lr), which also works with tied embeddings (the tied table keeps its input-weight lr) and
-    is what `InitPlan.output_scale` expresses. With a ViT classifier bias, the multiplier acts before
-    the bias, as in `MuReadout`.
-  * base_width = 128 (the model config's default width, so a default-width model is its own base).
-    Only the ratio width/base_width matters; the FFN width follows model.mlp_ratio at both widths.
-  * The attention multiplier: plain 1/d_head (the `mup` package uses 8/d_head to agree with
-    1/sqrt(d_head) at d_head = 64; we keep the paper's form).
-  * Adam's decoupled weight decay: the optimizer multiplies a parameter's whole update, decay included,
-    by its lr multiplier, so the decay of hidden matrices is also × 1/width_mult (as with a PyTorch
-    per-group learning rate; the `mup` package's MuAdamW instead multiplies their weight decay by
-    width_mult to keep lr·wd fixed).
-  * Not implemented: zero-initialised queries (an option of the `mup` package's README), SGD's μP.
+What the paper leaves open, and our choices — the Xavier plan as the base model, the readout's
+multiplier form, base_width = 128, plain 1/d_head, the lr multiplier applied to the decay — with the
+reasons: docs/methods.md, "μP".
 """
 
 from __future__ import annotations

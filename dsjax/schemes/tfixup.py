@@ -23,22 +23,8 @@ T-Fixup is meant to train without learning-rate warmup (and without LayerNorm): 
 models with the post-warmup learning rate from step 0. This method sets the initialisation only; the
 optimizer is configured as usual, so set `optimizer.warmup_steps` yourself to follow the recipe.
 
-Choices where the paper is open:
-  * "Input embeddings" are the tables the model adds to form its input: for GPT the token table and the
-    learned position table, both N(0, d^{-1/2})·(9N)^{-1/4} (the paper's translation models use fixed
-    sinusoidal positions, which its reference code leaves unscaled). An untied GPT head is Xavier; with
-    `model.tie_embeddings` the head is the scaled token table, as in the paper's shared embeddings.
-  * ViT: the patch embedding is a Linear (P²·C → d) of pixels the input pipeline normalises to unit
-    variance, not a lookup table. Its kernel gets standard deviation d^{-1/4}/sqrt(P²·C) (× (9N)^{-1/4})
-    so that each coordinate of a patch embedding has the variance d^{-1/2} of a table row; the learned
-    position table is a table (d^{-1/4} × (9N)^{-1/4}); a fixed sincos2d table is left as it is. The
-    classifier head is Xavier.
-  * N is the number of layers of the stack (one layer = attention block + FFN block), the paper's N.
-  * The paper's text gives N(0, d^{-1/2}); the reference code instead draws the table N(0, 1/d) and
-    multiplies looked-up rows by sqrt(d) (fairseq's embedding scale), an effective variance of 1. We
-    follow the paper.
-  * Draws use `model.init_distribution` (default 'normal': the paper's Gaussian embeddings and
-    Xavier-normal matrices; the reference code's matrices are Xavier-uniform, of the same variance).
+Choices where the paper is open (which tables are the "input embeddings", the ViT patch kernel, N, the
+paper's N(0, d^{-1/2}) against the reference code's scaled lookup): docs/methods.md, "T-Fixup".
 """
 
 from __future__ import annotations
