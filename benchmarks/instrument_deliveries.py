@@ -10,9 +10,9 @@ table sent in one `jax.debug.callback` per step: `instrument.delivery='callback'
 devices). Each timed call runs one step, waits for it and for its callbacks (`jax.effects_barrier`),
 and turns its statistics into records (`Collector.flush`, in memory). The steps take turns, one each
 per round, in alternating order, with `--pause` seconds of idle before each; the ratio of each
-instrumented step to the plain one of the same round cancels the machine's drift (README.md,
-"Performance"). Reported: each step's median and min–max time, and per round the ratio to 'off'
-(median and quartiles). `--set=model.depth=192` (repeatable) overrides a config key, as
+instrumented step to the plain one of the same round cancels the machine's drift (benchmarks/README.md,
+"Instrumentation overhead"). Reported: each step's median and min–max time, and per round the ratio to
+'off' (median and quartiles). `--set=model.depth=192` (repeatable) overrides a config key, as
 `--config.model.depth=192` does for the dsjax commands.
 """
 

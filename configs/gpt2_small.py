@@ -1,10 +1,10 @@
 r"""GPT-2-small shape (12 layers × 768, 12 heads, seq 1024), standard Pre-LN, AdamW: the GPT benchmark shape.
 
-Command (the throughput benchmark this config exists for; README "Performance"):
+Command (the throughput benchmark this config exists for; benchmarks/README.md):
 
   python -m dsjax.bench --config=configs/gpt2_small.py [--config.batch_size=32]
 
-Expected runtime and result: see the README's Performance table (compile time, ms/step, tokens/s and
+Expected runtime and result: see the GPU table of benchmarks/README.md (compile time, ms/step, tokens/s and
 MFU per device, with the device and date of each measurement); on one H100 a step of batch 16 takes tens
 of milliseconds in bfloat16 with cuDNN attention (`model.dtype='auto'`, `model.attention='auto'`).
 On this project's 2-core CPU the model trains, slowly (seconds per step); nothing here was tuned for a
@@ -35,8 +35,8 @@ def get_config():
   c.model.width = 768
   c.model.num_heads = 12
   c.model.block = 'preln'
-  # All 12 layers in one scan iteration: 30 ms/step instead of 44 at batch 16 on one H100 (README,
-  # "Performance"), for a compile of ~46 s instead of ~10 s.
+  # All 12 layers in one scan iteration: 30 ms/step instead of 44 at batch 16 on one H100
+  # (benchmarks/README.md), for a compile of ~46 s instead of ~10 s.
   c.model.scan_unroll = 12
 
   c.optimizer.lr = 6e-4

@@ -29,7 +29,7 @@ def get_config():
   c.model.num_heads = 4
   c.model.block = 'preln'
   # The whole 4-layer stack in one scan iteration, as the benchmark configs do: on the 2-core CPU one
-  # layer per iteration costs 18–30% more per step (the README's Performance section). With a depth
+  # layer per iteration costs 18–30% more per step (benchmarks/README.md). With a depth
   # override this stays a scan of 4-layer iterations, so compile time stays flat in depth.
   c.model.scan_unroll = 4
 

@@ -1,11 +1,11 @@
 r"""ViT-B/16 at 224 px, 1000 classes (ImageNet-1k shape), standard Pre-LN, AdamW: the ViT benchmark shape.
 
-Command (the throughput benchmark this config exists for; README "Performance"):
+Command (the throughput benchmark this config exists for; benchmarks/README.md):
 
   python -m dsjax.bench --config=configs/vit_b16.py
 
 The benchmark times random images of the configured shape (224×224×3, 1000 classes), so ImageNet need
-not be present. Expected runtime and result: see the README's Performance table (images/s and MFU per
+not be present. Expected runtime and result: see the GPU table of benchmarks/README.md (images/s and MFU per
 device, with the device and date of each measurement).
 
 Training it needs ImageNet prepared for TFDS (`imagenet2012`, which cannot be downloaded automatically):
@@ -42,8 +42,8 @@ def get_config():
   c.model.pooling = 'cls'
   c.model.block = 'preln'
   c.model.init_distribution = 'truncated_normal'
-  # All 12 layers in one scan iteration: 43 ms/step instead of 64 at batch 128 on one H100 (README,
-  # "Performance"), for a compile of ~16 s instead of ~11 s.
+  # All 12 layers in one scan iteration: 43 ms/step instead of 64 at batch 128 on one H100
+  # (benchmarks/README.md), for a compile of ~16 s instead of ~11 s.
   c.model.scan_unroll = 12
 
   c.optimizer.lr = 1e-3

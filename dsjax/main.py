@@ -4,7 +4,7 @@ Runs `dsjax.train.loop.train_and_evaluate`. Rerunning the same command resumes f
 checkpoint in DIR.
 
 Several processes (hosts, or several processes on one machine) run the same command, each with its own
-`--process_id`, and form one run through `jax.distributed` (README, "Scaling out"):
+`--process_id`, and form one run through `jax.distributed` (docs/scaling.md):
 
     python -m dsjax.main --config=... --workdir=DIR --coordinator_address=HOST:PORT \\
         --num_processes=2 --process_id=0     # and --process_id=1 in the second process

@@ -457,7 +457,7 @@ def test_statistics_match_a_direct_computation():
 
 
 def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):
-  """Evidence for README.md: a `jax.debug.callback` per probe site inside the scanned layers.
+  """Evidence for dsjax/instrument/README.md: a `jax.debug.callback` per probe site inside the scanned layers.
 
   On an 8-device mesh it runs once per call (lowered with a MAXIMAL sharding: device 0 runs it with
   the gathered operands), but twice per layer under remat: the backward pass recomputes the layer,

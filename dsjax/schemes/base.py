@@ -2,7 +2,7 @@
 
 A method is one module of `dsjax/schemes/` that defines `SCHEME = <a Scheme subclass instance>`:
 
-  name, paper, summary   its `model.scheme` value, the citation, what it changes (the README table)
+  name, paper, summary   its `model.scheme` value, the citation, what it changes (the methods table)
   blocks                 the `model.block` values it is defined for (its first is the natural one)
   config(model_name)     its config section `model.<name>`: the method's constants with their published
                          defaults and a citation each (None: the method has no constants)
