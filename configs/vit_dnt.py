@@ -12,8 +12,8 @@ seed 0, 2026-11-23 and 2026-11-24; 0.957 with the previous input pipeline, whose
 
 DNT setting S5 (Qi et al. 2025, §4.4 and Appendix C): InputNorm, PreNorm on attention only, QKNorm,
 MidNorm on both branches, RMSNorm. DNT's claim is that this placement trains with plain momentum SGD
-(mSGDW) as well as with AdamW; `--config.optimizer.name=adamw` switches (then also set an AdamW
-learning rate, e.g. 1e-3).
+(mSGDW) as well as with AdamW (at this project's scale not reproduced: experiments/README.md §1);
+`--config.optimizer.name=adamw` switches (then also set an AdamW learning rate, e.g. 1e-3).
 """
 
 from dsjax.train.config import base_config
