@@ -176,24 +176,26 @@ def _derivative_rules(jaxpr) -> list[str]:
   return found
 
 
-def test_the_plain_model_has_no_derivative_rule_and_matches_the_default_one(monkeypatch):
+@pytest.mark.parametrize('model_name', ['gpt', 'vit'])
+def test_the_plain_model_has_no_derivative_rule_and_matches_the_default_one(model_name, monkeypatch):
   """With model.attention='plain' and `layers.FAST_MATMUL` off, no custom derivative is left anywhere in
   the model: JAX differentiates whatever is written (an edit of `plain_attention`, e.g. a logit
   soft-cap, included). Its loss and gradients are those of the default CPU model ('xla', fast matmuls)."""
-  for model_name in ('gpt', 'vit'):
-    loss, grads = _model_value_and_grads(model_name, 'xla', 'float32')
-    monkeypatch.setattr(layers, 'FAST_MATMUL', False)
-    config = tiny_config(model_name, attention='plain', dtype='float32')
+  def rules(implementation):
+    """The derivative rules in the forward pass (a gradient's jaxpr has them already applied)."""
+    config = tiny_config(model_name, attention=implementation, dtype='float32')
     model = schemes.build_model(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO,
                                 nnx.Rngs(params=0))
-    inputs = (jnp.zeros((2, 16), jnp.int32) if model_name == 'gpt' else jnp.zeros((2, 8, 8, 1)))
+    inputs = jnp.zeros((2, 16), jnp.int32) if model_name == 'gpt' else jnp.zeros((2, 8, 8, 1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss_fn = lambda p: nnx.merge(graphdef, p, rest)(inputs).sum()  # noqa: E731
-    assert _derivative_rules(jax.make_jaxpr(jax.grad(loss_fn))(params).jaxpr) == []
-    loss_plain, grads_plain = _model_value_and_grads(model_name, 'plain', 'float32')
-    monkeypatch.setattr(layers, 'FAST_MATMUL', True)
-    np.testing.assert_allclose(loss_plain, loss, rtol=1e-5)
-    chex.assert_trees_all_close(grads_plain, grads, rtol=1e-4, atol=1e-5)
+    return _derivative_rules(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p, rest)(inputs))(params).jaxpr)
+  assert rules('xla')  # The default model's rules are found (attention_xla's, fast_matmul's).
+  loss, grads = _model_value_and_grads(model_name, 'xla', 'float32')
+  monkeypatch.setattr(layers, 'FAST_MATMUL', False)
+  assert rules('plain') == []
+  loss_plain, grads_plain = _model_value_and_grads(model_name, 'plain', 'float32')
+  np.testing.assert_allclose(loss_plain, loss, rtol=1e-5)
+  chex.assert_trees_all_close(grads_plain, grads, rtol=1e-4, atol=1e-5)
 
 
 def test_a_modified_plain_attention_is_differentiated_as_written(monkeypatch):
