@@ -8,7 +8,7 @@ Needs PyTorch beside dsjax (`pip install torch`; not a dependency of dsjax). The
 vocabulary), each product in the three forms a train step runs: the forward x·W, the input gradient
 dy·Wᵀ and the weight gradient xᵀ·dy (a product whose left operand is stored transposed: XLA's CPU
 backend hands those to a different kernel than the other two), the latter as dsjax's dense layer
-computes it (`dsjax.models.layers.matmul_last_axis`; a narrowing layer's also in XLA's plain form) and
+computes it (`dsjax.models.fast_matmul.matmul_last_axis`; a narrowing layer's also in XLA's plain form) and
 as PyTorch's `nn.Linear` does, dyᵀ·x. q, k and v are timed as one (d, 3·d) kernel; the model multiplies
 their stack as (d, 3, d), which keeps a sharding of its last axis, and which XLA may lower differently.
 The attention products are batched over
@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsjax.models import layers  # noqa: E402
+from dsjax.models import fast_matmul  # noqa: E402
 
 import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 
@@ -54,7 +54,7 @@ def products():
   """(name, lhs shape, rhs shape, form, times per step): form 'nn' = a·b, 'nt' = a·bᵀ, 'tn' = aᵀ·b,
   over the last two axes (leading axes batched); 'weight_grad' = a dense layer's weight gradient from
   its input a and output gradient b: in XLA aᵀ·b as dsjax computes it (for a narrowing layer,
-  d_in > d_out, as (bᵀ·a)ᵀ: `dsjax.models.layers`), in PyTorch bᵀ·a as `nn.Linear`'s backward does
+  d_in > d_out, as (bᵀ·a)ᵀ: `dsjax.models.fast_matmul`), in PyTorch bᵀ·a as `nn.Linear`'s backward does
   (its weight is stored (d_out, d_in)); 'weight_grad_plain' the same with XLA's plain aᵀ·b."""
   rows = []
   for name, d_in, d_out, per_step in LINEAR:
@@ -74,7 +74,7 @@ def products():
 def dense_weight_grad(x_ND: jax.Array, dy_NO: jax.Array) -> jax.Array:
   """The kernel's cotangent of dsjax's dense matmul alone (its forward product is dead code)."""
   kernel = jnp.zeros((x_ND.shape[1], dy_NO.shape[1]), x_ND.dtype)
-  _, pullback = jax.vjp(lambda k: layers.matmul_last_axis(x_ND, k), kernel)
+  _, pullback = jax.vjp(lambda k: fast_matmul.matmul_last_axis(x_ND, k), kernel)
   return pullback(dy_NO)[0]
 
 

@@ -8,12 +8,12 @@ Two compiled train steps of one config on one device (instrumentation off, rando
 `python -m dsjax.bench` builds them) that differ in one thing, the form of some backward matmuls:
   * `--form=narrowing` (default): the weight gradient of the dense layers with more inputs than
     outputs (the FFN's second), 'plain' as XLA writes xᵀ·dy and 'transposed' as dsjax computes it on
-    the CPU, (dyᵀ·x)ᵀ (`dsjax.models.layers.TRANSPOSED_NARROW_WEIGHT_GRADIENT`);
-  * `--form=attention`: the XLA attention's key and value gradients, 'plain' dSᵀ·Q and Pᵀ·dO as JAX
-    transposes the plain derivative, and 'transposed' as dsjax computes them on the CPU, dSᵀ written
-    out before its product and (dOᵀ·P)ᵀ (`dsjax.models.layers.TRANSPOSED_ATTENTION_KEY_GRADIENT`,
-    `..._VALUE_GRADIENT`); `--form=attention_key` / `attention_value`: one of the two, the other
-    transposed in both steps.
+    the CPU, (dyᵀ·x)ᵀ (`dsjax.models.fast_matmul.TRANSPOSED_NARROW_WEIGHT_GRADIENT`);
+  * `--form=attention`: the key and value gradients of the XLA attention (`model.attention='xla'`),
+    'plain' dSᵀ·Q and Pᵀ·dO as JAX transposes the plain derivative, and 'transposed' as dsjax computes
+    them on the CPU, dSᵀ written out before its product and (dOᵀ·P)ᵀ
+    (`dsjax.models.attention_xla.TRANSPOSED_ATTENTION_KEY_GRADIENT`, `..._VALUE_GRADIENT`);
+    `--form=attention_key` / `attention_value`: one of the two, the other transposed in both steps.
 The steps take turns, one each per round, in alternating order, with `--pause` seconds of idle before
 each; the ratio of the two in the same round cancels the machine's drift. Reported: each step's median
 and min–max time, and per round the ratio transposed/plain (median and quartiles).
@@ -31,7 +31,7 @@ host_memory.keep_freed_memory()  # as every dsjax command does; before JAX start
 import jax  # noqa: E402
 
 from dsjax import bench  # noqa: E402
-from dsjax.models import layers  # noqa: E402
+from dsjax.models import attention_xla, fast_matmul  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
@@ -39,23 +39,25 @@ import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 WARMUP_ROUNDS = 3
 
 
-# --form: the switches in dsjax.models.layers that turn the CPU's forms on (True, the default) or off.
-FORMS = {'narrowing': ('TRANSPOSED_NARROW_WEIGHT_GRADIENT',),
-         'attention': ('TRANSPOSED_ATTENTION_KEY_GRADIENT', 'TRANSPOSED_ATTENTION_VALUE_GRADIENT'),
-         'attention_key': ('TRANSPOSED_ATTENTION_KEY_GRADIENT',),
-         'attention_value': ('TRANSPOSED_ATTENTION_VALUE_GRADIENT',)}
+# --form: the switches (module, name) that turn the CPU's forms on (True, the default) or off.
+_KEY = (attention_xla, 'TRANSPOSED_ATTENTION_KEY_GRADIENT')
+_VALUE = (attention_xla, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT')
+FORMS = {'narrowing': ((fast_matmul, 'TRANSPOSED_NARROW_WEIGHT_GRADIENT'),),
+         'attention': (_KEY, _VALUE),
+         'attention_key': (_KEY,),
+         'attention_value': (_VALUE,)}
 
 
-def step_with(config, switches: tuple[str, ...], transposed: bool):
+def step_with(config, switches: tuple[tuple[object, str], ...], transposed: bool):
   """One step of the config's train step, compiled with the forms `switches` name on or off (the
   others on)."""
-  for switch in switches:
-    setattr(layers, switch, transposed)  # read when the step is traced
+  for module, switch in switches:
+    setattr(module, switch, transposed)  # read when the step is traced
   try:
     return bench.step_runner(bench.prepare(config, ['off'], 'random'))
   finally:
-    for switch in switches:
-      setattr(layers, switch, True)
+    for module, switch in switches:
+      setattr(module, switch, True)
 
 
 def main():

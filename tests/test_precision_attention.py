@@ -1,8 +1,9 @@
 """Compute dtype, parameter dtype, attention implementations and layer-stack options.
 
-Every attention implementation available on this machine must give the outputs and gradients of the
-XLA one (on a GPU also cuDNN's fused kernel; on every machine the TPU's splash kernel, in Pallas'
-interpreter off a TPU); every layer-stack option must compute the same function.
+Every attention implementation available on this machine must give the outputs and gradients of jax's
+XLA attention (on a GPU also cuDNN's fused kernel; on every machine the TPU's splash kernel, in Pallas'
+interpreter off a TPU; tests/test_attention_implementations.py checks them against the plain form);
+every layer-stack option must compute the same function.
 """
 
 import types
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 
 from dsjax import models, schemes
-from dsjax.models import layers, tpu_attention
+from dsjax.models import attention_cudnn, attention_xla, fast_matmul, tpu_attention
 from dsjax.train import optimizers
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
@@ -43,14 +44,14 @@ def _qkv(dtype, shape):
 
 def _attention_fns():
   """(name, f(q, k, v, causal) -> out, dtype) for every implementation this machine runs."""
-  fns = [('explicit', lambda q, k, v, causal: layers._xla_attention(
+  fns = [('explicit', lambda q, k, v, causal: attention_xla.xla_attention(
       q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32),
          ('splash', lambda q, k, v, causal: tpu_attention.splash_attention(
              q, k, v, 32 ** -0.5, causal), jnp.float32),
          ('splash_bf16', lambda q, k, v, causal: tpu_attention.splash_attention(
              q, k, v, 32 ** -0.5, causal), jnp.bfloat16)]
   if ON_GPU:
-    fns.append(('cudnn', lambda q, k, v, causal: layers._cudnn_attention(
+    fns.append(('cudnn', lambda q, k, v, causal: attention_cudnn.cudnn_attention(
         q, k, v, 32 ** -0.5, causal), jnp.bfloat16))
   return fns
 
@@ -74,7 +75,8 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), **tol)
 
 
-@pytest.mark.parametrize('implementation,dtype', [('xla', jnp.float32), ('splash', jnp.float32)] + (
+@pytest.mark.parametrize('implementation,dtype', [('plain', jnp.float32), ('xla', jnp.float32),
+                                                  ('splash', jnp.float32)] + (
     [('cudnn', jnp.bfloat16)] if ON_GPU else []))
 def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   """A DNT block (QKNorm) with a non-default logit scale equals QKNorm + jax.nn.dot_product_attention at
@@ -105,15 +107,15 @@ def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, m
   (exported here without one); bfloat16 inputs get bfloat16 derivatives close to the float32 ones."""
   q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))  # 37: uneven query blocks (10, 9, 9, 9)
   tangents = tuple(jax.random.normal(key, q.shape) for key in jax.random.split(jax.random.key(5), 3))
-  ours = lambda q, k, v: layers._xla_attention(q, k, v, 8 ** -0.5, causal, 0.0, None)  # noqa: E731
+  ours = lambda q, k, v: attention_xla.xla_attention(q, k, v, 8 ** -0.5, causal, 0.0, None)  # noqa: E731
   xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, scale=8 ** -0.5, is_causal=causal, implementation='xla')
   grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sin(f(q, k, v)).sum(), (0, 1, 2)))  # noqa: E731
   want_jvp, want_grad = jax.jvp(xla, (q, k, v), tangents), grad(xla)(q, k, v)
   blocks = 4 if causal else 1
   for key_form, value_form in [(True, True), (True, False), (False, True), (False, False)]:
-    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_KEY_GRADIENT', key_form)
-    monkeypatch.setattr(layers, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT', value_form)
+    monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_KEY_GRADIENT', key_form)
+    monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT', value_form)
     for got, want in [*zip(jax.jvp(ours, (q, k, v), tangents), want_jvp),
                       *zip(grad(ours)(q, k, v), want_grad)]:
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -132,11 +134,12 @@ def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, m
 def test_causal_attention_with_dropout_sees_no_later_token():
   """The causal path's query blocks each draw their own dropout mask and still see only earlier keys."""
   q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))
-  attend = lambda k, v: layers._xla_attention(q, k, v, 8 ** -0.5, True, 0.5, jax.random.key(7))  # noqa: E731
+  attend = lambda k, v: attention_xla.xla_attention(  # noqa: E731
+      q, k, v, 8 ** -0.5, True, 0.5, jax.random.key(7))
   out = attend(k, v)
   later = lambda t: t.at[:, 20:].set(3.0)  # noqa: E731
   np.testing.assert_allclose(attend(later(k), later(v))[:, :20], out[:, :20], rtol=1e-6, atol=1e-6)
-  assert not np.allclose(out, layers._xla_attention(q, k, v, 8 ** -0.5, True, 0.0, None))
+  assert not np.allclose(out, attention_xla.xla_attention(q, k, v, 8 ** -0.5, True, 0.0, None))
 
 
 def test_auto_resolution():
@@ -171,6 +174,10 @@ def test_auto_resolution():
     models.attention_implementation(m, 'tpu')
   m.attn_dropout = 0.0
   assert models.attention_implementation(m, 'cpu') == 'splash'  # Pallas' interpreter
+  # 'plain' and 'xla' are taken as asked on every backend, also with attention dropout.
+  for name in ('plain', 'xla'):
+    m.attention, m.attn_dropout = name, 0.1
+    assert [models.attention_implementation(m, b) for b in ('cpu', 'gpu', 'tpu')] == [name] * 3
 
 
 @pytest.mark.parametrize('length', [197, 256])
@@ -228,11 +235,11 @@ def test_narrowing_matmul_matches_the_plain_one_and_transposes_its_weight_gradie
   x = jax.random.normal(jax.random.key(0), (4, 8, 48))
   w = jax.random.normal(jax.random.key(1), (48, 16))
   loss = lambda f: lambda x, w: jnp.sin(f(x, w)).sum()  # noqa: E731
-  ours, plain = loss(layers.matmul_last_axis), loss(lambda x, w: x @ w)
-  np.testing.assert_allclose(layers.matmul_last_axis(x, w), x @ w, rtol=1e-6, atol=1e-5)
+  ours, plain = loss(fast_matmul.matmul_last_axis), loss(lambda x, w: x @ w)
+  np.testing.assert_allclose(fast_matmul.matmul_last_axis(x, w), x @ w, rtol=1e-6, atol=1e-5)
   for got, want in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.grad(plain, (0, 1))(x, w)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  tangent = jax.jvp(lambda w: layers.matmul_last_axis(x, w), (w,), (0.5 * w,))[1]
+  tangent = jax.jvp(lambda w: fast_matmul.matmul_last_axis(x, w), (w,), (0.5 * w,))[1]
   np.testing.assert_allclose(tangent, 0.5 * (x @ w), rtol=1e-5, atol=1e-5)
   for platform, transposed in (('cpu', True), ('cuda', False), ('tpu', False)):
     module = jax.export.export(jax.jit(jax.grad(ours, (0, 1))), platforms=[platform])(x, w).mlir_module()
@@ -245,8 +252,8 @@ def test_float32_logits_keep_the_backward_matmuls_in_bfloat16():
   float32 computation's."""
   x = jax.random.normal(jax.random.key(0), (4, 8, 16)).astype(jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
-  loss = lambda x, w: (layers.matmul_last_axis(x, w, jnp.float32) ** 2).sum()  # noqa: E731
-  chex.assert_type(layers.matmul_last_axis(x, w, jnp.float32), jnp.float32)
+  loss = lambda x, w: (fast_matmul.matmul_last_axis(x, w, jnp.float32) ** 2).sum()  # noqa: E731
+  chex.assert_type(fast_matmul.matmul_last_axis(x, w, jnp.float32), jnp.float32)
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
   products = [eqn.outvars[0].aval.dtype for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general']
   assert products == [jnp.bfloat16, jnp.bfloat16], products  # dx and dw (the forward one is nested)

@@ -48,8 +48,8 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
 
 
 def attention_implementations(model: nnx.Module) -> list[str]:
-  """The attention implementations `model` runs, as its attention modules were built ('xla', 'cudnn',
-  'splash')."""
+  """The attention implementations `model` runs, as its attention modules were built ('plain', 'xla',
+  'cudnn', 'splash')."""
   return sorted({node.implementation for _, node in nnx.iter_graph(model)
                  if isinstance(node, layers.Attention)})
 

@@ -15,7 +15,7 @@ import ml_collections
 from absl import logging
 from ml_collections import config_dict
 
-from dsjax.models.layers import ACTIVATIONS
+from dsjax.models.layers import ACTIVATIONS, ATTENTION_IMPLEMENTATIONS
 from dsjax.models.plan import BLOCKS, DNT_SETTINGS
 from dsjax.models.transformer import REMAT_POLICIES
 from dsjax.models.vit import POOLINGS, POS_EMBEDDINGS
@@ -45,7 +45,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   # How a step is computed (none of these changes the parameters; a run may resume with others).
   m.dtype = 'auto'                # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
   m.param_dtype = 'float32'       # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
-  m.attention = 'auto'            # 'xla' | 'cudnn' (fused, GPU, bf16) | 'splash' (fused, TPU) | 'auto'
+  m.attention = 'auto'            # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
   m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
   m.scan_unroll = 1               # layers per scan iteration
@@ -64,7 +64,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
 RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat', 'dtype', 'attention', 'scan_layers', 'scan_unroll')
 
 DTYPES = ('float32', 'bfloat16')
-ATTENTIONS = ('auto', 'xla', 'cudnn', 'splash')
+ATTENTIONS = ('auto', *ATTENTION_IMPLEMENTATIONS)
 
 
 def one_of(key: str, value, allowed):
@@ -139,10 +139,12 @@ def compute_dtype(m, backend: str | None = None) -> str:
 
 
 def attention_implementation(m, backend: str | None = None, *, head_dim: int | None = None) -> str:
-  """`model.attention` resolved to the implementation the attention modules run ('xla' | 'cudnn' |
-  'splash').
+  """`model.attention` resolved to the implementation the attention modules run, a key of
+  `dsjax.models.layers.ATTENTION_IMPLEMENTATIONS` ('plain' | 'xla' | 'cudnn' | 'splash').
 
-  'auto' takes the backend's fused kernel where it applies, and the XLA path elsewhere:
+  'plain' and 'xla' are taken as they are. 'auto' takes the backend's fused kernel where it applies,
+  and 'xla' (the query-blocked form with its CPU-tuned derivative, `dsjax.models.attention_xla`)
+  elsewhere, the CPU included:
     * on a GPU, cuDNN's flash attention (`jax.nn.dot_product_attention`): an NVIDIA GPU of compute
       capability 8.0 or newer (jax does not check the capability itself), bf16 compute, no attention
       dropout (the kernel never forms the probabilities to drop), a head dimension the kernel supports
@@ -155,8 +157,8 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
   concatenation residual's attention width). `backend` given (e.g. 'gpu' from a machine without one):
   resolved for that backend, its GPU taken to be a capable one.
   """
-  if m.attention == 'xla':
-    return 'xla'
+  if m.attention in ('plain', 'xla'):
+    return m.attention
   gpu_capable = _flash_attention_gpu() if backend is None else True
   backend = backend or jax.default_backend()
   no_dropout = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernels have no dropout)')}

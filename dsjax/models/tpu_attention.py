@@ -1,4 +1,5 @@
-"""TPU attention: the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.splash_attention`).
+"""`model.attention='splash'`: the Pallas splash-attention kernel for TPUs
+(`jax.experimental.pallas.ops.tpu.splash_attention`).
 
 Splash attention is a block-sparse flash attention (Dao et al. 2022, arXiv:2205.14135) for TPUs: it
 never forms the B·H·L² probabilities, skips the key blocks the causal mask hides entirely, and keeps
@@ -16,7 +17,7 @@ logical axis rules (`flax.core.spmd.logical_axis_rules`; the training loop sets 
 A dimension its mesh axes do not divide stays whole on each device of that axis.
 
 Off a TPU the same kernel runs in Pallas' interpreter (`INTERPRET`): slow, but the same blocks, masks
-and padding, which is how the tests check it against the XLA attention on a CPU.
+and padding, which is how the tests check it against `dsjax.models.layers.plain_attention` on a CPU.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ INTERPRET: bool | None = None
 
 
 def splash_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
-                     causal: bool) -> jax.Array:
-  """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out."""
+                     causal: bool, dropout_rate: float = 0.0, dropout_key: jax.Array | None = None
+                     ) -> jax.Array:
+  """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out. The kernel
+  has no attention dropout: a `dropout_rate` above 0 with a key is an error."""
+  if dropout_key is not None and dropout_rate > 0:
+    raise ValueError('splash attention has no attention dropout (model.attn_dropout must be 0)')
   l = q_BLHK.shape[1]
   padded = -(-l // BLOCK) * BLOCK
   heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
