@@ -33,7 +33,7 @@ from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 METHODS = ('dsinit', 'tfixup', 'skipinit', 'rezero', 'layerscale', 'bamboo')
 DEPTHS = (4, 16)
 INFO = {'gpt': TEXT_INFO, 'vit': IMAGE_INFO}
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(scheme, name='gpt', depth=4, block=None, **model):
