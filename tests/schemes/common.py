@@ -157,9 +157,9 @@ def assert_layer_stds(model, plan, rtol=0.1):
 
 
 def check_zero_branch_identity(scheme, depth):
-  """SkipInit and ReZero: no norm, x + α·f(x) with learnable scalar α = 0 at the attention add, fixed
-  λ = 1, Xavier weights: the trunk is the identity at initialisation. The plan and the stacked block, for
-  the method's own checks of its FFN add."""
+  """SkipInit and ReZero: no norm, x + α·f(x) with learnable scalars α = 0 and fixed λ = 1, Xavier
+  weights: the trunk is the identity at initialisation. Returns the plan and the stacked block for the
+  method's own checks (whether the two adds share α)."""
   config = method_config(scheme, 'gpt', depth=depth)
   plan = init_plan(config)
   for key in ('branch_attn', 'branch_ffn'):
