@@ -5,21 +5,23 @@ The expected values are written out here from Kedia et al. 2024, §3.5 and Appen
 the full init.
 """
 
+import json
 import math
-import re
+import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from dsjax import data as data_lib
 from dsjax import models, schemes, theory
-from dsjax.train import config as config_lib
-from dsjax.train import step as step_lib
 from dsjax.models import layers
 from dsjax.schemes import dslm
+from dsjax.train import loop
+from dsjax.train import step as step_lib
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
+from tests.schemes.common import assert_rejected, dense_layers, layer_of, registered
 
 P = 0.1
 
@@ -51,6 +53,10 @@ def _spec_recurrence(depth, p, r_embed):
     r = (lam2 * r * var + beta2 * r_ffn) / (lam2 * var + beta2)
     var = lam2 * var + beta2
   return np.array(out)
+
+
+def test_registered_with_its_blocks():
+  assert registered('dslm')['blocks'] == ('preln', 'postln')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,9 +128,7 @@ def test_built_model_has_the_planned_variances(block, depth):
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   block_ = model.trunk.stack.layers
-  kernels = {'q': block_.attn.q, 'k': block_.attn.k, 'v': block_.attn.v, 'o': block_.attn.o,
-             'ffn1': block_.ffn.ffn1, 'ffn2': block_.ffn.ffn2}
-  for name, dense in kernels.items():
+  for name, dense in dense_layers(block_).items():
     w = np.asarray(dense.kernel[...])
     # ≥ 4096 draws per layer: the sample variance is within ~7% (3 standard errors).
     np.testing.assert_allclose(w.var(axis=(1, 2)), plan.layer[name] ** 2, rtol=0.1, err_msg=name)
@@ -171,8 +175,7 @@ def test_gelu_ffn_uses_the_gelu_moments():
   np.testing.assert_allclose(out.var, 1.0, rtol=1e-3)
   # Monte Carlo through the model's FFN and dropout on unit-variance inputs (as after the LayerNorm).
   model = schemes.build_model(c_gelu, TEXT_INFO, nnx.Rngs(params=0))
-  graphdef, state = nnx.split(model.trunk.stack.layers.ffn)
-  ffn0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+  ffn0 = layer_of(model.trunk.stack.layers.ffn, 0)
   x = jax.random.normal(jax.random.key(2), (512, d))
   y = layers.dropout(ffn0(x), P, jax.random.key(3))
   np.testing.assert_allclose(float(y.var()), 1.0, rtol=0.1)
@@ -193,29 +196,21 @@ def test_beta_exponent_learnable_beta_and_output_scales():
   assert isinstance(block.skip_attn, layers.Constant)
 
 
-@pytest.mark.parametrize('override,key', [
-    (dict(block='dnt'), 'model.block'),
-    (dict(dslm_init='fancy'), 'model.dslm.init'),
-    (dict(dslm_output_scale='one'), 'model.dslm.output_scale'),
-    (dict(dslm_attention_var='paper'), 'model.dslm.attention_var'),
-    (dict(dslm_k=-1.0), 'model.dslm.k'),
-    (dict(dslm_k=4.0), 'model.dslm.k / model.depth'),
-    (dict(dslm_input_corr='guess'), 'model.dslm.input_corr'),
-    (dict(dslm_input_corr=0.0), 'model.dslm.input_corr'),
-    (dict(dslm_input_var=0.0), 'model.dslm.input_var'),
-    (dict(name='vit', dslm_input_corr='zipf'), 'model.dslm.input_corr'),
-    (dict(name='vit', pos_embedding='sincos2d'), 'model.pos_embedding'),
+@pytest.mark.parametrize('name,key,value,message', [
+    ('gpt', 'block', 'dnt', 'model.block'),
+    ('gpt', 'dslm.init', 'fancy', 'model.dslm.init'),
+    ('gpt', 'dslm.output_scale', 'one', 'model.dslm.output_scale'),
+    ('gpt', 'dslm.attention_var', 'paper', 'model.dslm.attention_var'),
+    ('gpt', 'dslm.k', -1.0, 'model.dslm.k'),
+    ('gpt', 'dslm.k', 4.0, 'model.dslm.k / model.depth'),
+    ('gpt', 'dslm.input_corr', 'guess', 'model.dslm.input_corr'),
+    ('gpt', 'dslm.input_corr', 0.0, 'model.dslm.input_corr'),
+    ('gpt', 'dslm.input_var', 0.0, 'model.dslm.input_var'),
+    ('vit', 'dslm.input_corr', 'zipf', 'model.dslm.input_corr'),
+    ('vit', 'pos_embedding', 'sincos2d', 'model.pos_embedding'),
 ])
-def test_bad_dslm_configs_fail_in_validate(override, key):
-  override = dict(override)
-  config = _dslm_config(override.pop('name', 'gpt'), depth=4)
-  for k, v in override.items():
-    if k.startswith('dslm_'):
-      config.model.dslm[k[5:]] = v
-    else:
-      config.model[k] = v
-  with pytest.raises(ValueError, match=re.escape(key)):
-    config_lib.validate_config(config, num_devices=1)
+def test_bad_dslm_configs_fail_in_validate(name, key, value, message):
+  assert_rejected(_dslm_config(name, depth=4), key, value, message)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +218,6 @@ def test_bad_dslm_configs_fail_in_validate(override, key):
 # ------------------------------------------------------------------------------------------------
 
 def test_measure_needs_moments_and_uses_the_final_models_embedding():
-  from dsjax import data as data_lib
   config = _dslm_config('gpt', init='full', depth=6, width=32)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)
@@ -242,9 +236,6 @@ def test_measure_needs_moments_and_uses_the_final_models_embedding():
 
 
 def test_training_loop_measures_logs_and_saves_input_moments(tmp_path):
-  import json
-  import os
-  from dsjax.train import loop
   config = _dslm_config('gpt', init='full', depth=4, width=32)
   config.model.dslm.input_corr = 'measure'
   config.total_steps = 2
@@ -260,7 +251,6 @@ def test_training_loop_measures_logs_and_saves_input_moments(tmp_path):
 def test_measured_vit_input_and_full_init_needs_positive_correlation():
   """On the digits the measured r^l is slightly negative (constant border pixels sit below the pooled
   mean); the full init's 1/sqrt(r) cannot use it and says so, the simple init does not need it."""
-  from dsjax import data as data_lib
   config = _dslm_config('vit', init='full', depth=4, width=64)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)

@@ -4,12 +4,12 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax import export, models, schemes
+from dsjax import export, schemes
+from dsjax.train import loop
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 # float32 forward passes through a few layers: |Δlogits| / max|logits| ~1e-6; 1e-5 leaves room.
@@ -58,7 +58,6 @@ def test_folded_vanilla_model_gives_the_same_logits(block, name, tie):
 
 def test_export_command_round_trip(tmp_path):
   """Train a DSLM run for 2 steps, export it, load it as a vanilla model: same logits on real data."""
-  from dsjax.train import loop
   config = tiny_config('gpt', scheme='dslm', block='postln', depth=4, dropout=0.1, tie_embeddings=True)
   config.total_steps = 2
   run, out = str(tmp_path / 'run'), str(tmp_path / 'export')

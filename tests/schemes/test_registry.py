@@ -1,7 +1,8 @@
 """Every registered method (`model.scheme`) trains, instruments, checkpoints, resumes and is measured.
 
 The tests walk `dsjax.schemes.SCHEMES`, so a new method file is covered without touching this file.
-Each method runs on its natural block (the first of `Scheme.blocks`) at a tiny size.
+Each method runs on its natural block (the first of `Scheme.blocks`) at a tiny size. A method's own plan,
+built model, config checks and training runs are tested in `tests/schemes/test_<method>.py`.
 """
 
 from __future__ import annotations
@@ -19,21 +20,9 @@ from dsjax.train import config as config_lib
 from dsjax.train import loop
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
-from tests.helpers import tiny_config
+from tests.schemes.common import registry_config
 
 NAMES = sorted(schemes.SCHEMES)
-
-
-def _config(name: str, model_name: str, **overrides):
-  config = tiny_config(model_name, depth=3, width=16, num_heads=2)  # DSLM needs k/N < 1
-  config.model.scheme = name
-  config.model.block = schemes.SCHEMES[name].blocks[0]
-  config.total_steps = 3
-  config.eval_every = config.checkpoint_every = 3
-  config.log_every = 1
-  for key, value in overrides.items():
-    config[key] = value
-  return config
 
 
 def test_registry_lists_every_method_with_its_paper():
@@ -46,11 +35,6 @@ def test_registry_lists_every_method_with_its_paper():
     config.model.block = schemes.SCHEMES[name].blocks[0]
     # The published defaults are valid (the base config is no training run: its schedule is not checked).
     config_lib.validate_config(config, num_devices=1, training=False)
-
-
-def _moment_records(workdir):
-  with open(os.path.join(workdir, 'moments.jsonl')) as f:
-    return [json.loads(line) for line in f]
 
 
 # Every method on GPT; on ViT the plain and DSLM models by default, every method with `-m slow`.
@@ -66,7 +50,7 @@ def test_every_method_trains_three_steps(name, model_name):
   plain step); the full loop with evaluation, checkpoints and resume runs for every method in the slow
   test below."""
   instrument = model_name == 'gpt'
-  config = _config(name, model_name)
+  config = registry_config(name, model_name)
   config_lib.validate_config(config, num_devices=1)
   info = data_lib.dataset_info(config.data)
   config_lib.validate_against_data(config, info)
@@ -96,7 +80,7 @@ def test_every_method_resumes_and_is_measured(name, tmp_path):
   """Two GPT runs (the second resumes from the checkpoint of step 2), then the moments CLI's measurement
   of the checkpoint against the theory (or its word that it cannot predict this method)."""
   workdir, out = str(tmp_path / 'run'), str(tmp_path / 'moments')
-  config = _config(name, 'gpt', total_steps=2)
+  config = registry_config(name, 'gpt', total_steps=2)
   config.eval_every = config.checkpoint_every = 2
   loop.train_and_evaluate(config, workdir)
   config.total_steps = 3
@@ -109,13 +93,3 @@ def test_every_method_resumes_and_is_measured(name, tmp_path):
   assert os.path.exists(os.path.join(out, 'moments.png'))
   # Either the theory predicts this method (an error summary) or the output says why not.
   assert result['summary'] or result['settings']['theory'].startswith('not covered')
-
-
-@pytest.mark.parametrize('name', ['vanilla', 'catformer'])
-def test_moments_cli_measures_a_method_the_theory_does_not_cover(name, tmp_path):
-  config = _config(name, 'gpt')
-  result = moments.run(config, str(tmp_path), num_batches=1)
-  assert len(result['layers']) == config.model.depth
-  assert bool(result['summary']) == (name == 'vanilla')
-  if name != 'vanilla':
-    assert result['settings']['theory'].startswith('not covered')

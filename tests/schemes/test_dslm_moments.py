@@ -5,7 +5,8 @@ active, statistics of every layer's output) through `experiments/dslm_moments.py
 six cases (DSLM Pre-LN / Post-LN × full / simple init, Xavier Pre-LN / Post-LN).
 
 * `test_dslm_moments_192_layers` is the full-size run: GPT, 192 layers × d 256, dropout 0.1, seq 128.
-* `test_dslm_moments_small` checks the same properties on a 48-layer, d-128 model with sequences of 64 tokens (both are slow tests):
+* `test_dslm_moments_small` checks the same properties on a 48-layer, d-128 model with sequences of 64
+  tokens (both are slow tests):
   per-layer forward variance within 20% of the theory (measured max 15% at this size, 10% at 192 ×
   256: the largest errors sit where the stream's correlation is high, and the statistics of one layer
   pool only B·L·d ≈ 33k correlated values), gradient variance of layer 1 within a factor 2 of the last
