@@ -279,9 +279,10 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
       jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
 
 
-def test_evaluation_runs_on_the_mesh_with_its_axis_rules_whoever_calls_it():
-  """A run resumed when already done evaluates outside the training loop: the eval step must still see
-  the mesh and the activations' logical axis rules (the splash kernel's shard_map needs them)."""
+def test_evaluation_runs_on_the_mesh_with_its_axis_rules():
+  """Evaluation (also that of a run resumed when already done, outside the training steps) runs inside
+  the run's one `use_mesh`: the eval step sees the mesh and the activations' logical axis rules (the
+  splash kernel's shard_map needs them)."""
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   seen = []
 
@@ -292,7 +293,8 @@ def test_evaluation_runs_on_the_mesh_with_its_axis_rules_whoever_calls_it():
 
   config = tiny_config('gpt')
   config.eval_batch_size = 8
-  loop.evaluate(eval_step, None, config, mesh, dict(process_index=0, process_count=1))
+  with sharding_lib.use_mesh(mesh):
+    loop.evaluate(eval_step, None, config, mesh, dict(process_index=0, process_count=1))
   assert seen and all(size == 8 and rules['batch'] == sharding_lib.BATCH_AXES for size, rules in seen)
 
 
