@@ -394,7 +394,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
                   workdir: str, profile_dir: str | None = None) -> dict:
   data_info, setup, state, batch, make_step = prepare(config, modes, inputs)
   device = jax.devices()[0]
-  dims = models.model_dims(config, data_info)
+  dims = models.model_dims(config.model, data_info, seq_len=config.data.seq_len)
   num_params = matmul_params(setup.abstract_model)
   flops, tokens = model_flops_per_step(config, dims, num_params)
   dtype = models.compute_dtype(config.model)

@@ -33,7 +33,7 @@ def _dslm_config(name='gpt', *, init='simple', depth=4, width=32, block='postln'
 
 
 def _dims(config, info):
-  return models.model_dims(config, info)
+  return models.model_dims(config.model, info, seq_len=config.data.seq_len)
 
 
 def _spec_recurrence(depth, p, r_embed):

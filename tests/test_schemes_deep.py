@@ -37,7 +37,8 @@ def _config(scheme, name='gpt', *, depth=4, width=32, block=None, **model):
 
 def _plan(config, info=None):
   info = info or INFO[config.model.name]
-  return schemes.make_init_plan(config.model, models.model_dims(config, info))
+  return schemes.make_init_plan(config.model, models.model_dims(config.model, info,
+                                                                seq_len=config.data.seq_len))
 
 
 def _build(config, info=None, prepared=None):
@@ -185,7 +186,7 @@ def test_noci_temperature_formula_and_alpha_tilde(name, depth):
   config.model.noci.tau = 'formula'
   config.model.noci.rho = 0.3
   config_lib.validate_config(config, num_devices=1)
-  dims = models.model_dims(config, INFO[name])
+  dims = models.model_dims(config.model, INFO[name], seq_len=config.data.seq_len)
   n = dims.seq_len                                         # GPT: data.seq_len; ViT: (8/2)² patches
   assert n == 16
   plan = _plan(config)
@@ -371,7 +372,7 @@ def test_admin_profile_on_a_tiny_gpt_matches_the_closed_form_and_sets_omega():
 
   closed = config.model.copy_and_resolve_references()
   closed.admin.omega = 'closed_form'
-  plan = schemes.make_init_plan(closed, models.model_dims(config, info))
+  plan = schemes.make_init_plan(closed, models.model_dims(config.model, info, seq_len=config.data.seq_len))
   closed_sq = np.stack([plan.layer['skip_attn'], plan.layer['skip_ffn']], 1).reshape(-1) ** 2
   np.testing.assert_allclose(prepared['omega_sq'], closed_sq, rtol=0.2)
   # A profile of another depth is refused.

@@ -42,7 +42,8 @@ def _config(scheme, name='gpt', depth=4, block=None, **model):
 
 
 def _plan(config, name='gpt'):
-  return schemes.make_init_plan(config.model, models.model_dims(config, INFO[name]))
+  return schemes.make_init_plan(config.model, models.model_dims(config.model, INFO[name],
+                                                                seq_len=config.data.seq_len))
 
 
 def _build(config, name='gpt'):

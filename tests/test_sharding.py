@@ -16,6 +16,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dsjax import data as data_lib
 from dsjax import schemes
 from dsjax.models import layers, tpu_attention
 from dsjax.train import loop
@@ -292,9 +293,10 @@ def test_evaluation_runs_on_the_mesh_with_its_axis_rules():
     return {'loss_sum': 1.0, 'count': 1.0}
 
   config = tiny_config('gpt')
-  config.eval_batch_size = 8
+  eval_data = data_lib.make_pipeline(config.data, global_batch_size=8, train=False, process_index=0,
+                                     process_count=1)
   with sharding_lib.use_mesh(mesh):
-    loop.evaluate(eval_step, None, config, mesh, dict(process_index=0, process_count=1))
+    loop.evaluate(eval_step, None, eval_data, mesh, 'gpt')
   assert seen and all(size == 8 and rules['batch'] == sharding_lib.BATCH_AXES for size, rules in seen)
 
 

@@ -61,17 +61,16 @@ def make_eval_step(config, setup: state_lib.TrainSetup, mesh, state_shardings):
                  out_shardings=sharding_lib.replicated(mesh))
 
 
-def evaluate(eval_step, state, config, mesh, process) -> dict[str, float]:
-  """One pass over the dataset's evaluation split (padded rows masked out, so averages are exact), on
-  `mesh`: called inside `sharding.use_mesh(mesh)`, as the whole run is."""
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size,
-                                    seed=config.seed, train=False, **process)
+def evaluate(eval_step, state, eval_data, mesh, model_name: str) -> dict[str, float]:
+  """One pass over the evaluation pipeline `eval_data` (padded rows masked out, so averages are exact;
+  each pass starts from its first batch), on `mesh`: called inside `sharding.use_mesh(mesh)`, as the
+  whole run is."""
   totals: dict[str, float] = {}
-  for batch in pipeline:
+  for batch in eval_data:
     sums = jax.device_get(eval_step(state, sharding_lib.global_batch(batch, mesh)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
-  return step_lib.summarize_eval(config.model.name, totals)
+  return step_lib.summarize_eval(model_name, totals)
 
 
 def _memory_summary(compiled) -> str:
@@ -132,8 +131,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   # computes it alike, on the same rows).
   prepared = _method_preparation(run)
   with sharding_lib.use_mesh(run.mesh):
-    train_data = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
-                                        seed=config.seed, train=True, **run.process)
+    train_data, eval_data = _pipelines(run)
     model = _model(run, prepared)
     state = _restore_or_create(run, model, train_data)
     first_step = int(state['step'])
@@ -143,7 +141,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     moments = (instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
                if config.instrument.every else None)
     steps = _compile_steps(run, model, state, first_batch, moments)
-    training = Training(run, steps, train_data, moments, signals, first_step)
+    training = Training(run, steps, train_data, eval_data, moments, signals, first_step)
     state = training.run_steps(state, first_step, first_batch)
     return training.finish(state, guard)
 
@@ -157,7 +155,8 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What the setup of a run established, for every later phase."""
-  config: Any
+  config: Any                        # the whole config (run keys, model section; written to the workdir)
+  validated: config_lib.ValidatedConfig  # its typed sections, each checked once
   workdir: str
   mesh: jax.sharding.Mesh
   process: dict[str, int]            # process_index and process_count, for the input pipelines
@@ -169,18 +168,19 @@ class Run:
 
 def _setup(config, workdir: str, devices, guard: run_guard.RunGuard) -> Run:
   devices = jax.devices() if devices is None else list(devices)
-  config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
-  mesh = sharding_lib.make_mesh(config.mesh.shape, devices)
+  validated = config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
+  mesh = sharding_lib.mesh_over(validated.mesh_shape, devices)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  data_info = data_lib.dataset_info(config.data)  # Fails with a clear message if the data is missing.
+  data_info = data_lib.dataset_info(validated.data)  # A one-line error if the data is missing.
   config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
   guard.take_lock(is_chief, mesh)
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config)
   logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
-  return Run(config=config, workdir=workdir, mesh=mesh, process=process, is_chief=is_chief,
-             data_info=data_info, checkpointer=checkpointer, identity=checkpoint_lib.run_identity(config))
+  return Run(config=config, validated=validated, workdir=workdir, mesh=mesh, process=process,
+             is_chief=is_chief, data_info=data_info, checkpointer=checkpointer,
+             identity=checkpoint_lib.run_identity(config))
 
 
 def _method_preparation(run: Run):
@@ -188,11 +188,25 @@ def _method_preparation(run: Run):
   profiling pass), run on the first training batches or read back from the workdir when resuming;
   None for a method without one."""
   config = run.config
-  prepared = schemes.preparation_for_run(config, run.data_info, lambda: step_lib.first_model_inputs(config),
-                                         run.workdir)
+  inputs = lambda: step_lib.first_model_inputs(config, run.validated.data)
+  prepared = schemes.preparation_for_run(config, run.data_info, inputs, run.workdir)
   if prepared is not None:
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   return prepared
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: this process's share of each global batch, with a saveable position; the evaluation split.
+# ------------------------------------------------------------------------------------------------
+
+def _pipelines(run: Run):
+  """(the training pipeline, the evaluation pipeline) of this process."""
+  config, data = run.config, run.validated.data
+  train_data = data_lib.make_pipeline(data, global_batch_size=config.batch_size, seed=config.seed,
+                                      train=True, **run.process)
+  eval_data = data_lib.make_pipeline(data, global_batch_size=config.eval_batch_size, seed=config.seed,
+                                     train=False, **run.process)
+  return train_data, eval_data
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,7 +224,7 @@ class Model:
 
 def _model(run: Run, prepared) -> Model:
   config = run.config
-  setup = state_lib.make_setup(config, run.data_info, prepared)
+  setup = state_lib.make_setup(config, run.data_info, prepared, optimizer=run.validated.optimizer)
   abstract_state = jax.eval_shape(setup.create_state)
   model_axes = sharding_lib.logical_axes(setup.abstract_model)
   state_shardings = sharding_lib.state_shardings(abstract_state, model_axes, run.mesh)
@@ -286,10 +300,10 @@ def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
 class Training:
   """The training steps of a run, from its first step to `total_steps`, and what they write."""
 
-  def __init__(self, run: Run, steps: Steps, train_data, moments, signals: interrupts.StopSignals,
-               first_step: int):
+  def __init__(self, run: Run, steps: Steps, train_data, eval_data, moments,
+               signals: interrupts.StopSignals, first_step: int):
     self.run, self.config, self.steps = run, run.config, steps
-    self.train_data, self.moments = train_data, moments
+    self.train_data, self.eval_data, self.moments = train_data, eval_data, moments
     self.writer = metrics_lib.MetricWriter(run.workdir, enabled=run.is_chief)
     self.progress = metrics_lib.Progress(first_step, self.config.total_steps)
     self.stop_vote = run_guard.StopVote(signals, run.mesh)
@@ -311,8 +325,7 @@ class Training:
         # The step runs asynchronously: wait for it, so that its time is not counted as evaluation's.
         jax.block_until_ready(train_metrics)
         t0 = time.perf_counter()
-        pending['eval'] = self.last_eval = evaluate(self.steps.eval, state, config, self.run.mesh,
-                                                    self.run.process)
+        pending['eval'] = self.last_eval = self._evaluate(state)
         self.progress.exclude(time.perf_counter() - t0)
       stop_signal = self.stop_vote.after_step()
       if stop_signal or step == config.total_steps or step % config.checkpoint_every == 0:
@@ -372,6 +385,9 @@ class Training:
     _, replayed = jax.device_get(replay(state, batch))
     return instrument_lib.first_nonfinite(replayed['moments'])
 
+  def _evaluate(self, state) -> dict[str, float]:
+    return evaluate(self.steps.eval, state, self.eval_data, self.run.mesh, self.config.model.name)
+
   def _save(self, step: int, state):
     t0 = time.perf_counter()
     self.run.checkpointer.save(step, state, self.train_data.get_state(), self.run.identity)
@@ -388,7 +404,7 @@ class Training:
   def finish(self, state, guard: run_guard.RunGuard) -> dict[str, float]:
     """Closes the run's files and hands the workdir back; returns the final eval metrics."""
     if not self.last_eval:  # Resumed at the end: report the final numbers again.
-      self.last_eval = evaluate(self.steps.eval, state, self.config, self.run.mesh, self.run.process)
+      self.last_eval = self._evaluate(state)
     self.run.checkpointer.close()
     self.writer.close()
     if self.moments is not None:

@@ -79,8 +79,13 @@ def resolve_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(shape, devices=None) -> Mesh:
+  """The mesh of `mesh.shape` (checked, -1 resolved) over `devices` (default: all)."""
   devices = jax.devices() if devices is None else list(devices)
-  shape = resolve_mesh_shape(shape, len(devices))
+  return mesh_over(resolve_mesh_shape(shape, len(devices)), devices)
+
+
+def mesh_over(shape: tuple[int, ...], devices) -> Mesh:
+  """The mesh of a shape already resolved by `resolve_mesh_shape` over `devices`."""
   # Auto axes: shardings given at the jit boundary propagate through the step (GSPMD), as pjit did.
   mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
   check_process_layout(np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices))

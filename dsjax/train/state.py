@@ -44,12 +44,15 @@ def param_lr_scales(abstract_model: nnx.Module) -> dict | None:
   return scales
 
 
-def make_setup(config, data_info, prepared: dict | None = None) -> TrainSetup:
+def make_setup(config, data_info, prepared: dict | None = None,
+               optimizer: optimizers.OptimizerConfig | None = None) -> TrainSetup:
   """Model (by `config.model.scheme`, with its preparation result `prepared`), optimizer and the
-  function creating the initial state."""
+  function creating the initial state. `optimizer`: the run's validated optimizer section (default:
+  `config.optimizer`, validated here)."""
   build = lambda: schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
   abstract_model = nnx.eval_shape(build)
-  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps,
+  optimizer = config.optimizer if optimizer is None else optimizer
+  tx, schedule = optimizers.make_optimizer(optimizer, config.total_steps,
                                            lr_scale=param_lr_scales(abstract_model))
 
   def create():
