@@ -71,7 +71,6 @@ from ml_collections import config_flags
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
-from dsjax import schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
 from dsjax.train import sharding as sharding_lib
@@ -353,7 +352,7 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   else:
     batch = random_batch(config, data_info)
   batch = jax.device_put(batch, jax.devices()[0])
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  prepared = state_lib.method_preparation(config, data_info)
   setup = state_lib.make_setup(config, data_info, prepared)
   state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]

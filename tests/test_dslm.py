@@ -16,7 +16,7 @@ from flax import nnx
 
 from dsjax import models, schemes, theory
 from dsjax.train import config as config_lib
-from dsjax.train import step as step_lib
+from dsjax.train import state as state_lib
 from dsjax.models import layers
 from dsjax.schemes import dslm
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
@@ -264,7 +264,7 @@ def test_measured_vit_input_and_full_init_needs_positive_correlation():
   config = _dslm_config('vit', init='full', depth=4, width=64)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)
-  moments = dslm.measure_input_moments(config, info, [next(step_lib.first_model_inputs(config))])
+  moments = dslm.measure_input_moments(config, info, [next(state_lib.first_model_inputs(config))])
   assert 0.7 < moments['var'] < 1.4 and -0.2 < moments['corr_seq'] < 0.2
   if moments['corr_seq'] <= 0:
     with pytest.raises(ValueError, match="model.dslm.init='full' needs a positive"):

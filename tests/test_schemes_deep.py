@@ -23,7 +23,7 @@ from dsjax.models import layers
 from dsjax.schemes import admin
 from dsjax.train import config as config_lib
 from dsjax.train import loop
-from dsjax.train import step as step_lib
+from dsjax.train import state as state_lib
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 DEPTHS = [4, 16]
@@ -361,12 +361,12 @@ def test_admin_profile_on_a_tiny_gpt_matches_the_closed_form_and_sets_omega():
   assert scheme.needs_preparation(config.model)
   with pytest.raises(ValueError, match='needs the profiling result'):
     _build(config, info)
-  prepared = scheme.prepare(config, info, step_lib.first_model_inputs(config))
+  prepared = scheme.prepare(config, info, state_lib.first_model_inputs(config))
   assert prepared['num_batches'] == admin.PROFILE_BATCHES and len(prepared['omega_sq']) == 2 * depth
   json.dumps(prepared)
   # The profile's input variance is the model's embedding variance (same seed, same weights).
   model = _build(config, info, prepared)
-  tokens = next(step_lib.first_model_inputs(config))
+  tokens = next(state_lib.first_model_inputs(config))
   np.testing.assert_allclose(prepared['input_var'], float(jnp.var(model.embed(tokens))), rtol=0.1)
   _check_admin_model(model, np.sqrt(np.asarray(prepared['omega_sq'])), depth, d)
 

@@ -312,13 +312,16 @@ def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication(
 
 
 def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logits():
+  """Traced on the run's mesh with its logical axis rules (`sharding.use_mesh`), as the loop does: the
+  model's constraints (`dsjax.models.partitioning`) read both from there."""
   config = _config('gpt')
   setup = state_lib.make_setup(config, TEXT_INFO)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   abstract = jax.eval_shape(setup.create_state)
   shardings = sharding_lib.state_shardings(abstract, sharding_lib.logical_axes(setup.abstract_model), mesh)
   batch = {'tokens': jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32)}
-  hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
+  with sharding_lib.use_mesh(mesh):
+    hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
   constrained = re.findall(r'sdy.sharding_constraint \S+ <@mesh, \[\{"data", "fsdp"\}[^>]*> : tensor<([\dx]+)x\w+>',
                            hlo)
   b, l, d = config.batch_size, config.data.seq_len, config.model.width

@@ -17,7 +17,6 @@ from absl import logging
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
-from dsjax import schemes
 from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, interrupts, run_guard
@@ -42,7 +41,9 @@ def sharded_loss(loss_fn: Callable, mesh) -> Callable:
 
 def make_train_step(config, setup: state_lib.TrainSetup, mesh, state_shardings, **step_kwargs):
   """The run's jitted train step: `step.make_train_step` on the sharded loss (`sharded_loss`), with the
-  state on its shardings (donated), the batch split over data × fsdp and the metrics replicated.
+  state on its shardings (donated), the batch split over data × fsdp and the metrics replicated. Trace
+  and run it inside `sharding.use_mesh(mesh)`: the model lays out its activations by the mesh and the
+  logical axis rules it finds there (without them it constrains nothing).
   `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver, moments_per_site)."""
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = sharded_loss(step_lib.LOSSES[config.model.name], mesh)
@@ -188,8 +189,7 @@ def _method_preparation(run: Run):
   profiling pass), run on the first training batches or read back from the workdir when resuming;
   None for a method without one."""
   config = run.config
-  inputs = lambda: step_lib.first_model_inputs(config, run.validated.data)
-  prepared = schemes.preparation_for_run(config, run.data_info, inputs, run.workdir)
+  prepared = state_lib.method_preparation(config, run.data_info, run.workdir, run.validated.data)
   if prepared is not None:
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   return prepared
