@@ -93,13 +93,14 @@ def _compile(name: str, step_fn, state, batch):
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, batch).compile()
   memory = _memory_summary(compiled)
-  logging.info('Compiled the %s in %.1fs%s', name, time.perf_counter() - t0, f'; it needs {memory}' if memory else '')
+  logging.info('Compiled the %s in %.1fs%s', name, time.perf_counter() - t0,
+               f'; it needs {memory}' if memory else '')
   return compiled, memory
 
 
 def _out_of_memory(error: Exception, memory: str) -> ValueError:
-  return ValueError(f'out of device memory running the train step (compiled estimate: {memory or "unknown"}); '
-                    f'{cli.OUT_OF_MEMORY_ADVICE}')
+  return ValueError(f'out of device memory running the train step (compiled estimate: '
+                    f'{memory or "unknown"}); {cli.OUT_OF_MEMORY_ADVICE}')
 
 
 def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None, last_saved) -> str:
@@ -169,7 +170,8 @@ class Run:
 
 def _setup(config, workdir: str, devices, guard: run_guard.RunGuard) -> Run:
   devices = jax.devices() if devices is None else list(devices)
-  validated = config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
+  validated = config_lib.validate_config(config, num_devices=len(devices),
+                                         process_count=jax.process_count())
   mesh = sharding_lib.mesh_over(validated.mesh_shape, devices)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   data_info = data_lib.dataset_info(validated.data)  # A one-line error if the data is missing.
@@ -231,7 +233,8 @@ def _model(run: Run, prepared) -> Model:
   for undivided in sharding_lib.undivided_dimensions(abstract_state, model_axes, run.mesh):
     logging.warning('Not sharded (size does not divide the mesh axis): %s', undivided)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
-  logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
+  logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6,
+               config.model.depth)
   return Model(setup=setup, abstract_state=abstract_state, state_shardings=state_shardings)
 
 
@@ -254,7 +257,6 @@ def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
 # on the first batch (with its time and memory in the log).
 # ------------------------------------------------------------------------------------------------
 
-
 @dataclasses.dataclass(frozen=True)
 class Steps:
   """The run's jitted steps, the train steps compiled on the first batch (not compiled when the run has
@@ -269,10 +271,10 @@ class Steps:
 def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
   """`moments`: the Collector that receives the per-layer moments with instrument.delivery='callback'."""
   config, mesh = run.config, run.mesh
-  jit_train_step = lambda **kw: make_train_step(config, model.setup, mesh, model.state_shardings,
-                                                **kw)
+  jit_train_step = lambda **kw: make_train_step(config, model.setup, mesh, model.state_shardings, **kw)
   # A run resumed at its end has no batch to compile on, and no step to run.
-  compiled = lambda name, step_fn: (step_fn, '') if batch is None else _compile(name, step_fn, state, batch)
+  compiled = lambda name, step_fn: ((step_fn, '') if batch is None else
+                                    _compile(name, step_fn, state, batch))
   train_step, memory = compiled('train step', jit_train_step())
   # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
   # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
