@@ -129,15 +129,17 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
 def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals,
                         guard: run_guard.RunGuard) -> dict[str, float]:
   run = _setup(config, workdir, devices, guard)
-  # The method's preparation runs its model on one device, outside the run's mesh (every process
-  # computes it alike, on the same rows).
   prepared = _method_preparation(run)
+  train_data, eval_data = _pipelines(run)
+  model = _model(run, prepared)
+  state = _restore_or_create(run, model, train_data)
+  first_step = int(state['step'])
+  guard.record_run_start(config, first_step, prepared)  # Every check has passed.
+  # The steps are traced, compiled and run on the mesh, with the logical axis rules the model lays out
+  # its activations by. What comes before places its arrays on explicit shardings and stays outside:
+  # the method's preparation runs its model on one device (every process alike, on the same rows), and
+  # Orbax's restore under a current mesh leaves the reads of a corrupt checkpoint unawaited.
   with sharding_lib.use_mesh(run.mesh):
-    train_data, eval_data = _pipelines(run)
-    model = _model(run, prepared)
-    state = _restore_or_create(run, model, train_data)
-    first_step = int(state['step'])
-    guard.record_run_start(config, first_step, prepared)  # Every check has passed.
     first_batch = (sharding_lib.global_batch(next(train_data), run.mesh)
                    if first_step < config.total_steps else None)
     moments = (instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
