@@ -50,7 +50,6 @@ from ml_collections import config_flags
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
-from dsjax import schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
 from dsjax.train import sharding as sharding_lib
@@ -332,7 +331,7 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   else:
     batch = random_batch(config, data_info)
   batch = jax.device_put(batch, jax.devices()[0])
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  prepared = state_lib.method_preparation(config, data_info)
   setup = state_lib.make_setup(config, data_info, prepared)
   state = jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
@@ -373,7 +372,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
                   workdir: str, profile_dir: str | None = None) -> dict:
   data_info, setup, state, batch, make_step = prepare(config, modes, inputs)
   device = jax.devices()[0]
-  dims = models.model_dims(config, data_info)
+  dims = models.model_dims(config.model, data_info, seq_len=config.data.seq_len)
   num_params = matmul_params(setup.abstract_model)
   flops, tokens = model_flops_per_step(config, dims, num_params)
   dtype = models.compute_dtype(config.model)

@@ -49,6 +49,7 @@ from dsjax.instrument import theory_adapter
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
 from dsjax.train import config as config_lib
+from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
 matplotlib.use('Agg')
@@ -123,7 +124,7 @@ def load_model(config, data_info, checkpoint: str | None):
     return checkpoint_lib.restore_model(config, data_info, checkpoint, '--checkpoint')
   # A method with a preparation step (e.g. DSLM's measured input correlation) runs it afresh on the
   # first training batches.
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  prepared = state_lib.method_preparation(config, data_info)
   return schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
 
 

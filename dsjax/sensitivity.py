@@ -56,7 +56,7 @@ from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
-from dsjax.train import step as step_lib
+from dsjax.train import state as state_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
@@ -360,7 +360,7 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   # a mesh, so not mesh.shape.
   config = with_xla_attention(config)
   data_info = config_lib.validate_single_device_run(config, training=False)
-  prepared = schemes.preparation_for_run(config, data_info, lambda: step_lib.first_model_inputs(config))
+  prepared = state_lib.method_preparation(config, data_info)
   measurement = Measurement(config, data_info, prepared)
   pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
                                     process_index=0, process_count=1, train=True)

@@ -61,10 +61,10 @@ def case_config(name: str, *, depth: int, width: int, num_heads: int, seq_len: i
     import itertools
     from dsjax import data as data_lib
     from dsjax.schemes import dslm
-    from dsjax.train import step
+    from dsjax.train import state
     m.dslm.input_corr = 'measure'
     moments = dslm.measure_input_moments(c, data_lib.dataset_info(c.data),
-                                         itertools.islice(step.first_model_inputs(c), 4))
+                                         itertools.islice(state.first_model_inputs(c), 4))
     m.dslm.input_corr = moments['corr_seq']
   return c
 

@@ -97,7 +97,7 @@ def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), 
   setups, states = {}, {}
   for seed in seeds:
     c = _member_config(config, seed)
-    prepared = schemes.preparation_for_run(c, data_info, lambda c=c: step_lib.first_model_inputs(c))
+    prepared = state_lib.method_preparation(c, data_info)
     setups[seed] = state_lib.make_setup(c, data_info, prepared)
     states[seed] = jax.jit(setups[seed].create_state)()
   setup = setups[seeds[0]]

@@ -45,7 +45,8 @@ def _cli_config(depth: int, **model):
 
 def _plan_layout(config):
   """The idealised model's inputs from the method's plan alone (no model is built)."""
-  plan = schemes.make_init_plan(config.model, models.model_dims(config, TEXT_INFO))
+  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO,
+                                                                seq_len=config.data.seq_len))
   lay = plan.layout or NormLayout.for_block(config.model.block, config.model.dnt_setting)
   return sensitivity.residual_layout(
       {k: plan.layer[k] for k in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')},
@@ -162,7 +163,8 @@ def test_layout_is_read_from_the_model(small_postln):
 def test_perturbation_has_the_initial_covariance(small_postln):
   config, measurement, _ = small_postln
   _, direction = measurement.parameters_and_direction(jax.random.key(3))
-  plan = schemes.make_init_plan(config.model, models.model_dims(config, TEXT_INFO))
+  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO,
+                                                                seq_len=config.data.seq_len))
   layers = sensitivity.layer_params(direction)
   for name, module in (('q', 'attn'), ('o', 'attn'), ('ffn1', 'ffn'), ('ffn2', 'ffn')):
     kernel = np.asarray(layers[module][name]['kernel'])

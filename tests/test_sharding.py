@@ -16,6 +16,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dsjax import data as data_lib
 from dsjax import schemes
 from dsjax.models import layers, tpu_attention
 from dsjax.train import loop
@@ -279,9 +280,10 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
       jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
 
 
-def test_evaluation_runs_on_the_mesh_with_its_axis_rules_whoever_calls_it():
-  """A run resumed when already done evaluates outside the training loop: the eval step must still see
-  the mesh and the activations' logical axis rules (the splash kernel's shard_map needs them)."""
+def test_evaluation_runs_on_the_mesh_with_its_axis_rules():
+  """Evaluation (also that of a run resumed when already done, outside the training steps) runs inside
+  the run's one `use_mesh`: the eval step sees the mesh and the activations' logical axis rules (the
+  splash kernel's shard_map needs them)."""
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   seen = []
 
@@ -291,8 +293,10 @@ def test_evaluation_runs_on_the_mesh_with_its_axis_rules_whoever_calls_it():
     return {'loss_sum': 1.0, 'count': 1.0}
 
   config = tiny_config('gpt')
-  config.eval_batch_size = 8
-  loop.evaluate(eval_step, None, config, mesh, dict(process_index=0, process_count=1))
+  eval_data = data_lib.make_pipeline(config.data, global_batch_size=8, train=False, process_index=0,
+                                     process_count=1)
+  with sharding_lib.use_mesh(mesh):
+    loop.evaluate(eval_step, None, eval_data, mesh, 'gpt')
   assert seen and all(size == 8 and rules['batch'] == sharding_lib.BATCH_AXES for size, rules in seen)
 
 
@@ -308,13 +312,16 @@ def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication(
 
 
 def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logits():
+  """Traced on the run's mesh with its logical axis rules (`sharding.use_mesh`), as the loop does: the
+  model's constraints (`dsjax.models.partitioning`) read both from there."""
   config = _config('gpt')
   setup = state_lib.make_setup(config, TEXT_INFO)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   abstract = jax.eval_shape(setup.create_state)
   shardings = sharding_lib.state_shardings(abstract, sharding_lib.logical_axes(setup.abstract_model), mesh)
   batch = {'tokens': jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32)}
-  hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
+  with sharding_lib.use_mesh(mesh):
+    hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
   constrained = re.findall(r'sdy.sharding_constraint \S+ <@mesh, \[\{"data", "fsdp"\}[^>]*> : tensor<([\dx]+)x\w+>',
                            hlo)
   b, l, d = config.batch_size, config.data.seq_len, config.model.width

@@ -48,14 +48,23 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_config(data_config: Mapping[str, Any] | Any) -> DataConfig:
+def parse_config(data_config: Mapping[str, Any] | DataConfig) -> DataConfig:
+  """The `data` section as a DataConfig: validated (`validate_data_config`) unless it already is one.
+
+  A run validates its section once and passes the DataConfig down, so the pipelines and dataset
+  descriptions it makes (every evaluation makes one) do not check it again.
+  """
+  if isinstance(data_config, DataConfig):
+    return data_config
+  return validate_data_config(data_config)
+
+
+def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
   """Validates a `data` ConfigDict (or dict); raises one-line ValueErrors.
 
   Missing fields take the defaults of `get_config()`.
   """
   defaults = get_config()
-  if isinstance(data_config, DataConfig):
-    return data_config
   if isinstance(data_config, ml_collections.ConfigDict):
     data_config = data_config.to_dict()
   if not isinstance(data_config, Mapping):

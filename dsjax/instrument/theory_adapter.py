@@ -72,7 +72,8 @@ def describe(config, model, data_info) -> ModelDescription:
   is_gpt = config.model.name == 'gpt'
   return ModelDescription(
       depth=cfg.depth, width=cfg.width, num_heads=cfg.num_heads, mlp_hidden=cfg.mlp_hidden,
-      seq_len=model_dims(config, data_info).seq_len,  # tokens: GPT context, ViT patches (+ CLS)
+      # tokens: GPT context, ViT patches (+ CLS)
+      seq_len=model_dims(config.model, data_info, seq_len=config.data.seq_len).seq_len,
       dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
       activation=cfg.activation, causal=cfg.causal, block=config.model.block,
       weight_var=weight_var, scale=scale,

@@ -54,9 +54,10 @@ def attention_implementations(model: nnx.Module) -> list[str]:
                  if isinstance(node, layers.Attention)})
 
 
-def model_dims(config, data_info) -> ModelDims:
-  """The sizes the init schemes (and the theory) need, from the model config and the dataset."""
-  m = config.model
+def model_dims(model_config, data_info, *, seq_len: int) -> ModelDims:
+  """The sizes the init schemes (and the theory) need, from the model config and the dataset
+  (`seq_len`: a language model's context, the `data.seq_len` of a run)."""
+  m = model_config
   common = dict(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
                 num_embedding_tables=2)
   if m.name == 'vit':
@@ -65,7 +66,7 @@ def model_dims(config, data_info) -> ModelDims:
     return ModelDims(kind='vit', input_dim=m.patch_size * m.patch_size * c,
                      num_outputs=data_info.num_classes, seq_len=num_patches + (m.pooling == 'cls'), **common)
   return ModelDims(kind='gpt', input_dim=data_info.vocab_size, num_outputs=data_info.vocab_size,
-                   seq_len=config.data.seq_len, **common)
+                   seq_len=seq_len, **common)
 
 
 def model_inputs(model_name: str, batch: dict[str, Any]) -> jax.Array:
@@ -73,16 +74,17 @@ def model_inputs(model_name: str, batch: dict[str, Any]) -> jax.Array:
   return batch['image'] if model_name == 'vit' else batch['tokens'][:, :-1]
 
 
-def build_model(config, data_info, plan: InitPlan, rngs: nnx.Rngs) -> nnx.Module:
-  """Creates the model named by `config.model.name` exactly as `plan` says."""
-  m = config.model
+def build_model(model_config, data_info, plan: InitPlan, rngs: nnx.Rngs, *, seq_len: int) -> nnx.Module:
+  """Creates the model named by `model_config.name` exactly as `plan` says (`seq_len`: a language
+  model's context, the length of its position table)."""
+  m = model_config
   cfg = transformer_config(m, plan)
   if m.name == 'vit':
     model = ViT(cfg, plan, image_shape=data_info.image_shape, patch_size=m.patch_size,
                 num_classes=data_info.num_classes, pos_embedding=m.pos_embedding, pooling=m.pooling,
                 rngs=rngs)
   elif m.name == 'gpt':
-    model = GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=config.data.seq_len,
+    model = GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=seq_len,
                 tie_embeddings=m.tie_embeddings, rngs=rngs)
   else:
     raise ValueError(f'model.name must be one of {list(MODEL_NAMES)}, got {m.name!r}')

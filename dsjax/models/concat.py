@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.models import layers
+from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import WEIGHT_KEYS, ConcatPlan, InitPlan
 from dsjax.models.transformer import Probe, TransformerConfig, Trunk, apply_remat, no_probe
 
@@ -89,16 +90,16 @@ class ConcatLayer(nnx.Module):
     """x ← concat[x, Drop(MidNorm(Attention(PreNorm(x))))]; keys: (attention probabilities, output)."""
     h_BLG = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLW).astype(self.dtype), keys[0])
     h_BLG = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLG), self.dropout, keys[1])
-    h_BLG = probe('attn_branch', h_BLG, layer)
-    return probe('attn_residual', jnp.concatenate([x_BLW, h_BLG], axis=-1), layer)
+    h_BLG = probe('attn_branch', constrain_batch(h_BLG), layer)
+    return probe('attn_residual', constrain_batch(jnp.concatenate([x_BLW, h_BLG], axis=-1)), layer)
 
   def ffn_module(self, x_BLW: jax.Array, key: Any, *, layer: jax.Array,
                  probe: Probe = no_probe) -> jax.Array:
     """x ← concat[x, Drop(MidNorm(FFN(PreNorm(x))))]."""
     h_BLG = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLW).astype(self.dtype))
     h_BLG = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLG), self.dropout, key)
-    h_BLG = probe('ffn_branch', h_BLG, layer)
-    return probe('ffn_residual', jnp.concatenate([x_BLW, h_BLG], axis=-1), layer)
+    h_BLG = probe('ffn_branch', constrain_batch(h_BLG), layer)
+    return probe('ffn_residual', constrain_batch(jnp.concatenate([x_BLW, h_BLG], axis=-1)), layer)
 
 
 class ConcatTrunk(nnx.Module):
@@ -125,7 +126,7 @@ class ConcatTrunk(nnx.Module):
                probe: Probe = no_probe) -> jax.Array:
     embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     x_BLW = layers.dropout(x_BLW.astype(jnp.float32), self.dropout, embed_key)  # a float32 stream
-    x_BLW = probe('embedding', layers.apply_norm(self.input_norm, x_BLW), jnp.asarray(-1))
+    x_BLW = probe('embedding', constrain_batch(layers.apply_norm(self.input_norm, x_BLW)), jnp.asarray(-1))
     layer_keys = None if stack_key is None else jax.random.split(stack_key, self.depth)
     for n, layer in enumerate(self.layers):
       keys = [None] * 3 if layer_keys is None else list(jax.random.split(layer_keys[n], 3))

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dsjax.models import layers
 from dsjax.models.concat import embedding_and_head_widths, make_trunk
+from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import InitPlan
 from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
@@ -47,5 +48,7 @@ class GPT(nnx.Module):
     writes float32, so the loss's softmax sees logits that were never rounded to bfloat16."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      return layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T, jnp.float32)
-    return self.head(x_BLD, out_dtype=jnp.float32)
+      logits_BLV = layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T, jnp.float32)
+    else:
+      logits_BLV = self.head(x_BLD, out_dtype=jnp.float32)
+    return constrain_batch(logits_BLV)

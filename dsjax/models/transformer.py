@@ -23,8 +23,13 @@ every matmul output and recomputes the rest, 'full' saves only each layer's inpu
 
 Precision: the residual stream and every norm's statistics are float32; each branch (attention, FFN)
 runs in `dtype` (bfloat16 for speed on GPUs/TPUs), its input cast on entry, and its output joins the
-float32 stream by type promotion — the mixed precision of PyTorch autocast. A concatenation residual (`InitPlan.concat`) replaces the stack by
-`dsjax.models.concat.ConcatTrunk`, whose modules have distinct widths and are not scanned.
+float32 stream by type promotion — the mixed precision of PyTorch autocast. A concatenation residual
+(`InitPlan.concat`) replaces the stack by `dsjax.models.concat.ConcatTrunk`, whose modules have distinct
+widths and are not scanned.
+
+Layout: the stream after the embedding and every branch output and residual add keep their batch axis
+on the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning.constrain_batch`; the identity
+outside a training run's mesh), before any probe sees them.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.models import layers
+from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import LAYER_INIT_KEYS, NormLayout, ResidualScale
 
 REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
@@ -132,15 +138,15 @@ class Block(nnx.Module):
 
     h_BLD = self.attn(branch_input(layers.apply_norm(self.pre_attn_norm, x_BLD)), keys[0])
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
-    h_BLD = probe('attn_branch', h_BLD, layer)
+    h_BLD = probe('attn_branch', constrain_batch(h_BLD), layer)
     x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
-    x_BLD = probe('attn_residual', layers.apply_norm(self.post_attn_norm, x_BLD), layer)
+    x_BLD = probe('attn_residual', constrain_batch(layers.apply_norm(self.post_attn_norm, x_BLD)), layer)
 
     h_BLD = self.ffn(branch_input(layers.apply_norm(self.pre_ffn_norm, x_BLD)))
     h_BLD = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLD), p, keys[2])
-    h_BLD = probe('ffn_branch', h_BLD, layer)
+    h_BLD = probe('ffn_branch', constrain_batch(h_BLD), layer)
     x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
-    return probe('ffn_residual', layers.apply_norm(self.post_ffn_norm, x_BLD), layer)
+    return probe('ffn_residual', constrain_batch(layers.apply_norm(self.post_ffn_norm, x_BLD)), layer)
 
 
 def apply_remat(fn: Callable, policy: str) -> Callable:
@@ -208,6 +214,6 @@ class Trunk(nnx.Module):
     # The stream is float32 from here on, whatever the embedding tables are stored in (param_dtype):
     # the scan's carry keeps the type it enters with.
     x_BLD = layers.dropout(x_BLD.astype(jnp.float32), self.dropout, embed_key)
-    x_BLD = probe('embedding', layers.apply_norm(self.input_norm, x_BLD), jnp.asarray(-1))
+    x_BLD = probe('embedding', constrain_batch(layers.apply_norm(self.input_norm, x_BLD)), jnp.asarray(-1))
     x_BLD = self.stack(x_BLD, stack_key, probe)
     return layers.apply_norm(self.final_norm, x_BLD) * self.output_scale[...]

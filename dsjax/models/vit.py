@@ -13,6 +13,7 @@ from flax import nnx
 
 from dsjax.models import layers
 from dsjax.models.concat import embedding_and_head_widths, make_trunk
+from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import InitPlan
 from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
@@ -75,4 +76,4 @@ class ViT(nnx.Module):
     """Class logits (B, num_classes), float32 (the head's matmul writes float32, as GPT's does)."""
     x_BLD = self.trunk(self.embed(images_BHWC), dropout_key, probe)
     pooled_BD = x_BLD[:, 0] if self.pooling == 'cls' else x_BLD.mean(axis=1)
-    return self.head(pooled_BD.astype(self.dtype), out_dtype=jnp.float32)
+    return constrain_batch(self.head(pooled_BD.astype(self.dtype), out_dtype=jnp.float32))

@@ -68,8 +68,9 @@ def make_init_plan(model_config, dims: ModelDims, prepared: Prepared | None = No
 
 def build_model(config, data_info, rngs: nnx.Rngs, prepared: Prepared | None = None) -> nnx.Module:
   """The model of `config`, initialised by its method (`prepared`: the method's preparation result)."""
-  plan = make_init_plan(config.model, models.model_dims(config, data_info), prepared)
-  return models.build_model(config, data_info, plan, rngs)
+  seq_len = config.data.seq_len
+  plan = make_init_plan(config.model, models.model_dims(config.model, data_info, seq_len=seq_len), prepared)
+  return models.build_model(config.model, data_info, plan, rngs, seq_len=seq_len)
 
 
 def preparation_for_run(config, data_info, input_batches: Callable[[], Iterable[Any]],

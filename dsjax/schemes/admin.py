@@ -139,9 +139,9 @@ def profile(config, data_info, inputs: Iterable[Any]) -> dict[str, Any]:
   provisional = copy.deepcopy(config)  # Keeps field types (input_corr may hold a string or a number).
   with provisional.unlocked():
     provisional.model.scan_layers = False
-  dims = models.model_dims(provisional, data_info)
-  model = models.build_model(provisional, data_info, provisional_plan(provisional.model, dims),
-                             nnx.Rngs(params=config.seed))
+  dims = models.model_dims(provisional.model, data_info, seq_len=provisional.data.seq_len)
+  model = models.build_model(provisional.model, data_info, provisional_plan(provisional.model, dims),
+                             nnx.Rngs(params=config.seed), seq_len=provisional.data.seq_len)
   graphdef, state = nnx.split(model)
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 

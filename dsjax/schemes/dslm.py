@@ -224,8 +224,10 @@ def measure_input_moments(config, data_info, inputs) -> dict[str, float]:
     provisional.model.dslm.k, provisional.model.dslm.alpha = 0.5, 1.0
     provisional.model.dslm.init = 'simple'
     provisional.model.dslm.input_corr = 0.5
-  plan = init_plan(provisional.model, models.model_dims(provisional, data_info))
-  model = models.build_model(provisional, data_info, plan, nnx.Rngs(params=config.seed))
+  seq_len = provisional.data.seq_len
+  plan = init_plan(provisional.model, models.model_dims(provisional.model, data_info, seq_len=seq_len))
+  model = models.build_model(provisional.model, data_info, plan, nnx.Rngs(params=config.seed),
+                             seq_len=seq_len)
   embed_stats = jax.jit(lambda x: embedding_moments(model.embed(x)))
   per_batch = [jax.device_get(embed_stats(x)) for x in inputs]
   if not per_batch:

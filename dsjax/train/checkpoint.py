@@ -31,11 +31,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from dsjax import schemes
 from dsjax.models.config import RESUMABLE_KEYS
 from dsjax.train import cli
 from dsjax.train import state as state_lib
-from dsjax.train import step as step_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
@@ -294,8 +292,7 @@ def restore_model(config, data_info, workdir: str, flag: str):
     if checkpointer.latest_step() is None:
       raise no_checkpoint
     checkpointer.check_compatible(config, read_by=flag)
-    prepared = schemes.preparation_for_run(config, data_info,
-                                           lambda: step_lib.first_model_inputs(config), workdir)
+    prepared = state_lib.method_preparation(config, data_info, workdir)
     setup = state_lib.make_setup(config, data_info, prepared)
     # Every array onto this process's first device, whatever mesh the run saved it from (without a
     # sharding, Orbax would restore onto the saved one and refuse a different device count).

@@ -17,6 +17,7 @@ config (`lock_config=True`) so that a mistyped override (`--config.model.detph=4
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import ml_collections
@@ -62,7 +63,18 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   return c
 
 
-def validate_config(config, num_devices: int, process_count: int = 1, training: bool = True):
+@dataclasses.dataclass(frozen=True)
+class ValidatedConfig:
+  """A run's config once every section has been checked (`validate_config`), with the sections that
+  have a typed form in it: what the run passes down instead of checking a section again."""
+  config: ml_collections.ConfigDict        # the whole config (the run keys, the model section)
+  optimizer: optimizers.OptimizerConfig
+  data: data_config.DataConfig
+  mesh_shape: tuple[int, ...]              # (data, fsdp, tensor), -1 resolved
+
+
+def validate_config(config, num_devices: int, process_count: int = 1, training: bool = True
+                    ) -> ValidatedConfig:
   """Every check that needs no data: one-line ValueErrors naming the key, the allowed values and the value.
   `training=False` (a tool that only measures the model) skips the learning-rate schedule's."""
   for key in RUN_INTS:
@@ -73,10 +85,10 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
     raise ValueError(f'on_nonfinite must be one of {step_lib.NONFINITE_POLICIES}, got {config.on_nonfinite!r}')
   models.validate_model(config.model)
   schemes.validate(config.model)
-  optimizers.validate_optimizer_config(config.optimizer)
+  optimizer = optimizers.parse_optimizer_config(config.optimizer)
   if training:
-    optimizers.make_schedule(config.optimizer, config.total_steps)  # Checks warmup against total_steps.
-  data_config.parse_config(config.data)
+    optimizers.make_schedule(optimizer, config.total_steps)  # Checks warmup against total_steps.
+  data = data_config.parse_config(config.data)
   instrument.validate_instrument_config(config.instrument)
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
@@ -95,6 +107,7 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
     raise ValueError(f'microbatches ({config.microbatches}) must divide the per-device batch: batch_size '
                      f'({config.batch_size}) / data×fsdp mesh size ({batch_shards}) = '
                      f'{config.batch_size // batch_shards}')
+  return ValidatedConfig(config=config, optimizer=optimizer, data=data, mesh_shape=shape)
 
 
 def validate_against_data(config, data_info):
@@ -109,7 +122,7 @@ def validate_single_device_run(config, training: bool, require_data: bool = True
   of the dataset's shape only) accepts a registered TFDS dataset that is not prepared."""
   one_device = copy.deepcopy(config)
   one_device.mesh.shape = sharding_lib.mesh_config().shape
-  validate_config(one_device, num_devices=1, training=training)
-  data_info = data_lib.dataset_info(config.data, require_prepared=require_data)
+  data = validate_config(one_device, num_devices=1, training=training).data
+  data_info = data_lib.dataset_info(data, require_prepared=require_data)
   validate_against_data(config, data_info)
   return data_info

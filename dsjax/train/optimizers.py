@@ -3,6 +3,7 @@
 Qi et al. 2025 (DNT) §4 and Tables 3–5 for the settings; Loshchilov & Hutter 2019 for AdamW. Entry points:
 
   validate_optimizer_config(opt_config)          -> None, raises ValueError
+  parse_optimizer_config(opt_config)             -> OptimizerConfig (validated once)
   make_schedule(opt_config, total_steps)         -> optax.Schedule
   weight_decay_mask(params)                      -> pytree of bool
   make_optimizer(opt_config, total_steps)        -> (optax.GradientTransformation,
@@ -34,6 +35,7 @@ Fields with a default may be missing from the config.
 """
 
 from collections.abc import Callable, Sequence
+import dataclasses
 import math
 from typing import Any
 
@@ -70,8 +72,30 @@ _OPTIONAL_DEFAULTS = dict(
 )
 
 
-def _get(opt_config: ml_collections.ConfigDict, key: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """A validated optimizer section, its absent optional fields at their defaults
+  (`parse_optimizer_config`). `make_schedule` and `make_optimizer` take it as
+  it is; given a ConfigDict they validate it first."""
+  name: str
+  lr: float
+  weight_decay: float
+  b1: float
+  b2: float
+  eps: float
+  momentum: float
+  nesterov: bool
+  warmup_steps: int
+  init_lr_ratio: float
+  schedule: str
+  min_lr_ratio: float
+  clip_norm: float | None
+
+
+def _get(opt_config: ml_collections.ConfigDict | OptimizerConfig, key: str) -> Any:
   """Returns opt_config[key], or its documented default when it is absent."""
+  if isinstance(opt_config, OptimizerConfig):
+    return getattr(opt_config, key)
   if key in opt_config:
     return opt_config[key]
   return _OPTIONAL_DEFAULTS[key]
@@ -232,12 +256,24 @@ def validate_optimizer_config(opt_config: ml_collections.ConfigDict) -> None:
       raise ValueError(f'optimizer.nesterov must be a bool, got {nesterov!r}')
 
 
+def parse_optimizer_config(
+    opt_config: ml_collections.ConfigDict | OptimizerConfig) -> OptimizerConfig:
+  """The optimizer section as an OptimizerConfig: validated
+  (`validate_optimizer_config`) unless it already is one."""
+  if isinstance(opt_config, OptimizerConfig):
+    return opt_config
+  validate_optimizer_config(opt_config)
+  return OptimizerConfig(**{field.name: _get(opt_config, field.name)
+                            for field in dataclasses.fields(OptimizerConfig)})
+
+
 # --------------------------------------------------------------------------
 # Learning-rate schedule.
 # --------------------------------------------------------------------------
 
 def make_schedule(
-    opt_config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    opt_config: ml_collections.ConfigDict | OptimizerConfig,
+    total_steps: int) -> optax.Schedule:
   """Linear warmup, then cosine decay (or a constant) over `total_steps`.
 
   With lr = opt_config.lr, W = warmup_steps and T = total_steps, the learning
@@ -252,7 +288,7 @@ def make_schedule(
   changes nothing except the optimizer's moments (the big_vision / optax
   convention); set init_lr_ratio > 0 to start from a non-zero value.
   """
-  validate_optimizer_config(opt_config)
+  opt_config = parse_optimizer_config(opt_config)
   if not isinstance(total_steps, int) or total_steps <= 0:
     raise ValueError(f'total_steps must be an integer > 0, got {total_steps!r}')
   peak_lr = float(opt_config.lr)
@@ -439,7 +475,8 @@ def scale_by_tree(factors: Any) -> optax.GradientTransformation:
 
 
 def make_optimizer(
-    opt_config: ml_collections.ConfigDict, total_steps: int, lr_scale: Any | None = None,
+    opt_config: ml_collections.ConfigDict | OptimizerConfig, total_steps: int,
+    lr_scale: Any | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the optimizer named by opt_config and its learning-rate schedule.
 
@@ -457,7 +494,7 @@ def make_optimizer(
     (tx, schedule): the optax transformation and the schedule it uses, which
     callers can evaluate at the step count for logging.
   """
-  validate_optimizer_config(opt_config)
+  opt_config = parse_optimizer_config(opt_config)
   schedule = make_schedule(opt_config, total_steps)
   weight_decay = float(opt_config.weight_decay)
   if opt_config.name == 'adamw':

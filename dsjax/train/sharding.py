@@ -13,12 +13,14 @@ parameter each leaf belongs to. An array without
 logical axes, a logical axis without a rule, or an optimizer-state leaf that matches no parameter is an
 error, never a silent replication.
 
-Activations: the train and eval steps (`dsjax.train.loop`) pin the batch axis of the inputs, of the
-residual stream at every layer and of the model outputs to data × fsdp with `activation_sharding`, and
-leave their other axes to XLA's sharding propagation (GSPMD, Xu et al. 2021, arXiv:2105.04663); they
-gather the embedding tables and heads over fsdp before use (`gather_tables_over_fsdp`). Model code that
-places activations itself (a Pallas attention kernel, per device inside `jax.shard_map`) reads the mesh
-axes of 'batch' and 'heads' from Flax's logical axis rules, which `use_mesh` sets with the mesh.
+Activations: the model pins the batch axis of the residual stream at every layer and of its outputs
+to the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning`), and leaves their other axes
+to XLA's sharding propagation (GSPMD, Xu et al. 2021, arXiv:2105.04663); model code that places
+activations itself (a Pallas attention kernel, per device inside `jax.shard_map`) reads the mesh axes
+of 'batch' and 'heads' as well. Both read them from Flax's logical axis rules
+(`ACTIVATION_AXIS_RULES`), which `use_mesh` sets with the mesh. The train and eval steps
+(`dsjax.train.loop`) pin the batch's rows to data × fsdp (`constrain_batch_axis`) and gather the
+embedding tables and heads over fsdp before use (`gather_tables_over_fsdp`).
 
 Several processes (`jax.distributed`, initialised by `dsjax.main` from `distributed_settings`): each
 process reads its own rows of every global batch (`dsjax.data`), so every batch shard must live on the
@@ -42,8 +44,9 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor',
               'patch': None, 'seq': None, None: None}
-# Logical axes of activations, for the model code that places them itself (a fused attention kernel
-# that runs per device inside `jax.shard_map`), as Flax's logical axis rules (`use_mesh`).
+# Logical axes of activations, for the model code that lays them out (`dsjax.models.partitioning`, and a
+# fused attention kernel that runs per device inside `jax.shard_map`), as Flax's logical axis rules
+# (`use_mesh`).
 ACTIVATION_AXIS_RULES = (('batch', BATCH_AXES), ('heads', AXIS_RULES['heads']))
 
 
@@ -76,8 +79,13 @@ def resolve_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(shape, devices=None) -> Mesh:
+  """The mesh of `mesh.shape` (checked, -1 resolved) over `devices` (default: all)."""
   devices = jax.devices() if devices is None else list(devices)
-  shape = resolve_mesh_shape(shape, len(devices))
+  return mesh_over(resolve_mesh_shape(shape, len(devices)), devices)
+
+
+def mesh_over(shape: tuple[int, ...], devices) -> Mesh:
+  """The mesh of a shape already resolved by `resolve_mesh_shape` over `devices`."""
   # Auto axes: shardings given at the jit boundary propagate through the step (GSPMD), as pjit did.
   mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
   check_process_layout(np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices))

@@ -1,4 +1,5 @@
-"""The train state of a run: the model its method builds, the optimizer, and their initial values.
+"""The train state of a run: the model its method builds (after the method's data-dependent preparation,
+`method_preparation`), the optimizer, and their initial values.
 
 The state is a plain dict of arrays
 
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dsjax import data as data_lib
 from dsjax import schemes
+from dsjax.models import model_inputs
 from dsjax.train import optimizers
 
 
@@ -44,12 +47,35 @@ def param_lr_scales(abstract_model: nnx.Module) -> dict | None:
   return scales
 
 
-def make_setup(config, data_info, prepared: dict | None = None) -> TrainSetup:
+def first_model_inputs(config, data_config=None):
+  """Model inputs of the run's training batches from the first one on, the same rows on every host (for
+  a method's preparation step); a generator, so it reads only what is consumed. `data_config`: the
+  run's validated data section (default `config.data`, validated here)."""
+  data_config = config.data if data_config is None else data_config
+  pipeline = data_lib.make_pipeline(data_config, global_batch_size=config.batch_size, seed=config.seed,
+                                    process_index=0, process_count=1, train=True)
+  for batch in pipeline:
+    yield model_inputs(config.model.name, batch)
+
+
+def method_preparation(config, data_info, workdir: str | None = None, data_config=None):
+  """The result of the method's data-dependent step for a run (`schemes.preparation_for_run`: DSLM's
+  measured input correlation, ADMIN's profiling pass), computed on the model inputs of the run's first
+  training batches (`first_model_inputs`, read only when it is computed) or read back from `workdir`;
+  None for a method without one. `data_config`: as for `first_model_inputs`."""
+  return schemes.preparation_for_run(config, data_info, lambda: first_model_inputs(config, data_config),
+                                     workdir)
+
+
+def make_setup(config, data_info, prepared: dict | None = None,
+               optimizer: optimizers.OptimizerConfig | None = None) -> TrainSetup:
   """Model (by `config.model.scheme`, with its preparation result `prepared`), optimizer and the
-  function creating the initial state."""
+  function creating the initial state. `optimizer`: the run's validated optimizer section (default:
+  `config.optimizer`, validated here)."""
   build = lambda: schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
   abstract_model = nnx.eval_shape(build)
-  tx, schedule = optimizers.make_optimizer(config.optimizer, config.total_steps,
+  optimizer = config.optimizer if optimizer is None else optimizer
+  tx, schedule = optimizers.make_optimizer(optimizer, config.total_steps,
                                            lr_scale=param_lr_scales(abstract_model))
 
   def create():

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax.models import model_inputs
 from dsjax.models.transformer import Probe, no_probe
@@ -34,15 +33,6 @@ Metrics = dict[str, jax.Array]
 def _softmax_xent_BN(logits_BNC: jax.Array, labels_BN: jax.Array) -> jax.Array:
   logits_BNC = logits_BNC.astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits_BNC, labels_BN)
-
-
-def first_model_inputs(config):
-  """Model inputs of the run's training batches from the first one on, the same rows on every host (for
-  a method's preparation step); a generator, so it reads only what is consumed."""
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
-                                    process_index=0, process_count=1, train=True)
-  for batch in pipeline:
-    yield model_inputs(config.model.name, batch)
 
 
 def classification_loss(model, batch, dropout_key, probe: Probe = no_probe):

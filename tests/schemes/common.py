@@ -59,7 +59,7 @@ def registry_config(scheme: str, model_name: str, **overrides):
 
 
 def init_plan(config, info=None):
-  return schemes.make_init_plan(config.model, models.model_dims(config, info or INFO[config.model.name]))
+  return schemes.make_init_plan(config.model, models.model_dims(config.model, info or INFO[config.model.name], seq_len=config.data.seq_len))
 
 
 def build(config, info=None, prepared=None):

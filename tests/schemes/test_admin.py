@@ -21,11 +21,22 @@ from dsjax import data as data_lib
 from dsjax import models, schemes, theory
 from dsjax.models import layers
 from dsjax.schemes import admin
-from dsjax.train import step as step_lib
+from dsjax.train import state as state_lib
 from tests.helpers import TEXT_INFO
-from tests.schemes.common import (DEPTHS, POSTLN_NORMS, assert_rejected, build, check_xavier_qk, init_plan,
-                                  loop_config, method_config, norms_present, registered, train_on_one_device,
-                                  xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  POSTLN_NORMS,
+  assert_rejected,
+  build,
+  check_xavier_qk,
+  init_plan,
+  loop_config,
+  method_config,
+  norms_present,
+  registered,
+  train_on_one_device,
+  xavier_std,
+)
 
 
 def test_registered_with_its_blocks():
@@ -133,18 +144,18 @@ def test_admin_profile_on_a_tiny_gpt_matches_the_closed_form_and_sets_omega():
   assert scheme.needs_preparation(config.model)
   with pytest.raises(ValueError, match='needs the profiling result'):
     build(config, info)
-  prepared = scheme.prepare(config, info, step_lib.first_model_inputs(config))
+  prepared = scheme.prepare(config, info, state_lib.first_model_inputs(config))
   assert prepared['num_batches'] == admin.PROFILE_BATCHES and len(prepared['omega_sq']) == 2 * depth
   json.dumps(prepared)
   # The profile's input variance is the model's embedding variance (same seed, same weights).
   model = build(config, info, prepared)
-  tokens = next(step_lib.first_model_inputs(config))
+  tokens = next(state_lib.first_model_inputs(config))
   np.testing.assert_allclose(prepared['input_var'], float(jnp.var(model.embed(tokens))), rtol=0.1)
   _check_admin_model(model, np.sqrt(np.asarray(prepared['omega_sq'])), depth, d)
 
   closed = config.model.copy_and_resolve_references()
   closed.admin.omega = 'closed_form'
-  plan = schemes.make_init_plan(closed, models.model_dims(config, info))
+  plan = schemes.make_init_plan(closed, models.model_dims(config.model, info, seq_len=config.data.seq_len))
   closed_sq = np.stack([plan.layer['skip_attn'], plan.layer['skip_ffn']], 1).reshape(-1) ** 2
   np.testing.assert_allclose(prepared['omega_sq'], closed_sq, rtol=0.2)
   # A profile of another depth is refused.

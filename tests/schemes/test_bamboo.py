@@ -13,8 +13,18 @@ import pytest
 from flax import nnx
 
 from dsjax.train import config as config_lib
-from tests.schemes.common import (DEPTHS, assert_rejected, build, check_three_training_steps, init_plan,
-                                  method_config, norm_paths, registered, xavier_model, xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_rejected,
+  build,
+  check_three_training_steps,
+  init_plan,
+  method_config,
+  norm_paths,
+  registered,
+  xavier_model,
+  xavier_std,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -63,7 +63,7 @@ def test_catformer_widths_follow_the_rule(depth):
   """App. D.1: layer n reads (2n+1)·d at attention and (2n+2)·d at the FFN, q/k/v → a·d, o → d, FFN
   e·d → d, the head reads (2N+1)·d; d the closest parameter match to the Pre-LN model."""
   config = _cat_config(depth=depth)
-  dims = models.model_dims(config, TEXT_INFO)
+  dims = models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
   c = schemes.make_init_plan(config.model, dims).concat
   d, n = c.growth, depth
   assert c.stream_widths == tuple(k * d for k in range(1, 2 * n + 2))
@@ -102,7 +102,7 @@ def test_catformer_paper_rule_reproduces_the_papers_widths():
   for depth, d in ((2, 320), (4, 248), (6, 208)):
     config = _cat_config(depth=depth, width=512, num_heads=8)
     config.model.catformer.match = 'paper'
-    plan = schemes.make_init_plan(config.model, models.model_dims(config, TEXT_INFO))
+    plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
     assert plan.concat.growth == d and plan.concat.attn_width == 2 * d and plan.concat.ffn_hidden == 4 * d
 
 
@@ -113,7 +113,7 @@ def test_catformer_parameter_count_within_5_percent_of_preln(model_name, depth):
   config = _cat_config(model_name, depth=depth)
   baseline = tiny_config(model_name, depth=depth, width=128, num_heads=4)   # vanilla Pre-LN
   cat_count, base_count = _param_count(_abstract(config, info)), _param_count(_abstract(baseline, info))
-  dims = models.model_dims(config, info)
+  dims = models.model_dims(config.model, info, seq_len=config.data.seq_len)
   growth = schemes.make_init_plan(config.model, dims).concat.growth
   assert cat_count == catformer.catformer_param_count(config.model, dims, growth)
   assert base_count == catformer.preln_param_count(config.model, dims)
@@ -123,7 +123,7 @@ def test_catformer_parameter_count_within_5_percent_of_preln(model_name, depth):
 def test_catformer_built_values_probe_sites_and_remat():
   config = _cat_config(depth=2, width=32, dropout=0.1)
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
-  plan = schemes.make_init_plan(config.model, models.model_dims(config, TEXT_INFO))
+  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
   d = plan.concat.growth
   for i, layer in enumerate(model.trunk.layers):
     for name, dense in {'q': layer.attn.q, 'ffn1': layer.ffn.ffn1}.items():

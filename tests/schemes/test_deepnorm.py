@@ -10,9 +10,21 @@ import numpy as np
 import pytest
 
 from dsjax.models import layers
-from tests.schemes.common import (DEPTHS, POSTLN_NORMS, assert_rejected, build, check_three_loop_steps,
-                                  check_xavier_qk, dense_layers, init_plan, kernel_std, method_config,
-                                  norms_present, registered, xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  POSTLN_NORMS,
+  assert_rejected,
+  build,
+  check_three_loop_steps,
+  check_xavier_qk,
+  dense_layers,
+  init_plan,
+  kernel_std,
+  method_config,
+  norms_present,
+  registered,
+  xavier_std,
+)
 
 
 def test_registered_with_its_blocks():

@@ -19,7 +19,7 @@ from dsjax import models, schemes, theory
 from dsjax.models import layers
 from dsjax.schemes import dslm
 from dsjax.train import loop
-from dsjax.train import step as step_lib
+from dsjax.train import state as state_lib
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 from tests.schemes.common import assert_rejected, dense_layers, layer_of, registered
 
@@ -35,7 +35,7 @@ def _dslm_config(name='gpt', *, init='simple', depth=4, width=32, block='postln'
 
 
 def _dims(config, info):
-  return models.model_dims(config, info)
+  return models.model_dims(config.model, info, seq_len=config.data.seq_len)
 
 
 def _spec_recurrence(depth, p, r_embed):
@@ -254,7 +254,7 @@ def test_measured_vit_input_and_full_init_needs_positive_correlation():
   config = _dslm_config('vit', init='full', depth=4, width=64)
   config.model.dslm.input_corr = 'measure'
   info = data_lib.dataset_info(config.data)
-  moments = dslm.measure_input_moments(config, info, [next(step_lib.first_model_inputs(config))])
+  moments = dslm.measure_input_moments(config, info, [next(state_lib.first_model_inputs(config))])
   assert 0.7 < moments['var'] < 1.4 and -0.2 < moments['corr_seq'] < 0.2
   if moments['corr_seq'] <= 0:
     with pytest.raises(ValueError, match="model.dslm.init='full' needs a positive"):

@@ -12,8 +12,18 @@ from flax import nnx
 
 from dsjax.models import layers
 from dsjax.schemes import layerscale
-from tests.schemes.common import (DEPTHS, assert_rejected, build, check_three_training_steps, init_plan,
-                                  kernel_arrays, method_config, norm_paths, registered, xavier_model)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_rejected,
+  build,
+  check_three_training_steps,
+  init_plan,
+  kernel_arrays,
+  method_config,
+  norm_paths,
+  registered,
+  xavier_model,
+)
 
 
 def test_registered_with_its_blocks():

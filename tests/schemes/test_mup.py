@@ -40,7 +40,7 @@ def test_mup_plan_and_built_model(depth):
   at their base-width values, readout × 1/4, logits × 1/d_head, hidden Adam lr × 1/4, nothing else."""
   w, base, vocab, mult = 64, 16, 256, 4.0
   config = _mup_config(depth=depth, width=w, base=base)
-  plan = schemes.make_init_plan(config.model, models.model_dims(config, TEXT_INFO))
+  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
   expected_var = {'q': 1 / w, 'k': 1 / w, 'v': 1 / w, 'o': 1 / w,       # 2/(fan_in + fan_out), square
                   'ffn1': 2 / (5 * w), 'ffn2': 2 / (5 * w)}              # fan_in·fan_out = w·4w
   for name, var in expected_var.items():
@@ -79,7 +79,7 @@ def test_mup_at_base_width_is_the_xavier_model_with_1_over_d_attention():
   for name, info in (('gpt', TEXT_INFO), ('vit', IMAGE_INFO)):
     config = _mup_config(name, width=32, base=32)
     vanilla = tiny_config(name, depth=4, width=32, num_heads=4)
-    dims = models.model_dims(config, info)
+    dims = models.model_dims(config.model, info, seq_len=config.data.seq_len)
     mup_plan = schemes.make_init_plan(config.model, dims)
     xavier = schemes.make_init_plan(vanilla.model, dims)
     for key in xavier.layer:

@@ -15,9 +15,21 @@ from flax import nnx
 from dsjax import models
 from dsjax.models import layers
 from dsjax.train import config as config_lib
-from tests.schemes.common import (DEPTHS, INFO, POSTLN_NORMS, PRELN_NORMS, assert_rejected, build,
-                                  check_three_loop_steps, check_xavier_qk, init_plan, method_config,
-                                  norms_present, registered, xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  INFO,
+  POSTLN_NORMS,
+  PRELN_NORMS,
+  assert_rejected,
+  build,
+  check_three_loop_steps,
+  check_xavier_qk,
+  init_plan,
+  method_config,
+  norms_present,
+  registered,
+  xavier_std,
+)
 
 
 def test_registered_with_its_blocks():
@@ -62,7 +74,7 @@ def test_noci_temperature_formula_and_alpha_tilde(name, depth):
   config.model.noci.tau = 'formula'
   config.model.noci.rho = 0.3
   config_lib.validate_config(config, num_devices=1)
-  dims = models.model_dims(config, INFO[name])
+  dims = models.model_dims(config.model, INFO[name], seq_len=config.data.seq_len)
   n = dims.seq_len                                         # GPT: data.seq_len; ViT: (8/2)² patches
   assert n == 16
   plan = init_plan(config)

@@ -54,7 +54,7 @@ def test_every_method_trains_three_steps(name, model_name):
   config_lib.validate_config(config, num_devices=1)
   info = data_lib.dataset_info(config.data)
   config_lib.validate_against_data(config, info)
-  prepared = schemes.preparation_for_run(config, info, lambda: step_lib.first_model_inputs(config))
+  prepared = state_lib.method_preparation(config, info)
   setup = state_lib.make_setup(config, info, prepared)
   train_step = jax.jit(step_lib.make_train_step(
       setup.graphdef, setup.tx, step_lib.LOSSES[model_name], config.seed, setup.schedule,

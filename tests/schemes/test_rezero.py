@@ -8,9 +8,15 @@ and ViT.
 
 import pytest
 
-from tests.schemes.common import (DEPTHS, assert_rejected, check_initial_alpha_is_configurable,
-                                  check_three_training_steps, check_zero_branch_identity, method_config,
-                                  registered)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_rejected,
+  check_initial_alpha_is_configurable,
+  check_three_training_steps,
+  check_zero_branch_identity,
+  method_config,
+  registered,
+)
 
 
 def test_registered_with_its_blocks():

@@ -9,9 +9,15 @@ import chex
 import pytest
 from flax import nnx
 
-from tests.schemes.common import (DEPTHS, assert_rejected, check_initial_alpha_is_configurable,
-                                  check_three_training_steps, check_zero_branch_identity, method_config,
-                                  registered)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_rejected,
+  check_initial_alpha_is_configurable,
+  check_three_training_steps,
+  check_zero_branch_identity,
+  method_config,
+  registered,
+)
 
 
 def test_registered_with_its_blocks():

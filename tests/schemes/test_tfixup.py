@@ -14,9 +14,21 @@ import pytest
 
 from dsjax.models import layers
 from dsjax.models.plan import WEIGHT_KEYS
-from tests.schemes.common import (DEPTHS, assert_layer_stds, assert_rejected, build,
-                                  check_three_training_steps, init_plan, input_kernel, kernel_arrays,
-                                  method_config, norm_paths, registered, xavier_model, xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_layer_stds,
+  assert_rejected,
+  build,
+  check_three_training_steps,
+  init_plan,
+  input_kernel,
+  kernel_arrays,
+  method_config,
+  norm_paths,
+  registered,
+  xavier_model,
+  xavier_std,
+)
 
 
 def test_registered_with_its_blocks():

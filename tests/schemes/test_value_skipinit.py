@@ -13,9 +13,20 @@ import pytest
 from flax import nnx
 
 from dsjax.models import layers
-from tests.schemes.common import (DEPTHS, POSTLN_NORMS, PRELN_NORMS, assert_rejected, build,
-                                  check_three_loop_steps, check_xavier_qk, init_plan, layer_of, method_config,
-                                  norms_present, registered)
+from tests.schemes.common import (
+  DEPTHS,
+  POSTLN_NORMS,
+  PRELN_NORMS,
+  assert_rejected,
+  build,
+  check_three_loop_steps,
+  check_xavier_qk,
+  init_plan,
+  layer_of,
+  method_config,
+  norms_present,
+  registered,
+)
 
 
 def test_registered_with_its_blocks():

@@ -15,9 +15,18 @@ import pytest
 
 from dsjax import moments
 from dsjax.models import layers
-from tests.schemes.common import (DEPTHS, assert_layer_stds, assert_rejected, build,
-                                  check_three_training_steps, init_plan, method_config, registered,
-                                  registry_config, xavier_std)
+from tests.schemes.common import (
+  DEPTHS,
+  assert_layer_stds,
+  assert_rejected,
+  build,
+  check_three_training_steps,
+  init_plan,
+  method_config,
+  registered,
+  registry_config,
+  xavier_std,
+)
 
 SCALE_KEYS = ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
 
