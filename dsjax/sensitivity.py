@@ -138,7 +138,7 @@ def with_xla_attention(config):
   """A copy of `config` whose model runs the XLA attention. Forward-mode derivatives (`jax.linearize`)
   need an attention that JAX differentiates both ways: the fused kernels (cuDNN's, the TPU's splash)
   define only a backward pass; the XLA path computes the same function
-  (tests/test_precision_attention.py)."""
+  (tests/models/test_precision_attention.py)."""
   config = config.copy_and_resolve_references()
   config.model.attention = 'xla'
   return config

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
 import types
 
 from dsjax.train.config import base_config
+
+# The repository's root: the working directory of the tests that run dsjax's commands.
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 IMAGE_INFO = types.SimpleNamespace(kind='image', image_shape=(8, 8, 1), num_classes=10)
 TEXT_INFO = types.SimpleNamespace(kind='text', vocab_size=256)

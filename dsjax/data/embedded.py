@@ -41,7 +41,7 @@ import tensorflow_datasets as tfds
 from dsjax.data import random_bits
 
 # Scaled pixel values, in 0..255 units, of the `train` split of
-# `sklearn_digits` (checked by tests/test_data.py). Used to normalise images.
+# `sklearn_digits` (checked by tests/data/test_data.py). Used to normalise images.
 DIGITS_TRAIN_MEAN = 77.91
 DIGITS_TRAIN_STD = 95.94
 

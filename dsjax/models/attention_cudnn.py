@@ -3,7 +3,7 @@
 
 The kernel never forms the B·H·L² probabilities (memory linear in L), computes the softmax in float32,
 takes bf16/fp16 inputs and has no attention dropout. 'auto' picks it on a capable GPU with bf16
-compute (`dsjax.models.config.attention_implementation`); tests/test_attention_implementations.py checks
+compute (`dsjax.models.config.attention_implementation`); tests/models/test_attention_implementations.py checks
 it against `dsjax.models.layers.plain_attention` where a GPU is present.
 """
 

@@ -13,7 +13,7 @@ dropout on the probabilities), faster:
 With dropout, each causal query block draws its own mask, so its draws differ from the plain form's for
 the same key (non-causal attention, one block, draws the same mask); that path is differentiated by JAX.
 'auto' takes this form wherever no fused kernel applies (`dsjax.models.config.attention_implementation`).
-tests/test_attention_implementations.py checks it against the plain form, outputs and gradients.
+tests/models/test_attention_implementations.py checks it against the plain form, outputs and gradients.
 """
 
 from __future__ import annotations

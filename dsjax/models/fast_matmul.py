@@ -9,7 +9,7 @@
   * a bf16 matmul written in float32 (`out_dtype`, e.g. the logits head) keeps its input and weight
     gradients bf16 matmuls (`_matmul_wider_output`).
 `dsjax.models.layers.Dense` uses it. `benchmarks/cpu_weight_gradient_form.py` and
-`benchmarks/cpu_matmul_kernels.py` time the forms; tests/test_precision_attention.py checks them against
+`benchmarks/cpu_matmul_kernels.py` time the forms; tests/models/test_precision_attention.py checks them against
 the plain matmul's autodiff.
 """
 

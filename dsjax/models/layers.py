@@ -169,7 +169,7 @@ def plain_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, log
 
 
 # `model.attention`'s implementations, each f(q_BLHK, k_BLHK, v_BLHK, logit_scale, causal, dropout_rate,
-# dropout_key) -> out_BLHK computing `plain_attention` (tests/test_attention_implementations.py):
+# dropout_key) -> out_BLHK computing `plain_attention` (tests/models/test_attention_implementations.py):
 #   'xla': query blocks and a derivative rule tuned for the CPU, with dropout (`attention_xla`);
 #   'cudnn': cuDNN's fused flash attention, NVIDIA GPUs, bf16, no dropout (`attention_cudnn`);
 #   'splash': Pallas' splash kernel for TPUs, no dropout; q·scale is rounded to q's dtype before the
@@ -253,7 +253,7 @@ def _gelu(x: jax.Array) -> jax.Array:
   """The exact GELU x·Φ(x) = x·(1 + erf(x/√2))/2 (Hendrycks & Gimpel 2016, arXiv:1606.08415), written
   with erf as PyTorch writes it. `jax.nn.gelu(approximate=False)` uses erfc instead, exact also far in
   the negative tail, at the price of three polynomial branches and an exp per element: 3x slower on
-  the CPU; the two differ by less than 1e-6, values and derivatives (tests/test_models.py)."""
+  the CPU; the two differ by less than 1e-6, values and derivatives (tests/models/test_models.py)."""
   return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
 
 

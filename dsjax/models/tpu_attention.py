@@ -79,7 +79,7 @@ def _kernel(num_heads: int, length: int, causal: bool, interpret: bool, segmente
   """The splash kernel for `num_heads` heads of `length` positions (a multiple of BLOCK), built once:
   building it analyses the mask block by block on the host. `segmented`: whether it is called with
   segment ids; it is part of the key because one kernel object called with them and later without
-  fails in the second call's vmapped gradient (tests/test_precision_attention.py lowers both)."""
+  fails in the second call's vmapped gradient (tests/models/test_precision_attention.py lowers both)."""
   del segmented
   # The kernel keeps the mask's block tables as arrays: made inside a trace (the first call may come
   # inside `jax.shard_map`) they would be that trace's tracers, leaked into every later call.

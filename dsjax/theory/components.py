@@ -320,7 +320,7 @@ def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
   projection removes a share ρ/d of the gradient (its component along h):
       var_g = g2/s2·(1 + (4ρ − 2ρ²)/d),   cov_g = cov/s2·(1 + (3ρ − 2ρ²)/d)   (to O(1/d)).
   The variance is the expansion; the covariance's second-order term was checked by simulation rather
-  than derived in full (tests/test_theory_components.py, d = 32 and 64, ρ = 0.02–0.5). A 192-layer DSLM
+  than derived in full (tests/theory/test_components.py, d = 32 and 64, ρ = 0.02–0.5). A 192-layer DSLM
   Post-LN stack has ρ ≈ β² = 0.01: the Gaussian form (1/(d−3) per norm) over-predicts the gradient at
   layer 1 ~4.5× ((254/253)^384, measured with `dsjax.moments`); this form is within a few per cent
   (dsjax/instrument/README.md). ρ = 1 is not the Gaussian case: there the gradient is isotropic.

@@ -73,7 +73,7 @@ def test_every_method_trains_three_steps(name, model_name):
 
 
 # ~40 s a method. The default run covers the loop (evaluation, checkpoints, resume, moments files) for
-# vanilla, DSLM, ADMIN and Catformer in tests/test_train.py, test_instrument.py and the method tests.
+# vanilla, DSLM, ADMIN and Catformer in tests/train/test_train.py, test_instrument.py and the method tests.
 @pytest.mark.slow
 @pytest.mark.parametrize('name', NAMES)
 def test_every_method_resumes_and_is_measured(name, tmp_path):

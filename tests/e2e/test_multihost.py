@@ -8,7 +8,6 @@ real `python -m dsjax.main` runs on localhost, with a free port for the coordina
 import contextlib
 import json
 import os
-import pathlib
 import re
 import signal
 import socket
@@ -22,10 +21,11 @@ import pytest
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
-from tests import multihost_config
+from tests.e2e import multihost_config
+from tests.helpers import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = 'tests/multihost_config.py'
+ROOT = REPO_ROOT
+CONFIG = 'tests/e2e/multihost_config.py'
 TIMEOUT_S = 300
 RTOL = 1e-4
 

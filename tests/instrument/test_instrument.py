@@ -1,7 +1,6 @@
 """Instrumentation tests: statistics against numpy, exactly-once delivery, off-means-off, the collector."""
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -15,7 +14,7 @@ import pytest
 from flax import nnx
 
 from dsjax import instrument as instrument_lib
-from dsjax import models, schemes
+from dsjax import schemes
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
@@ -215,6 +214,7 @@ def test_probe_keeps_the_cotangent_dtype_and_reports_float32():
   """The probe is an identity in the probed dtype: bf16 in, bf16 out, bf16 cotangent back, while the
   statistics it reports (sink table, callbacks) are float32 — for both deliveries."""
   import chex
+
   from dsjax.instrument import probe as probe_lib
   x32, x16 = _bf16_pair(jax.random.key(12), (2, 16, 32), 1.0)
   g32, g16 = _bf16_pair(jax.random.key(13), (2, 16, 32), 1e-3)
@@ -283,6 +283,7 @@ def _tensorboard_scalars(directory):
   """{(step, tag): value} of every scalar in the event files of `directory` (TFRecord framing: length,
   its CRC, the serialized Event, its CRC)."""
   import struct
+
   from tensorboardX.proto.event_pb2 import Event
   scalars = {}
   for name in os.listdir(directory):

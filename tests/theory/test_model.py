@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from dsjax.theory import GradStats, Stats, components as C, model as M
+from dsjax.theory import GradStats, Stats
+from dsjax.theory import components as C
+from dsjax.theory import model as M
 
 P = 0.1
 WIDTH, HEADS, SEQ = 256, 4, 256

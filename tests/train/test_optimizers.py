@@ -5,10 +5,10 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-from flax import nnx
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from dsjax.train import optimizers
 

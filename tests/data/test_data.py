@@ -9,6 +9,7 @@ name), so the non-embedded code paths are exercised without any download.
 import io
 import json
 import os
+import pydoc_data.topics
 import shutil
 import subprocess
 import sys
@@ -16,16 +17,14 @@ import sys
 import chex
 import grain
 import numpy as np
-from PIL import Image
-import pydoc_data.topics
 import pytest
-from sklearn import datasets as sklearn_datasets
 import tensorflow_datasets as tfds
+from PIL import Image
+from sklearn import datasets as sklearn_datasets
 
 from dsjax import data
-from dsjax.data import embedded
+from dsjax.data import embedded, random_bits
 from dsjax.data import pipeline as pipeline_lib
-from dsjax.data import random_bits
 
 # Training rows 0..7 of sklearn_digits 'train' with seed 0 (Grain's order).
 PINNED_DIGITS_ORDER = [1391, 146, 87, 924, 1480, 318, 487, 658]

@@ -13,7 +13,7 @@ import pytest
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from dsjax.train.checkpoint import Checkpointer
-from tests.helpers import tiny_config
+from tests.helpers import REPO_ROOT, tiny_config
 
 
 def _train_losses(workdir):
@@ -106,7 +106,7 @@ def test_bad_config_fails_before_anything_is_written(tmp_path, override, key):
 
 
 def test_cli_rejects_bad_values_and_mistyped_keys_in_one_line(tmp_path):
-  root = os.path.dirname(os.path.dirname(__file__))
+  root = REPO_ROOT
   base = [sys.executable, '-m', 'dsjax.main', '--config=configs/vit_dnt.py', f'--workdir={tmp_path}/w']
   bad_value = subprocess.run(base + ['--config.model.num_heads=5'], cwd=root, capture_output=True, text=True)
   assert bad_value.returncode == 2
@@ -139,7 +139,7 @@ leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
 assert jax.device_count() == 1 and all(x.devices() == {{jax.devices()[0]}} for x in leaves)
 print('restored', sum(x.size for x in leaves))
 """
-  root = os.path.dirname(os.path.dirname(__file__))
+  root = REPO_ROOT
   result = subprocess.run([sys.executable, '-c', restore], cwd=root, capture_output=True, text=True)
   assert result.returncode == 0 and 'restored' in result.stdout, result.stderr[-2000:]
 

@@ -1,4 +1,4 @@
-"""The tiny GPT run of tests/test_multihost.py, as a config file for `python -m dsjax.main`: the same
+"""The tiny GPT run of tests/e2e/test_multihost.py, as a config file for `python -m dsjax.main`: the same
 config trains in the test process (one process, 8 devices) and in two processes of 4 devices each."""
 
 from tests.helpers import tiny_config

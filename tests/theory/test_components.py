@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dsjax.theory import GradStats, Stats, components as C
+from dsjax.theory import GradStats, Stats
+from dsjax.theory import components as C
 
 X = Stats(mean=0.0, var=1.0, corr_seq=0.4)
 G = GradStats(var=2.0, corr_seq=0.3)

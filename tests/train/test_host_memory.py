@@ -6,15 +6,15 @@ allocates a step's temporaries), and counts the page faults of that second alloc
 """
 
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from dsjax.train import host_memory
+from tests.helpers import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 BLOCK_PAGES = (64 << 20) // 4096
 
 REUSE = """

@@ -84,7 +84,7 @@ def test_every_method_shards_every_array(name):
   config.model.scheme = name
   config.model.block = schemes.SCHEMES[name].blocks[0]
   if schemes.get(name).needs_preparation(config.model):
-    pytest.skip('needs its data-dependent preparation (covered by tests/test_schemes.py)')
+    pytest.skip('needs its data-dependent preparation (covered by tests/schemes/test_registry.py)')
   state, axes = _state_and_axes(config)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   sharding_lib.state_shardings(state, axes, mesh)  # Raises for any array without a rule.
@@ -119,7 +119,7 @@ def test_every_batch_shard_lives_in_one_process(processes_DFT, ok):
 STEPS = 5
 RTOL = 1e-4
 # ((data, fsdp, tensor), dropout). (2, 2, 2) uses every axis at once and runs by default, without
-# dropout (its random bits take a third of the compilation; tests/test_train.py runs dropout on this
+# dropout (its random bits take a third of the compilation; tests/train/test_train.py runs dropout on this
 # mesh through the whole loop); the slow set runs every mesh with dropout.
 MESHES = [((2, 2, 2), 0.0)] + [pytest.param(shape, 0.1, marks=pytest.mark.slow)
                                for shape in ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))]
@@ -147,7 +147,7 @@ def _setup(model_name, dropout):
 @functools.cache
 def _initial_state(model_name, dropout):
   """The initial train state on the host (created once, on one device, and put onto each mesh: the
-  loop's own `jit(create_state, out_shardings=...)` is run by tests/test_train.py and the multi-process
+  loop's own `jit(create_state, out_shardings=...)` is run by tests/train/test_train.py and the multi-process
   test)."""
   setup = _setup(model_name, dropout)
   return jax.device_get(jax.jit(setup.create_state)())

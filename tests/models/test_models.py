@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax import models, schemes
+from dsjax import schemes
 from dsjax.models import layers
 from dsjax.models.transformer import NormLayout
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config

@@ -2,7 +2,7 @@
 
 Every attention implementation available on this machine must give the outputs and gradients of jax's
 XLA attention (on a GPU also cuDNN's fused kernel; on every machine the TPU's splash kernel, in Pallas'
-interpreter off a TPU; tests/test_attention_implementations.py checks them against the plain form);
+interpreter off a TPU; tests/models/test_attention_implementations.py checks them against the plain form);
 every layer-stack option must compute the same function.
 """
 
