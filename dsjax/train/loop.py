@@ -22,6 +22,7 @@ from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, interrupts
 from dsjax.train import config as config_lib
+from dsjax.train import history as history_lib
 from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
@@ -148,7 +149,7 @@ def _all_processes(ok: bool, mesh) -> bool:
   return not sharding_lib.read_vote(sharding_lib.max_over_processes(int(not ok), mesh))
 
 
-def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
+def train_and_evaluate(config, workdir: str, devices=None, fresh: bool = False) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
@@ -164,7 +165,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
   held = []  # the workdir's lock, once this run holds it
   with interrupts.StopSignals() as signals:
     try:
-      return _train_and_evaluate(config, workdir, devices, signals, held)
+      return _train_and_evaluate(config, workdir, devices, signals, held, fresh)
     except BaseException:
       if held and not checkpoint_lib.WorkdirLock.owner_recorded(workdir):
         _remove_if_unused(created)
@@ -182,7 +183,7 @@ def _remove_if_unused(paths: list[str]) -> None:
 
 
 def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals,
-                        held: list) -> dict[str, float]:
+                        held: list, fresh: bool) -> dict[str, float]:
   # ----------------------------------------------------------------------------------------------
   # Setup: every check runs before anything is compiled or written — the config, the data, the
   # workdir's lock, the architecture of a checkpoint it holds, the model's shardings. (The lock file and
@@ -197,6 +198,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   is_chief = jax.process_index() == 0
   lock = _lock_workdir(workdir, is_chief, mesh)
   held.extend([lock] if lock is not None else [])
+  history_lib.check_layout(workdir, enabled=is_chief, all_ok=lambda ok: _all_processes(ok, mesh))
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config)
   identity = checkpoint_lib.run_identity(config)
@@ -228,7 +230,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth)
 
   restored = checkpointer.restore(checkpoint_lib.abstract_with_shardings(abstract_state, state_shardings),
-                                  set_aside=is_chief, all_ok=lambda ok: _all_processes(ok, mesh))
+                                  set_aside=is_chief, fresh=fresh, all_ok=lambda ok: _all_processes(ok, mesh))
   if restored is not None:
     state, data_state = restored
     train_data.set_state(data_state)
@@ -236,14 +238,16 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   else:
     state = jax.jit(setup.create_state, out_shardings=state_shardings)()
   first_step = int(state['step'])
-  if is_chief:  # Every check has passed: now the workdir may change.
+  start = history_lib.Start.check(workdir, first_step, checkpointer, fresh=fresh, enabled=is_chief,
+                                  all_ok=lambda ok: _all_processes(ok, mesh))
+  # Every check has passed: now the workdir may change.
+  start.apply(checkpointer, enabled=is_chief, barrier=lambda ok: _all_processes(ok, mesh))
+  if is_chief:
     lock.record_owner()
     if prepared is not None:
       schemes.save_preparation(config, workdir, prepared)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
-    for name in (metrics_lib.METRICS_FILE, instrument_lib.MOMENTS_FILE):  # Rows a resumed run logs again.
-      metrics_lib.drop_rows_after(os.path.join(workdir, name), first_step)
 
   # ----------------------------------------------------------------------------------------------
   # Compile: one jitted train step with explicit shardings and a donated state, compiled ahead of time

@@ -1,0 +1,79 @@
+"""A run never starts again from step 0 by surprise, and never loses the history of an earlier run:
+every checkpoint unreadable, logs without a checkpoint, damaged log files, a damaged workdir layout."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from dsjax.train import loop
+from tests.test_reliability import ONE_DEVICE, _config, _largest_file, _snapshot, _truncate
+from tests.test_reliability import four_step_run  # noqa: F401  (a fixture)
+
+
+def _train(config, workdir, **kwargs):
+  return loop.train_and_evaluate(config, str(workdir), devices=ONE_DEVICE, **kwargs)
+
+
+def _rows(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _without_lock(snapshot):
+  snapshot.pop('.dsjax.lock', None)
+  return snapshot
+
+
+def _damage_every_checkpoint(workdir):
+  for step in os.listdir(workdir / 'checkpoints'):
+    if step.isdigit():
+      _truncate(_largest_file(workdir / 'checkpoints' / step / 'state'))
+
+
+def test_every_checkpoint_unreadable_is_an_error_that_changes_nothing(tmp_path, four_step_run):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  _damage_every_checkpoint(workdir)
+  before = _without_lock(_snapshot(workdir))
+  with pytest.raises(ValueError, match='unreadable') as error:
+    _train(_config(total_steps=4, keep_checkpoints=5), workdir)
+  message = str(error.value)
+  assert '\n' not in message and 'step 4' in message and 'step 2' in message and '--fresh' in message
+  assert _without_lock(_snapshot(workdir)) == before  # metrics.jsonl and the checkpoints included.
+  assert [r['step'] for r in _rows(workdir / 'metrics.jsonl')] == [1, 2, 3, 4]
+
+
+def test_fresh_starts_again_and_keeps_the_earlier_history(tmp_path, four_step_run):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  _damage_every_checkpoint(workdir)
+  _train(_config(total_steps=4, keep_checkpoints=5), workdir, fresh=True)
+  assert [r['step'] for r in _rows(workdir / 'metrics.jsonl')] == [1, 2, 3, 4]
+  earlier = workdir / 'earlier_runs'
+  (kept,) = os.listdir(earlier)
+  assert [r['step'] for r in _rows(earlier / kept / 'metrics.jsonl')] == [1, 2, 3, 4]
+  assert sorted(os.listdir(earlier / kept / 'checkpoints')) == ['2', '4']
+  assert sorted(d for d in os.listdir(workdir / 'checkpoints') if d.isdigit()) == ['2', '4']
+
+
+def test_fresh_with_an_intact_checkpoint_is_an_error(tmp_path, four_step_run):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  before = _without_lock(_snapshot(workdir))
+  with pytest.raises(ValueError, match='--fresh') as error:
+    _train(_config(total_steps=6, keep_checkpoints=5), workdir, fresh=True)
+  assert 'intact checkpoint (step 4)' in str(error.value)
+  assert _without_lock(_snapshot(workdir)) == before
+
+
+def test_logs_without_a_checkpoint_are_an_error_that_changes_nothing(tmp_path, four_step_run):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  shutil.rmtree(workdir / 'checkpoints')  # e.g. killed before its first checkpoint
+  before = _without_lock(_snapshot(workdir))
+  with pytest.raises(ValueError, match='no checkpoint') as error:
+    _train(_config(total_steps=4, keep_checkpoints=5), workdir)
+  assert 'metrics.jsonl' in str(error.value) and '--fresh' in str(error.value)
+  assert _without_lock(_snapshot(workdir)) == before
