@@ -62,9 +62,11 @@ from dsjax import schemes
 from dsjax.models import model_inputs, nonstandard_residual
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 from dsjax.train.config import base_config
 
 EXPORT_CHECKPOINT = 'checkpoint'
+EXPORT_JSON = history_lib.EXPORT_MARKER  # also marks OUT as an export's own output
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,6 +274,9 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   if _inside(workdir, os.path.join(out, EXPORT_CHECKPOINT)):
     raise ValueError(f'--out={out} would replace {os.path.join(out, EXPORT_CHECKPOINT)}, which holds '
                      f'--workdir={workdir}; name another directory')
+  # Another run's workdir (its config.json, checkpoints/ or a live lock) is never written into; an
+  # earlier export (its export.json) is replaced.
+  history_lib.check_not_a_run('--out', out, own_marker=EXPORT_JSON)
   return config
 
 
@@ -288,7 +293,7 @@ def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
     raise ValueError(f'folded model disagrees with the scaled model: max |Δlogits| / max |logits| = '
                      f'{check["relative_error"]:.3g} > {rtol}')
   save_exported(folded, plain, out)
-  with open(os.path.join(out, 'export.json'), 'w') as f:
+  with open(os.path.join(out, EXPORT_JSON), 'w') as f:
     json.dump({'workdir': os.path.abspath(workdir), **check}, f, indent=1)
   return check
 

@@ -39,6 +39,9 @@ FILES = {
     'empty_dir/': None,
     'read_only/': None,  # Made read-only below: only a non-root user is kept from writing there.
     'locked/.dsjax.lock': 'pid 1 on elsewhere',  # Held by the test, as a live run would hold it.
+    # Another training run's workdir, which no tool may write into.
+    'other/config.json': json.dumps({'model': {'name': 'gpt'}, 'optimizer': {'name': 'adamw'}}),
+    'other/checkpoints/4/': None,
 }
 
 MAIN = ['--config=configs/gpt_preln.py', '--workdir={tmp}/w']
@@ -93,6 +96,10 @@ CASES = [
     ('export-out-is-workdir', 'export', ['--workdir={tmp}/run', '--out={tmp}/run'], '--out={tmp}/run'),
     ('export-out-in-checkpoints', 'export', ['--workdir={tmp}/run', '--out={tmp}/run/checkpoints/x'],
      'would overwrite the run'),
+    ('export-out-is-another-run', 'export', ['--workdir={tmp}/run', '--out={tmp}/other'],
+     '--out={tmp}/other holds a training run (config.json, checkpoints)'),
+    ('export-out-is-a-live-workdir', 'export', ['--workdir={tmp}/run', '--out={tmp}/locked'],
+     '--out={tmp}/locked is the workdir of a running dsjax run (pid 1 on elsewhere)'),
     ('export-out-is-file', 'export', ['--workdir={tmp}/run', '--out={tmp}/file'], '--out={tmp}/file'),
     ('export-zero-rtol', 'export', EXPORT + ['--rtol=0'], '--rtol'),
     ('export-missing-out', 'export', ['--workdir={tmp}/run'], '--out'),
