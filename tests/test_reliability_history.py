@@ -77,3 +77,31 @@ def test_logs_without_a_checkpoint_are_an_error_that_changes_nothing(tmp_path, f
     _train(_config(total_steps=4, keep_checkpoints=5), workdir)
   assert 'metrics.jsonl' in str(error.value) and '--fresh' in str(error.value)
   assert _without_lock(_snapshot(workdir)) == before
+
+
+@pytest.mark.parametrize('tail', [b'{"step": 5, "train/loss": 2.', b'\0' * 300, b'null\n',
+                                  b'{"step": 5}\n{"ste'])
+@pytest.mark.parametrize('log', ['metrics.jsonl', 'moments.jsonl'])
+def test_a_damaged_log_tail_is_cut_back_to_the_restored_step(tmp_path, four_step_run, caplog, tail, log):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  with open(workdir / log, 'ab') as f:
+    f.write(tail)
+  _train(_config(total_steps=4, keep_checkpoints=5), workdir)  # Resumed at its end: nothing to train.
+  assert [r['step'] for r in _rows(workdir / 'metrics.jsonl')] == [1, 2, 3, 4]
+  cut = [r.getMessage() for r in caplog.records if 'cut back' in r.getMessage()]
+  assert len(cut) == 1 and str(workdir / log) in cut[0], cut
+
+
+@pytest.mark.parametrize('damage', [b'{"step": 2, "train/lo\n', b'null\n', b'\0' * 50 + b'\n'])
+def test_a_damaged_row_in_the_middle_is_an_error_naming_file_and_line(tmp_path, four_step_run, damage):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  path = workdir / 'metrics.jsonl'
+  lines = path.read_bytes().splitlines(keepends=True)
+  path.write_bytes(lines[0] + damage + b''.join(lines[2:]))
+  before = _snapshot(workdir)  # config.json and the lock's owner line included
+  with pytest.raises(ValueError, match=f'{path}, line 2: ') as error:
+    _train(_config(total_steps=6, keep_checkpoints=5), workdir)
+  assert '\n' not in str(error.value)
+  assert _snapshot(workdir) == before
