@@ -42,6 +42,9 @@ FILES = {
     # Another training run's workdir, which no tool may write into.
     'other/config.json': json.dumps({'model': {'name': 'gpt'}, 'optimizer': {'name': 'adamw'}}),
     'other/checkpoints/4/': None,
+    # Workdirs of the wrong layout.
+    'ckpt_file/checkpoints': 'not a directory\n',
+    'metrics_dir/metrics.jsonl/': None,
 }
 
 MAIN = ['--config=configs/gpt_preln.py', '--workdir={tmp}/w']
@@ -70,6 +73,10 @@ CASES = [
     ('main-workdir-is-file', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/file'], '{tmp}/file'),
     ('main-workdir-in-use', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/locked'],
      'is in use by a running dsjax run'),
+    ('main-checkpoints-is-a-file', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/ckpt_file'],
+     '{tmp}/ckpt_file/checkpoints is not a directory'),
+    ('main-metrics-is-a-directory', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/metrics_dir'],
+     '{tmp}/metrics_dir/metrics.jsonl is not a file'),
     ('main-unknown-dataset', 'main', MAIN + ['--config.data.name=not_a_dataset'], 'not_a_dataset'),
     # dsjax.moments
     ('moments-zero-batches', 'moments', MOMENTS + ['--batches=0'], '--batches=0'),

@@ -105,3 +105,19 @@ def test_a_damaged_row_in_the_middle_is_an_error_naming_file_and_line(tmp_path, 
     _train(_config(total_steps=6, keep_checkpoints=5), workdir)
   assert '\n' not in str(error.value)
   assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize('name,kind', [('checkpoints', 'file'), ('metrics.jsonl', 'directory'),
+                                       ('moments.jsonl', 'directory'), ('tensorboard', 'file'),
+                                       ('config.json', 'directory')])
+def test_a_workdir_of_the_wrong_layout_is_refused_before_anything_is_written(tmp_path, name, kind):
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  if kind == 'file':
+    (workdir / name).write_text('not a directory\n')
+  else:
+    (workdir / name).mkdir()
+  before = _snapshot(workdir)
+  with pytest.raises(ValueError, match=f'{workdir / name} is not a {"directory" if kind == "file" else "file"}'):
+    _train(_config(total_steps=2, **{'instrument.every': 1}), workdir)
+  assert sorted(os.listdir(workdir)) == [name] and _snapshot(workdir) == before
