@@ -277,6 +277,7 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   # Another run's workdir (its config.json, checkpoints/ or a live lock) is never written into; an
   # earlier export (its export.json) is replaced.
   history_lib.check_not_a_run('--out', out, own_marker=EXPORT_JSON)
+  cli.create_output_dir('--out', out)  # Last: removed again if the program fails.
   return config
 
 

@@ -129,6 +129,18 @@ CASES = [
      '--out={tmp}/file'),
     ('sensitivity-missing-config', 'sensitivity', ['--out={tmp}/out'], '--config'),
     ('sensitivity-unknown-block', 'sensitivity', SENSITIVITY + ['--config.model.block=bogus'], 'model.block'),
+    # Output paths are checked up front, by creating them (a name over 255 bytes), naming the flag.
+    ('bench-json-name-too-long', 'bench', ['--json={tmp}/' + 'x' * 300 + '.json'], '--json={tmp}/xxx'),
+    ('sensitivity-out-name-too-long', 'sensitivity',
+     ['--config=configs/gpt_preln.py', '--out={tmp}/new/' + 'x' * 300], '--out={tmp}/new/xxx'),
+    ('moments-out-name-too-long', 'moments', ['--config=configs/gpt_preln.py', '--out={tmp}/new/' + 'x' * 300],
+     '--out={tmp}/new/xxx'),
+    ('export-out-name-too-long', 'export', ['--workdir={tmp}/run', '--out={tmp}/new/' + 'x' * 300],
+     '--out={tmp}/new/xxx'),
+    ('sensitivity-out-is-a-run', 'sensitivity', ['--config=configs/gpt_preln.py', '--out={tmp}/other'],
+     '--out={tmp}/other holds a training run'),
+    ('bench-json-replaces-a-run-config', 'bench', ['--json={tmp}/other/config.json'],
+     '--json={tmp}/other holds a training run'),
     ('sensitivity-out-not-writable', 'sensitivity',
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
 ]

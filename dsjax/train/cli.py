@@ -9,10 +9,12 @@ see it). Anything else is a bug and keeps its traceback. `--help` prints the fla
 
 from __future__ import annotations
 
+import errno
 import logging as std_logging
 import os
 import re
 import sys
+import tempfile
 from typing import Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
@@ -59,6 +61,80 @@ def check_output_dir(flag: str, path: str | None):
     raise ValueError(f'{flag}={path} cannot be created: {existing} is not a directory')
   if not os.access(existing, os.W_OK | os.X_OK):
     raise ValueError(f'{flag}={path} cannot be written: {existing} is not writable')
+
+
+# What `create_output_dir` and `create_output_file` created, newest last: `run` removes it again (a file
+# only while still empty, a directory only while empty) when the program fails.
+_CREATED: list[str] = []
+
+
+def _cannot(flag: str, path: str, error: OSError) -> ValueError:
+  why = error.strerror or str(error)
+  if error.errno == errno.ENAMETOOLONG:
+    why += ' (at most 255 bytes a name)'
+  return ValueError(f'{flag}={path} cannot be created or written: {why}')
+
+
+def _make_dirs(flag: str, path: str):
+  """os.makedirs(path), recording each directory it creates."""
+  missing = []
+  existing = os.path.abspath(path)
+  while not os.path.lexists(existing):
+    missing.append(existing)
+    existing = os.path.dirname(existing)
+  for directory in reversed(missing):
+    try:
+      os.mkdir(directory)
+    except OSError as e:
+      raise _cannot(flag, path, e) from None
+    _CREATED.append(directory)
+
+
+def create_output_dir(flag: str, path: str | None):
+  """Checks an output directory up front by creating it (and its parents) and a file in it, before the
+  work whose results go there; a ValueError naming `flag` if that fails. What it created is removed
+  again if the program fails (`run`)."""
+  check_output_dir(flag, path)
+  _make_dirs(flag, path)
+  try:
+    descriptor, probe = tempfile.mkstemp(prefix='.dsjax-write-test-', dir=path)
+    os.close(descriptor)
+    os.remove(probe)
+  except OSError as e:
+    raise _cannot(flag, path, e) from None
+
+
+def create_output_file(flag: str, path: str | None):
+  """Checks an output file up front by creating it (empty; an existing file is opened for appending, so
+  nothing in it changes), and its directory; a ValueError naming `flag` if that fails. What it created
+  is removed again if the program fails (`run`)."""
+  if not path:
+    raise ValueError(f'{flag} must name an output file, got {path!r}')
+  if os.path.isdir(path):
+    raise ValueError(f'{flag}={path} is a directory; name a file')
+  check_output_dir(flag, os.path.dirname(os.path.abspath(path)))
+  _make_dirs(flag, os.path.dirname(os.path.abspath(path)))
+  existed = os.path.lexists(path)
+  try:
+    with open(path, 'a'):
+      pass
+  except OSError as e:
+    raise _cannot(flag, path, e) from None
+  if not existed:
+    _CREATED.append(os.path.abspath(path))
+
+
+def remove_created_outputs():
+  """Removes what `create_output_dir` and `create_output_file` created, if still empty (newest first)."""
+  while _CREATED:
+    path = _CREATED.pop()
+    try:
+      if os.path.isfile(path) and not os.path.getsize(path):
+        os.remove(path)
+      elif os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
+    except OSError:
+      pass  # Best effort: the program is failing for another reason, which its message names.
 
 
 def _config_override_error(error: BaseException, argv: list[str]) -> str:
@@ -161,6 +237,14 @@ def run(main: Callable[[list[str]], None]) -> None:
     try:
       _progress_logging()
       main(argv)
+      _CREATED.clear()
+    except BaseException:
+      remove_created_outputs()
+      raise
+
+  def reporting_main(argv):
+    try:
+      guarded_main(argv)
     except Exit as e:
       print(f'{program_name()}: {e}', file=sys.stderr, flush=True)
       sys.exit(e.status)
@@ -172,7 +256,7 @@ def run(main: Callable[[list[str]], None]) -> None:
         raise
       fail(message)
 
-  app.run(guarded_main, flags_parser=_quiet_backend_probe(parse_flags))
+  app.run(reporting_main, flags_parser=_quiet_backend_probe(parse_flags))
 
 
 def _progress_logging() -> None:
