@@ -187,7 +187,10 @@ def fold_model(model, config):
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   config = load_config(os.path.join(workdir, 'config.json'))
-  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir'), config
+  remedy = (f'{os.path.join(workdir, "config.json")} is not the config its checkpoints were trained with '
+            '(was it replaced?); put back the config.json that run wrote')
+  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir',
+                                      remedy), config
 
 
 def save_exported(model, config, out: str):

@@ -121,3 +121,12 @@ def test_a_workdir_of_the_wrong_layout_is_refused_before_anything_is_written(tmp
   with pytest.raises(ValueError, match=f'{workdir / name} is not a {"directory" if kind == "file" else "file"}'):
     _train(_config(total_steps=2, **{'instrument.every': 1}), workdir)
   assert sorted(os.listdir(workdir)) == [name] and _snapshot(workdir) == before
+
+
+def test_an_unreadable_checkpoint_is_reported_without_object_reprs(tmp_path, four_step_run, caplog):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  _truncate(_largest_file(workdir / 'checkpoints' / '4' / 'state'))
+  _train(_config(total_steps=4, keep_checkpoints=5), workdir)
+  (warning,) = [r.getMessage() for r in caplog.records if 'is unreadable' in r.getMessage()]
+  assert 'Checkpoint step 4 of' in warning and '<bound method' not in warning and ' at 0x' not in warning

@@ -1,6 +1,7 @@
 """No tool writes into a directory that holds another run, and every output path is checked (by
 creating it) before the work that fills it."""
 
+import json
 import os
 import shutil
 
@@ -37,3 +38,15 @@ def test_export_refuses_the_workdir_of_a_live_run_and_rewrites_its_own_output(tm
   export.export(str(four_step_run), str(out))
   export.export(str(four_step_run), str(out))  # its own earlier output: replaced
   assert sorted(os.listdir(out)) == ['checkpoint', 'config.json', 'export.json']
+
+
+def test_export_of_a_workdir_whose_config_was_replaced_names_the_config(tmp_path, four_step_run):
+  workdir = tmp_path / 'run'
+  shutil.copytree(four_step_run, workdir)
+  config = json.loads((workdir / 'config.json').read_text())
+  config['model']['width'] = 64
+  (workdir / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(ValueError, match='another architecture') as error:
+    export.export(str(workdir), str(tmp_path / 'out'))
+  assert 'pass the settings' not in str(error.value)
+  assert f'{workdir / "config.json"} is not the config its checkpoints were trained with' in str(error.value)

@@ -195,11 +195,12 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config, *, read_by: str | None = None) -> int | None:
+  def check_compatible(self, config, *, read_by: str | None = None, remedy: str | None = None) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
     architecture (else a ValueError naming the differing keys) and, for a run that resumes it, not
     beyond `total_steps`. Returns that step, or None for a fresh workdir. `read_by`: the flag of a tool
-    that only reads the checkpoint (e.g. '--checkpoint'), for its message."""
+    that only reads the checkpoint (e.g. '--checkpoint'), for its message, with `remedy` (what to do)
+    instead of the default advice."""
     for step in self.steps():
       try:
         saved = self._read_run_item(step)['identity']
@@ -208,8 +209,9 @@ class Checkpointer:
       differences = identity_differences(saved, run_identity(config))
       if differences:
         where = f'{read_by}={self.workdir}' if read_by else self.workdir
-        remedy = ('pass the settings it was trained with' if read_by else
-                  'use a new --workdir or the checkpoint\'s settings')
+        remedy = remedy or ('pass the --config and --config.* overrides it was trained with (its '
+                            'config.json lists them)' if read_by else
+                            'use a new --workdir or the checkpoint\'s settings')
         raise ValueError(f'{where} holds a checkpoint (step {step}) of another architecture; differing '
                          f'keys: {"; ".join(differences)}; {remedy}')
       if read_by is None and step > config.total_steps:
@@ -341,11 +343,11 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_model(config, data_info, workdir: str, flag: str):
+def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None = None):
   """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export
   --workdir`, `dsjax.moments --checkpoint`; `flag` names it in errors): the train state is restored
   onto one device and merged into a model built from `config`, with the result of its method's
-  preparation step that the run saved."""
+  preparation step that the run saved. `remedy`: the advice of `check_compatible`'s message."""
   no_checkpoint = ValueError(f'{flag}={workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
     raise no_checkpoint
@@ -353,7 +355,7 @@ def restore_model(config, data_info, workdir: str, flag: str):
   try:
     if checkpointer.latest_step() is None:
       raise no_checkpoint
-    checkpointer.check_compatible(config, read_by=flag)
+    checkpointer.check_compatible(config, read_by=flag, remedy=remedy)
     prepared = schemes.preparation_for_run(config, data_info,
                                            lambda: step_lib.first_model_inputs(config), workdir)
     setup = state_lib.make_setup(config, data_info, prepared)

@@ -159,8 +159,12 @@ def _config_path(argv: list[str]) -> str:
 def _parse_error_message(error: BaseException, argv: list[str]) -> str:
   if isinstance(error, AttributeError) and 'get_config' in str(error):
     return f'--config: {_config_path(argv)} defines no get_config()'
-  if isinstance(error, (KeyError, AttributeError)):
+  if isinstance(error, (KeyError, AttributeError)) and any(re.match(r'--\w+\.\w', a) for a in argv[1:]):
     return _config_override_error(error, argv)
+  if (isinstance(error, flags.IllegalFlagValueError) and 'must have a value other than None' in str(error)
+      and _config_path(argv) != 'the config file'):
+    return (f'--config: get_config() of {_config_path(argv)} returned None; it must return the config '
+            '(an ml_collections.ConfigDict)')
   if isinstance(error, OSError) and 'Failed loading config file' in str(error):
     reason = str(error).strip().splitlines()[-1].strip()
     return f'--config: cannot load {_config_path(argv)}: {reason}'
