@@ -3,12 +3,14 @@ every checkpoint unreadable, logs without a checkpoint, damaged log files, a dam
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 
+from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
-from tests.test_reliability import ONE_DEVICE, _config, _largest_file, _snapshot, _truncate
+from tests.test_reliability import ONE_DEVICE, ROOT, _config, _largest_file, _snapshot, _truncate
 from tests.test_reliability import four_step_run  # noqa: F401  (a fixture)
 
 
@@ -130,3 +132,11 @@ def test_an_unreadable_checkpoint_is_reported_without_object_reprs(tmp_path, fou
   _train(_config(total_steps=4, keep_checkpoints=5), workdir)
   (warning,) = [r.getMessage() for r in caplog.records if 'is unreadable' in r.getMessage()]
   assert 'Checkpoint step 4 of' in warning and '<bound method' not in warning and ' at 0x' not in warning
+
+
+def test_the_docs_state_the_one_list_of_what_may_change_on_resume():
+  text = open(os.path.join(ROOT, 'docs', 'running.md')).read()
+  (resume,) = [p for p in text.split('\n- ') if p.startswith('**Resume.**')]
+  stated = set(re.findall(r'`(model\.\w+)`', resume))
+  assert stated == set(checkpoint_lib.resumable_model_keys()), stated
+  assert all(f'`{key}`' in resume for key in checkpoint_lib.IDENTITY_KEYS)

@@ -50,13 +50,29 @@ _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order
 # What a checkpoint must match, and how to tell that it is intact.
 # ------------------------------------------------------------------------------------------------
 
+# What a resumed run may change, and what it may not. The one list of it: docs/running.md states it and
+# tests/test_reliability_history.py checks that it does. Every model key but `RESUMABLE_KEYS` (how a step
+# is computed: regularisation, rematerialisation, precision, attention kernel, layer scan), and these:
+# the dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state).
+# Any other run key (learning rate, schedule, batch size, intervals, total_steps above the checkpoint's
+# step) may change.
+IDENTITY_KEYS = ('data.name', 'data.seq_len', 'optimizer.name')
+
+
+def resumable_model_keys() -> tuple[str, ...]:
+  """The model keys a resumed run may change, as `model.<key>`."""
+  return tuple(f'model.{key}' for key in RESUMABLE_KEYS)
+
+
 def run_identity(config) -> dict[str, Any]:
-  """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, the
-  dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state)."""
+  """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, and
+  `IDENTITY_KEYS`."""
   model = {k: v for k, v in config.model.to_dict().items() if k not in RESUMABLE_KEYS}
-  return json.loads(json.dumps({'model': model, 'data.name': config.data.name,
-                                'data.seq_len': config.data.get('seq_len'),
-                                'optimizer.name': config.optimizer.name}))
+  identity = {'model': model}
+  for key in IDENTITY_KEYS:
+    section, name = key.split('.')
+    identity[key] = config[section].get(name)
+  return json.loads(json.dumps(identity))
 
 
 def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
