@@ -1,0 +1,48 @@
+"""Two signals in quick succession, and the noise of a failing disk: a real training subprocess."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_reliability import ROOT, SUBPROCESS_ENV
+
+
+def _start(workdir, stderr_path, *overrides):
+  args = [sys.executable, '-m', 'dsjax.main', '--config=configs/gpt_preln.py', f'--workdir={workdir}',
+          '--config.batch_size=8', '--config.data.seq_len=16', '--config.eval_every=100000',
+          '--config.log_every=1', *overrides]
+  return subprocess.Popen(args, cwd=ROOT, env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL,
+                          stderr=open(stderr_path, 'w'), text=True)
+
+
+def _wait_for(text, stderr_path, process, timeout=180):
+  deadline = time.time() + timeout
+  while time.time() < deadline and process.poll() is None:
+    if text in stderr_path.read_text():
+      return
+    time.sleep(0.05)
+  raise AssertionError(f'no {text!r} in {timeout}s; exit {process.poll()}: {stderr_path.read_text()[-3000:]}')
+
+
+@pytest.mark.slow  # Kept out of the default suite for its time (~15 s).
+def test_a_second_sigint_while_compiling_exits_at_once_with_130(tmp_path):
+  stderr_path = tmp_path / 'stderr.txt'
+  # A model whose compilation takes seconds: the signals arrive while XLA compiles.
+  process = _start(tmp_path / 'run', stderr_path, '--config.model.depth=24', '--config.model.width=256',
+                   '--config.model.num_heads=4', '--config.model.scan_layers=False',
+                   '--config.instrument.every=1')
+  _wait_for('Compiling the train step', stderr_path, process)
+  process.send_signal(signal.SIGINT)
+  time.sleep(5.0)  # Well past the same-request window; still compiling (the instrumented step follows).
+  process.send_signal(signal.SIGINT)
+  t0 = time.time()
+  process.wait(timeout=60)
+  stderr = stderr_path.read_text()
+  assert process.returncode == 130, stderr[-3000:]
+  assert time.time() - t0 < 10, stderr[-3000:]
+  assert 'Fatal Python error' not in stderr and 'Traceback' not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1].startswith('dsjax.main: '), stderr[-3000:]
