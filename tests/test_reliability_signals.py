@@ -46,3 +46,33 @@ def test_a_second_sigint_while_compiling_exits_at_once_with_130(tmp_path):
   assert time.time() - t0 < 10, stderr[-3000:]
   assert 'Fatal Python error' not in stderr and 'Traceback' not in stderr, stderr[-3000:]
   assert stderr.strip().splitlines()[-1].startswith('dsjax.main: '), stderr[-3000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 3 MiB tmpfs (root only): room for the run's logs, not for its first checkpoint."""
+  mount_point = tmp_path / 'disk'
+  mount_point.mkdir()
+  try:
+    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3m', 'tmpfs', str(mount_point)], check=True,
+                   capture_output=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    pytest.skip('cannot mount a tmpfs here (needs root)')
+  yield mount_point
+  subprocess.run(['umount', '-l', str(mount_point)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.mark.slow  # Kept out of the default suite for its time (~15 s).
+def test_a_full_disk_is_one_line_and_the_last_line_is_dsjax_s_own(tmp_path, small_disk):
+  stderr_path = tmp_path / 'stderr.txt'
+  process = _start(small_disk / 'run', stderr_path, '--config.model.depth=4', '--config.model.width=128',
+                   '--config.model.num_heads=2', '--config.model.scan_layers=False', '--config.total_steps=6',
+                   '--config.checkpoint_every=2',
+                   '--config.optimizer.warmup_steps=1')
+  process.wait(timeout=300)
+  stderr = stderr_path.read_text()
+  assert process.returncode == 2, stderr[-3000:]
+  assert 'Traceback' not in stderr and 'Event loop is closed' not in stderr, stderr[-5000:]
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith('dsjax.main: error: ') and 'No space left on device' in last, last
+  assert not [d for d in os.listdir(small_disk / 'run' / 'checkpoints') if d.isdigit()]  # none half-written

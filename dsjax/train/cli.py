@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from typing import Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
@@ -45,6 +46,7 @@ def fail(message: str, status: int = USAGE_ERROR) -> NoReturn:
   """Prints `<program>: error: <message>` (one line) to stderr and exits."""
   one_line = ' '.join(part.strip() for part in str(message).splitlines() if part.strip())
   print(f'{program_name()}: error: {one_line}', file=sys.stderr, flush=True)
+  after_last_line()
   sys.exit(status)
 
 
@@ -196,7 +198,14 @@ OUT_OF_MEMORY_ADVICE = ('raise microbatches (the same update in smaller pieces),
 
 
 def out_of_memory(error: BaseException) -> bool:
-  return 'RESOURCE_EXHAUSTED' in str(error) or 'Out of memory' in str(error)
+  text = str(error)
+  return ('RESOURCE_EXHAUSTED' in text or 'Out of memory' in text) and not disk_full(error)
+
+
+def disk_full(error: BaseException) -> bool:
+  """A write that found no space (also as the storage layer's status text, which Orbax passes on)."""
+  return any(isinstance(e, OSError) and e.errno == errno.ENOSPC or 'No space left on device' in str(e)
+             for e in errors_in_chain(error))
 
 
 def errors_in_chain(error: BaseException | None) -> Iterator[BaseException]:
@@ -216,6 +225,10 @@ def _os_error_in_chain(error: BaseException) -> OSError | None:
 
 def user_error_message(error: BaseException) -> str | None:
   """The one-line message of a user error, or None for a bug (which keeps its traceback)."""
+  if disk_full(error) and _os_error_in_chain(error) is None:  # The storage layer's text (TensorStore).
+    where = re.search(r'(?:local file|Failed writing:) "([^"]+)"', ' '.join(str(error).split()))
+    return (f'No space left on device{f" (writing {where.group(1)})" if where else ""}; free space and '
+            'rerun the same command: it resumes from the last complete checkpoint')
   if isinstance(error, ValueError) and getattr(error, 'dsjax_user_error', True):
     return str(error)
   error = _os_error_in_chain(error) or error
@@ -231,11 +244,71 @@ def user_error_message(error: BaseException) -> str | None:
   return None
 
 
+# Noise of libraries' background threads when a write fails (a full disk, a damaged checkpoint): Orbax's
+# TensorStore callbacks that find their asyncio loop already closed print a traceback each (dozens per
+# failure), TensorBoard's writer thread raises OSError once its file is closed. The failure itself
+# reaches the main thread and is reported there in one line.
+_NOISE = ('Event loop is closed',)
+
+
+def _is_noise(error: BaseException | None) -> bool:
+  return error is not None and any(text in str(error) for text in _NOISE)
+
+
+class _BackgroundErrors:
+  """Hooks that keep the noise above off stderr (`-v 1` keeps everything): the asyncio noise is
+  dropped, a background thread's OSError becomes one warning line, and once the program has printed its
+  last line (`after_last_line`) every later background traceback is dropped, so that the last line on
+  stderr is dsjax's own."""
+
+  def __init__(self):
+    self.last_line_printed = False
+    self._reported: set[str] = set()
+    self._default_excepthook = sys.excepthook
+    self._default_thread_hook = threading.excepthook
+    self._default_unraisable = sys.unraisablehook
+
+  def install(self):
+    sys.excepthook, threading.excepthook, sys.unraisablehook = self._excepthook, self._thread, self._unraisable
+
+  def _quiet(self) -> bool:
+    return not logging.vlog_is_on(1)
+
+  def _excepthook(self, kind, error, tb):
+    # Also what C++ extensions call (PyErr_Print) for an exception in a callback of theirs.
+    if not (self._quiet() and (self.last_line_printed or _is_noise(error))):
+      self._default_excepthook(kind, error, tb)
+
+  def _thread(self, args):
+    if self._quiet() and (self.last_line_printed or _is_noise(args.exc_value)):
+      return
+    if self._quiet() and isinstance(args.exc_value, OSError):
+      name = args.thread.name if args.thread is not None else 'a background thread'
+      if name not in self._reported:
+        self._reported.add(name)
+        logging.warning('%s stopped: %s', name, user_error_message(args.exc_value))
+      return
+    self._default_thread_hook(args)
+
+  def _unraisable(self, unraisable):
+    if not (self._quiet() and (self.last_line_printed or _is_noise(unraisable.exc_value))):
+      self._default_unraisable(unraisable)
+
+
+_BACKGROUND = _BackgroundErrors()
+
+
+def after_last_line():
+  """Called once the program's last line is printed: later background tracebacks are dropped."""
+  _BACKGROUND.last_line_printed = True
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`absl.app.run(main)` with one-line user errors (see the module docstring) and dsjax's progress
   lines (`_progress_logging`), in a process that keeps freed host memory for reuse (`host_memory`:
   before any JAX runtime thread exists)."""
   host_memory.keep_freed_memory()
+  _BACKGROUND.install()
 
   def guarded_main(argv):
     try:
@@ -251,6 +324,7 @@ def run(main: Callable[[list[str]], None]) -> None:
       guarded_main(argv)
     except Exit as e:
       print(f'{program_name()}: {e}', file=sys.stderr, flush=True)
+      after_last_line()
       sys.exit(e.status)
     except KeyboardInterrupt:
       fail('interrupted', status=130)
