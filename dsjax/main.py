@@ -1,7 +1,8 @@
 """Entry point: `python -m dsjax.main --config=configs/vit_dnt.py --workdir=DIR [--config.key=value ...]`.
 
 Runs `dsjax.train.loop.train_and_evaluate`. Rerunning the same command resumes from the latest
-checkpoint in DIR.
+checkpoint in DIR; `--fresh` trains from step 0 in a DIR whose history no intact checkpoint continues
+(docs/running.md).
 
 Several processes (hosts, or several processes on one machine) run the same command, each with its own
 `--process_id`, and form one run through `jax.distributed` (README, "Scaling out"):

@@ -155,7 +155,8 @@ def train_and_evaluate(config, workdir: str, devices=None, fresh: bool = False) 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
   SIGINT at any point (setup and compilation included) ends the run after its next step, saved (with
   several processes, after the step that follows: the processes' vote on it is read a step late). A
-  check that fails leaves the workdir as it was found.
+  check that fails leaves the workdir as it was found. `fresh`: train from step 0 over the history of an
+  earlier run that no intact checkpoint continues (`dsjax.train.history`; `--fresh`).
   """
   # What a failing check must not leave behind: the paths the run creates before all checks have
   # passed (the lock is taken first, Orbax creates the checkpoint directory), where they are new. Only
