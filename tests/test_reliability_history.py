@@ -120,7 +120,8 @@ def test_a_workdir_of_the_wrong_layout_is_refused_before_anything_is_written(tmp
   else:
     (workdir / name).mkdir()
   before = _snapshot(workdir)
-  with pytest.raises(ValueError, match=f'{workdir / name} is not a {"directory" if kind == "file" else "file"}'):
+  expected = 'directory' if kind == 'file' else 'file'
+  with pytest.raises(ValueError, match=f'{workdir / name} is not a {expected}'):
     _train(_config(total_steps=2, **{'instrument.every': 1}), workdir)
   assert sorted(os.listdir(workdir)) == [name] and _snapshot(workdir) == before
 

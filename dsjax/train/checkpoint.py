@@ -11,8 +11,8 @@ each step into a temporary directory and renames it when complete, so a killed s
 half-written step behind; a step that is nevertheless unreadable (a truncated or overwritten file, a
 removed `_METADATA`) is reported in one line, moved to `WORKDIR/corrupt_checkpoints/`, and the run
 resumes from the newest intact step; when none is intact, the run stops with one line and nothing is
-moved (starting again is the user's choice, `--fresh`: `dsjax.train.history`). A checkpoint of another architecture is an error that names the
-differing keys, before the workdir is touched.
+moved (starting again is the user's choice, `--fresh`: `dsjax.train.history`). A checkpoint of another
+architecture is an error that names the differing keys, before the workdir is touched.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def _parse_error_message(error: BaseException, argv: list[str]) -> str:
     return f'--config: {_config_path(argv)} defines no get_config()'
   if isinstance(error, (KeyError, AttributeError)) and any(re.match(r'--\w+\.\w', a) for a in argv[1:]):
     return _config_override_error(error, argv)
-  if (isinstance(error, flags.IllegalFlagValueError) and 'must have a value other than None' in str(error)
+  if (isinstance(error, flags.IllegalFlagValueError)
+      and 'Flag --config must have a value other than None' in str(error)
       and _config_path(argv) != 'the config file'):
     return (f'--config: get_config() of {_config_path(argv)} returned None; it must return the config '
             '(an ml_collections.ConfigDict)')
@@ -269,7 +270,8 @@ class _BackgroundErrors:
     self._default_unraisable = sys.unraisablehook
 
   def install(self):
-    sys.excepthook, threading.excepthook, sys.unraisablehook = self._excepthook, self._thread, self._unraisable
+    sys.excepthook, threading.excepthook = self._excepthook, self._thread
+    sys.unraisablehook = self._unraisable
 
   def _quiet(self) -> bool:
     return not logging.vlog_is_on(1)
