@@ -144,8 +144,8 @@ CASES = [
     ('export-out-name-too-long', 'export', ['--workdir={tmp}/run', '--out={tmp}/new/' + 'x' * 300],
      '--out={tmp}/new/xxx'),
     # Created up front, removed again when a later check fails (the snapshot below is unchanged).
-    ('bench-json-created-then-removed', 'bench', ['--json={tmp}/new/bench.json', '--config.model.num_heads=5'],
-     'model.num_heads'),
+    ('bench-json-created-then-removed', 'bench',
+     ['--json={tmp}/new/bench.json', '--config.model.num_heads=5'], 'model.num_heads'),
     ('sensitivity-out-is-a-run', 'sensitivity', ['--config=configs/gpt_preln.py', '--out={tmp}/other'],
      '--out={tmp}/other holds a training run'),
     ('bench-json-replaces-a-run-config', 'bench', ['--json={tmp}/other/config.json'],
