@@ -76,3 +76,36 @@ def test_a_full_disk_is_one_line_and_the_last_line_is_dsjax_s_own(tmp_path, smal
   last = stderr.strip().splitlines()[-1]
   assert last.startswith('dsjax.main: error: ') and 'No space left on device' in last, last
   assert not [d for d in os.listdir(small_disk / 'run' / 'checkpoints') if d.isdigit()]  # none half-written
+
+
+def _largest_file(directory):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.slow  # Kept out of the default suite for its time (~45 s).
+def test_damaged_checkpoints_print_no_tracebacks(tmp_path):
+  workdir, stderr_path = tmp_path / 'run', tmp_path / 'stderr.txt'
+  # Unscanned layers: many arrays, so many of Orbax's reads are in flight when one fails.
+  model = ['--config.model.depth=4', '--config.model.width=128', '--config.model.num_heads=2',
+           '--config.model.scan_layers=False', '--config.checkpoint_every=2', '--config.keep_checkpoints=5',
+           '--config.optimizer.warmup_steps=1']
+
+  def run(total_steps):
+    process = _start(workdir, stderr_path, *model, f'--config.total_steps={total_steps}')
+    process.wait(timeout=300)
+    return process.returncode, stderr_path.read_text()
+
+  assert run(4)[0] == 0
+  with open(_largest_file(workdir / 'checkpoints' / '4' / 'state'), 'r+b') as f:
+    f.truncate(1000)
+  status, stderr = run(6)  # Falls back to step 2.
+  assert status == 0, stderr[-3000:]
+  assert 'Traceback' not in stderr and 'Exception ignored' not in stderr, stderr[-5000:]
+  for step in ('4', '6'):
+    with open(_largest_file(workdir / 'checkpoints' / step / 'state'), 'r+b') as f:
+      f.truncate(1000)
+  os.rename(workdir / 'checkpoints' / '2', tmp_path / 'step_2')  # every remaining step damaged
+  status, stderr = run(8)
+  assert status == 2 and 'Traceback' not in stderr and 'Exception ignored' not in stderr, stderr[-5000:]
+  assert stderr.strip().splitlines()[-1].startswith('dsjax.main: error: every checkpoint in '), stderr[-3000:]

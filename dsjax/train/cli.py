@@ -16,6 +16,8 @@ import re
 import sys
 import tempfile
 import threading
+import traceback
+import warnings
 from typing import Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
@@ -252,8 +254,18 @@ def user_error_message(error: BaseException) -> str | None:
 _NOISE = ('Event loop is closed',)
 
 
-def _is_noise(error: BaseException | None) -> bool:
-  return error is not None and any(text in str(error) for text in _NOISE)
+_STORAGE_LAYER = ('/orbax/', '/tensorstore/')
+
+
+def _is_noise(error: BaseException | None, background: bool = False) -> bool:
+  """The asyncio noise above; for a `background` thread or an unraisable exception (e.g. a coroutine of
+  a failed restore that nobody awaits any more) also any exception raised in Orbax or TensorStore."""
+  if error is None:
+    return False
+  if any(text in str(error) for text in _NOISE):
+    return True
+  frames = traceback.extract_tb(error.__traceback__) if background else []
+  return any(part in frame.filename for frame in frames for part in _STORAGE_LAYER)
 
 
 class _BackgroundErrors:
@@ -270,6 +282,8 @@ class _BackgroundErrors:
     self._default_unraisable = sys.unraisablehook
 
   def install(self):
+    if self._quiet():  # Coroutines of a failed restore that are never awaited, found at garbage collection.
+      warnings.filterwarnings('ignore', message=r'coroutine .* was never awaited', category=RuntimeWarning)
     sys.excepthook, threading.excepthook = self._excepthook, self._thread
     sys.unraisablehook = self._unraisable
 
@@ -282,7 +296,7 @@ class _BackgroundErrors:
       self._default_excepthook(kind, error, tb)
 
   def _thread(self, args):
-    if self._quiet() and (self.last_line_printed or _is_noise(args.exc_value)):
+    if self._quiet() and (self.last_line_printed or _is_noise(args.exc_value, background=True)):
       return
     if self._quiet() and isinstance(args.exc_value, OSError):
       name = args.thread.name if args.thread is not None else 'a background thread'
@@ -293,7 +307,7 @@ class _BackgroundErrors:
     self._default_thread_hook(args)
 
   def _unraisable(self, unraisable):
-    if not (self._quiet() and (self.last_line_printed or _is_noise(unraisable.exc_value))):
+    if not (self._quiet() and (self.last_line_printed or _is_noise(unraisable.exc_value, background=True))):
       self._default_unraisable(unraisable)
 
 
@@ -345,10 +359,19 @@ def _progress_logging() -> None:
   one-line error."""
   logging.set_verbosity(max(logging.get_verbosity(), logging.INFO))
   logging.get_absl_handler().addFilter(_not_from_orbax)  # the same function is added once
+  logging.get_absl_handler().addFilter(_not_storage_noise)
 
 
 def _not_from_orbax(record: std_logging.LogRecord) -> bool:
   return '/orbax/' not in record.pathname
+
+
+def _not_storage_noise(record: std_logging.LogRecord) -> bool:
+  """Drops asyncio's 'exception was never retrieved' records of Orbax's reads that a failed restore
+  left behind (one traceback per array; the failure itself is reported once), unless `-v 1`."""
+  error = record.exc_info[1] if record.exc_info else None  # asyncio logs the exception with the record
+  return (record.name != 'asyncio' or logging.vlog_is_on(1)
+          or not _is_noise(error, background=True))
 
 
 def _quiet_backend_probe(parse: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
