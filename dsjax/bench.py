@@ -51,6 +51,7 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
@@ -468,12 +469,13 @@ def main(argv):
   del argv
   config = _CONFIG.value
   json_path, profile_dir = _JSON.value, _PROFILE.value
+  # The outputs are created before the measurement (and removed again if the program fails).
   if json_path:
-    if os.path.isdir(json_path):
-      raise ValueError(f'--json={json_path} is a directory; name a file')
-    cli.check_output_dir('--json', os.path.dirname(os.path.abspath(json_path)))
+    if os.path.basename(json_path) in history_lib.FILES:  # e.g. a run's config.json
+      history_lib.check_not_a_run('--json', os.path.dirname(os.path.abspath(json_path)))
+    cli.create_output_file('--json', json_path)
   if profile_dir:
-    cli.check_output_dir('--profile', os.path.abspath(profile_dir))
+    cli.create_output_dir('--profile', os.path.abspath(profile_dir))
   if tuple(config.mesh.shape) != tuple(sharding_lib.mesh_config().shape):
     print(f'note: mesh.shape {tuple(config.mesh.shape)} is not used: the benchmark times one device')
   with tempfile.TemporaryDirectory() as workdir:

@@ -62,9 +62,11 @@ from dsjax import schemes
 from dsjax.models import model_inputs, nonstandard_residual
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 from dsjax.train.config import base_config
 
 EXPORT_CHECKPOINT = 'checkpoint'
+EXPORT_JSON = history_lib.EXPORT_MARKER  # also marks OUT as an export's own output
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +187,10 @@ def fold_model(model, config):
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   config = load_config(os.path.join(workdir, 'config.json'))
-  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir'), config
+  remedy = (f'{os.path.join(workdir, "config.json")} is not the config its checkpoints were trained with '
+            '(was it replaced?); put back the config.json that run wrote')
+  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir',
+                                      remedy), config
 
 
 def save_exported(model, config, out: str):
@@ -272,6 +277,10 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   if _inside(workdir, os.path.join(out, EXPORT_CHECKPOINT)):
     raise ValueError(f'--out={out} would replace {os.path.join(out, EXPORT_CHECKPOINT)}, which holds '
                      f'--workdir={workdir}; name another directory')
+  # Another run's workdir (its config.json, checkpoints/ or a live lock) is never written into; an
+  # earlier export (its export.json) is replaced.
+  history_lib.check_not_a_run('--out', out, own_marker=EXPORT_JSON)
+  cli.create_output_dir('--out', out)  # Last: removed again if the program fails.
   return config
 
 
@@ -288,7 +297,7 @@ def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
     raise ValueError(f'folded model disagrees with the scaled model: max |Δlogits| / max |logits| = '
                      f'{check["relative_error"]:.3g} > {rtol}')
   save_exported(folded, plain, out)
-  with open(os.path.join(out, 'export.json'), 'w') as f:
+  with open(os.path.join(out, EXPORT_JSON), 'w') as f:
     json.dump({'workdir': os.path.abspath(workdir), **check}, f, indent=1)
   return check
 

@@ -1,7 +1,8 @@
 """Entry point: `python -m dsjax.main --config=configs/vit_dnt.py --workdir=DIR [--config.key=value ...]`.
 
 Runs `dsjax.train.loop.train_and_evaluate`. Rerunning the same command resumes from the latest
-checkpoint in DIR.
+checkpoint in DIR; `--fresh` trains from step 0 in a DIR whose history no intact checkpoint continues
+(docs/running.md).
 
 Several processes (hosts, or several processes on one machine) run the same command, each with its own
 `--process_id`, and form one run through `jax.distributed` (docs/scaling.md):
@@ -42,6 +43,11 @@ _DISTRIBUTED = flags.DEFINE_bool(
     'jax_distributed', False,
     'Initialise jax.distributed and let JAX detect what the three flags above leave unset from the '
     'cluster (Cloud TPU pods, SLURM, Open MPI).')
+_FRESH = flags.DEFINE_bool(
+    'fresh', False,
+    'Train from step 0 in a --workdir that holds the history of an earlier run but no intact checkpoint '
+    '(all unreadable, or none written): that history is moved to WORKDIR/earlier_runs/<time>/ first. '
+    'An error where an intact checkpoint exists (rerun without it to resume).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 def main(argv):
@@ -54,7 +60,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Process 0 reports progress; the others what goes wrong.
   config = _CONFIG.value
   cli.check_output_dir('--workdir', _WORKDIR.value)
-  loop.train_and_evaluate(config, _WORKDIR.value)
+  loop.train_and_evaluate(config, _WORKDIR.value, fresh=_FRESH.value)
 
 
 if __name__ == '__main__':

@@ -48,6 +48,7 @@ from dsjax import schemes
 from dsjax.instrument import theory_adapter
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
@@ -106,12 +107,15 @@ def check_args(config, out: str, num_batches: int, checkpoint: str | None, input
     if value not in allowed:
       raise ValueError(f'{flag} must be one of {", ".join(allowed)}; got {value!r}')
   cli.check_output_dir('--out', out)
+  history_lib.check_not_a_run('--out', out)
   if checkpoint is not None:
     if not os.path.isdir(checkpoint):
       raise ValueError(f'--checkpoint={checkpoint} is not a directory (expected a training workdir)')
     if not os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
       raise ValueError(f'--checkpoint={checkpoint} holds no checkpoint (looked in {checkpoint}/checkpoints)')
-  return check_config(config)
+  data_info = check_config(config)
+  cli.create_output_dir('--out', out)  # Last: created only once every other check has passed.
+  return data_info
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from ml_collections import config_flags
 from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
 from dsjax.train import state as state_lib
 
@@ -484,7 +485,9 @@ def describe(config, num_draws: int) -> str:
 
 def run(config, out: str, num_draws: int) -> dict[str, Any]:
   """Measures, writes DIR/sensitivity.json and DIR/sensitivity.png; returns the JSON content."""
-  cli.check_output_dir('--out', out)  # Before the measurement, which checks the rest.
+  # Before the measurement (which checks the rest), by creating it: removed again if the program fails.
+  history_lib.check_not_a_run('--out', out)
+  cli.create_output_dir('--out', out)
   per_draw, layout = measure(config, num_draws)
   depth = config.model.depth
   agg = aggregate(per_draw, depth, layout)

@@ -29,6 +29,8 @@ FILES = {
     'syntax.py': 'def get_config(:\n',
     'no_get_config.py': 'CONFIG = None\n',
     'raises.py': 'def get_config():\n  raise RuntimeError("config is broken on purpose")\n',
+    'returns_none.py': 'def get_config():\n  return None\n',
+    'raises_key_error.py': 'def get_config():\n  return {}["model"]\n',
     # A training workdir as dsjax.export sees it before restoring: its config and a finished step.
     'run/config.json': json.dumps({'model': {'name': 'gpt', 'block': 'postln'},
                                    'optimizer': {'name': 'adamw'}}),
@@ -39,6 +41,12 @@ FILES = {
     'empty_dir/': None,
     'read_only/': None,  # Made read-only below: only a non-root user is kept from writing there.
     'locked/.dsjax.lock': 'pid 1 on elsewhere',  # Held by the test, as a live run would hold it.
+    # Another training run's workdir, which no tool may write into.
+    'other/config.json': json.dumps({'model': {'name': 'gpt'}, 'optimizer': {'name': 'adamw'}}),
+    'other/checkpoints/4/': None,
+    # Workdirs of the wrong layout.
+    'ckpt_file/checkpoints': 'not a directory\n',
+    'metrics_dir/metrics.jsonl/': None,
 }
 
 MAIN = ['--config=configs/gpt_preln.py', '--workdir={tmp}/w']
@@ -54,6 +62,10 @@ CASES = [
     ('main-config-no-get-config', 'main', ['--config={tmp}/no_get_config.py', '--workdir={tmp}/w'],
      'no_get_config.py defines no get_config()'),
     ('main-config-raises', 'main', ['--config={tmp}/raises.py', '--workdir={tmp}/w'], 'broken on purpose'),
+    ('main-config-returns-none', 'main', ['--config={tmp}/returns_none.py', '--workdir={tmp}/w'],
+     '--config: get_config() of {tmp}/returns_none.py returned None'),
+    ('main-config-raises-key-error', 'main', ['--config={tmp}/raises_key_error.py', '--workdir={tmp}/w'],
+     "--config: get_config() of {tmp}/raises_key_error.py raised KeyError: 'model'"),
     ('main-mistyped-key', 'main', MAIN + ['--config.totl_steps=5'], '--config.totl_steps'),
     ('main-mistyped-nested-key', 'main', MAIN + ['--config.model.detph=4'], '--config.model.detph'),
     ('main-mistyped-section', 'main', MAIN + ['--config.modle.depth=4'], '--config.modle.depth'),
@@ -67,6 +79,10 @@ CASES = [
     ('main-workdir-is-file', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/file'], '{tmp}/file'),
     ('main-workdir-in-use', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/locked'],
      'is in use by a running dsjax run'),
+    ('main-checkpoints-is-a-file', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/ckpt_file'],
+     '{tmp}/ckpt_file/checkpoints is not a directory'),
+    ('main-metrics-is-a-directory', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/metrics_dir'],
+     '{tmp}/metrics_dir/metrics.jsonl is not a file'),
     ('main-unknown-dataset', 'main', MAIN + ['--config.data.name=not_a_dataset'], 'not_a_dataset'),
     # dsjax.moments
     ('moments-zero-batches', 'moments', MOMENTS + ['--batches=0'], '--batches=0'),
@@ -93,6 +109,10 @@ CASES = [
     ('export-out-is-workdir', 'export', ['--workdir={tmp}/run', '--out={tmp}/run'], '--out={tmp}/run'),
     ('export-out-in-checkpoints', 'export', ['--workdir={tmp}/run', '--out={tmp}/run/checkpoints/x'],
      'would overwrite the run'),
+    ('export-out-is-another-run', 'export', ['--workdir={tmp}/run', '--out={tmp}/other'],
+     '--out={tmp}/other holds a training run (config.json, checkpoints)'),
+    ('export-out-is-a-live-workdir', 'export', ['--workdir={tmp}/run', '--out={tmp}/locked'],
+     '--out={tmp}/locked is the workdir of a running dsjax run (pid 1 on elsewhere)'),
     ('export-out-is-file', 'export', ['--workdir={tmp}/run', '--out={tmp}/file'], '--out={tmp}/file'),
     ('export-zero-rtol', 'export', EXPORT + ['--rtol=0'], '--rtol'),
     ('export-missing-out', 'export', ['--workdir={tmp}/run'], '--out'),
@@ -115,6 +135,21 @@ CASES = [
      '--out={tmp}/file'),
     ('sensitivity-missing-config', 'sensitivity', ['--out={tmp}/out'], '--config'),
     ('sensitivity-unknown-block', 'sensitivity', SENSITIVITY + ['--config.model.block=bogus'], 'model.block'),
+    # Output paths are checked up front, by creating them (a name over 255 bytes), naming the flag.
+    ('bench-json-name-too-long', 'bench', ['--json={tmp}/' + 'x' * 300 + '.json'], '--json={tmp}/xxx'),
+    ('sensitivity-out-name-too-long', 'sensitivity',
+     ['--config=configs/gpt_preln.py', '--out={tmp}/new/' + 'x' * 300], '--out={tmp}/new/xxx'),
+    ('moments-out-name-too-long', 'moments',
+     ['--config=configs/gpt_preln.py', '--out={tmp}/new/' + 'x' * 300], '--out={tmp}/new/xxx'),
+    ('export-out-name-too-long', 'export', ['--workdir={tmp}/run', '--out={tmp}/new/' + 'x' * 300],
+     '--out={tmp}/new/xxx'),
+    # Created up front, removed again when a later check fails (the snapshot below is unchanged).
+    ('bench-json-created-then-removed', 'bench',
+     ['--json={tmp}/new/bench.json', '--config.model.num_heads=5'], 'model.num_heads'),
+    ('sensitivity-out-is-a-run', 'sensitivity', ['--config=configs/gpt_preln.py', '--out={tmp}/other'],
+     '--out={tmp}/other holds a training run'),
+    ('bench-json-replaces-a-run-config', 'bench', ['--json={tmp}/other/config.json'],
+     '--json={tmp}/other holds a training run'),
     ('sensitivity-out-not-writable', 'sensitivity',
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
 ]

@@ -10,8 +10,9 @@ Dropout keys are derived from (seed, step), so no RNG state needs saving beyond 
 each step into a temporary directory and renames it when complete, so a killed save never leaves a
 half-written step behind; a step that is nevertheless unreadable (a truncated or overwritten file, a
 removed `_METADATA`) is reported in one line, moved to `WORKDIR/corrupt_checkpoints/`, and the run
-resumes from the newest intact step. A checkpoint of another architecture is an error that names the
-differing keys, before the workdir is touched.
+resumes from the newest intact step; when none is intact, the run stops with one line and nothing is
+moved (starting again is the user's choice, `--fresh`: `dsjax.train.history`). A checkpoint of another
+architecture is an error that names the differing keys, before the workdir is touched.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -37,6 +39,7 @@ from dsjax.train import state as state_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
+EARLIER_DIR = 'earlier_runs'  # where `--fresh` keeps the history of the run it starts over
 LOCK_FILE = '.dsjax.lock'
 _LOCK_ATTEMPTS = 10  # of locking the file at the path (see WorkdirLock)
 _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order.
@@ -46,13 +49,29 @@ _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order
 # What a checkpoint must match, and how to tell that it is intact.
 # ------------------------------------------------------------------------------------------------
 
+# What a resumed run may change, and what it may not. The one list of it: docs/running.md states it and
+# tests/test_reliability_history.py checks that it does. Every model key but `RESUMABLE_KEYS` (how a step
+# is computed: regularisation, rematerialisation, precision, attention kernel, layer scan), and these:
+# the dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state).
+# Any other run key (learning rate, schedule, batch size, intervals, total_steps above the checkpoint's
+# step) may change.
+IDENTITY_KEYS = ('data.name', 'data.seq_len', 'optimizer.name')
+
+
+def resumable_model_keys() -> tuple[str, ...]:
+  """The model keys a resumed run may change, as `model.<key>`."""
+  return tuple(f'model.{key}' for key in RESUMABLE_KEYS)
+
+
 def run_identity(config) -> dict[str, Any]:
-  """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, the
-  dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state)."""
+  """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, and
+  `IDENTITY_KEYS`."""
   model = {k: v for k, v in config.model.to_dict().items() if k not in RESUMABLE_KEYS}
-  return json.loads(json.dumps({'model': model, 'data.name': config.data.name,
-                                'data.seq_len': config.data.get('seq_len'),
-                                'optimizer.name': config.optimizer.name}))
+  identity = {'model': model}
+  for key in IDENTITY_KEYS:
+    section, name = key.split('.')
+    identity[key] = config[section].get(name)
+  return json.loads(json.dumps(identity))
 
 
 def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
@@ -145,6 +164,23 @@ class WorkdirLock:
     path = os.path.join(workdir, LOCK_FILE)
     return os.path.isfile(path) and os.path.getsize(path) > 0
 
+  @staticmethod
+  def live_owner(workdir: str) -> str | None:
+    """Who holds the lock of `workdir` now ('another process' if it does not say), or None if no live
+    run holds it. Creates nothing."""
+    try:
+      with open(os.path.join(workdir, LOCK_FILE)) as f:
+        try:
+          fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+          return f.read().strip() or 'another process'
+        except OSError:  # a file system without flock: no run can hold it there either
+          return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+    except OSError:  # no lock file
+      return None
+
   def release(self):
     if not self.file.closed:
       fcntl.flock(self.file, fcntl.LOCK_UN)
@@ -174,11 +210,12 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config, *, read_by: str | None = None) -> int | None:
+  def check_compatible(self, config, *, read_by: str | None = None, remedy: str | None = None) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
     architecture (else a ValueError naming the differing keys) and, for a run that resumes it, not
     beyond `total_steps`. Returns that step, or None for a fresh workdir. `read_by`: the flag of a tool
-    that only reads the checkpoint (e.g. '--checkpoint'), for its message."""
+    that only reads the checkpoint (e.g. '--checkpoint'), for its message, with `remedy` (what to do)
+    instead of the default advice."""
     for step in self.steps():
       try:
         saved = self._read_run_item(step)['identity']
@@ -187,8 +224,9 @@ class Checkpointer:
       differences = identity_differences(saved, run_identity(config))
       if differences:
         where = f'{read_by}={self.workdir}' if read_by else self.workdir
-        remedy = ('pass the settings it was trained with' if read_by else
-                  'use a new --workdir or the checkpoint\'s settings')
+        remedy = remedy or ('pass the --config and --config.* overrides it was trained with (its '
+                            'config.json lists them)' if read_by else
+                            'use a new --workdir or the checkpoint\'s settings')
         raise ValueError(f'{where} holds a checkpoint (step {step}) of another architecture; differing '
                          f'keys: {"; ".join(differences)}; {remedy}')
       if read_by is None and step > config.total_steps:
@@ -209,39 +247,48 @@ class Checkpointer:
                        f'saved {saved:.6g})')
     return restored['state'], restored['data']
 
-  def _set_aside(self, step: int) -> str:
-    target_dir = os.path.join(self.workdir, CORRUPT_DIR)
+  def move_steps(self, steps: list[int], target_dir: str, name=lambda step: str(step)) -> list[str]:
+    """Moves the directories of `steps` into `target_dir` (as `name(step)`), then re-reads the list of
+    steps; returns where each went."""
     os.makedirs(target_dir, exist_ok=True)
-    target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
-    shutil.move(os.path.join(self.workdir, CHECKPOINT_DIR, str(step)), target)
-    return target
+    targets = []
+    for step in steps:
+      targets.append(os.path.join(target_dir, name(step)))
+      shutil.move(os.path.join(self.workdir, CHECKPOINT_DIR, str(step)), targets[-1])
+    self.manager.reload()
+    return targets
 
-  def restore(self, abstract_state: Any, *, set_aside: bool = True,
+  def restore(self, abstract_state: Any, *, set_aside: bool = True, fresh: bool = False,
               all_ok: Callable[[bool], bool] = lambda ok: ok) -> tuple[Any, dict] | None:
     """Restores the newest intact step onto the shardings carried by `abstract_state` (a tree of
-    ShapeDtypeStructs); unreadable steps are reported in one line each and moved aside (by the chief,
-    `set_aside`). None when no step is intact.
+    ShapeDtypeStructs); the unreadable steps newer than it are reported in one line each and moved to
+    WORKDIR/corrupt_checkpoints/ (by the chief, `set_aside`). None for a workdir without checkpoints.
+
+    A workdir whose every step is unreadable is a ValueError naming them, and nothing is moved: starting
+    again from step 0 there is the user's choice (`fresh`: then None, and the steps stay where they are
+    for the caller to keep them, see `history.Start`).
 
     Several processes: `all_ok(ok)` is True on every process when `ok` is True on all of them (the
     loop's `max_over_processes` vote), so all restore the same step, and one that any process cannot
-    read is skipped by all. The chief moves it aside between two votes, the second a barrier after
-    which every process re-reads the list of steps. A failure of the machine rather than of the files
-    (`_machine_failure`: out of memory, access denied) on any process is raised instead, on all of them,
-    and moves nothing. What this covers is a failure that each process meets and returns from, such as
-    a missing or corrupted file they all read; a failure of one process inside Orbax's own
-    cross-process restore (its barrier) would leave the others waiting."""
+    read is skipped by all. The chief moves the unreadable steps aside between two votes, the second a
+    barrier after which every process re-reads the list of steps. A failure of the machine rather than
+    of the files (`_machine_failure`: out of memory, access denied) on any process is raised instead,
+    on all of them, and moves nothing. What this covers is a failure that each process meets and
+    returns from, such as a missing or corrupted file they all read; a failure of one process inside
+    Orbax's own cross-process restore (its barrier) would leave the others waiting."""
+    unreadable: list[tuple[int, str]] = []  # (step, why), newest first
     for step in self.steps():
       try:
         restored, error = self.restore_step(step, abstract_state), None
       except Exception as e:  # pylint: disable=broad-except
         restored, error = None, e
       if all_ok(error is None):
+        self._set_aside_unreadable(unreadable, set_aside, all_ok)
         return restored
       # Out of memory or denied access says nothing about the step's files: setting it aside would drop
       # good checkpoints one after another, so every process stops instead.
       machine_failed = error is not None and _machine_failure(error)
-      reason = (f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'.rstrip(': ') if error
-                else 'another process could not read it')
+      reason = describe_error(error) if error else 'another process could not read it'
       if not all_ok(not machine_failed):
         where = reason if machine_failed else 'on another process: see its log'
         raise ValueError(
@@ -249,12 +296,32 @@ class Checkpointer:
             f'access denied, nothing was moved aside; free memory or fix the permissions and rerun, or '
             f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to use the previous '
             f'step') from error
-      where = f'moved to {self._set_aside(step)}' if set_aside else 'left in place by this process'
-      all_ok(True)  # Every process waits here until the step is moved.
-      self.manager.reload()
-      logging.warning('Checkpoint step %d of %s is unreadable (%s); %s, trying the previous step', step,
-                      self.workdir, reason, where)
+      unreadable.append((step, reason))
+    if unreadable and not fresh:
+      steps = '; '.join(f'step {step} ({reason[:160]})' for step, reason in unreadable)
+      raise ValueError(
+          f'every checkpoint in {os.path.join(self.workdir, CHECKPOINT_DIR)} is unreadable: {steps}; '
+          'nothing was changed. Restore them from a copy and rerun, or rerun with --fresh to train '
+          f'again from step 0 (the unreadable checkpoints and the logs are then moved to '
+          f'{os.path.join(self.workdir, EARLIER_DIR)}/)')
     return None
+
+  def _set_aside_unreadable(self, unreadable: list[tuple[int, str]], set_aside: bool,
+                            all_ok: Callable[[bool], bool]):
+    """Moves the unreadable steps newer than the one restored to WORKDIR/corrupt_checkpoints/ (the
+    chief; every process waits for it and re-reads the list of steps) and says so, one line each."""
+    if not unreadable:
+      return
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    steps = [step for step, _ in unreadable]
+    targets = (self.move_steps(steps, os.path.join(self.workdir, CORRUPT_DIR), lambda s: f'{s}-{stamp}')
+               if set_aside else [None] * len(steps))
+    all_ok(True)  # Every process waits here until the steps are moved.
+    self.manager.reload()
+    for (step, reason), target in zip(unreadable, targets):
+      where = f'moved to {target}' if target else 'left in place by this process'
+      logging.warning('Checkpoint step %d of %s is unreadable (%s); %s, resumed from an earlier step',
+                      step, self.workdir, reason, where)
 
   def save(self, step: int, state: Any, data_state: dict, identity: dict):
     """Saves step `step` asynchronously (the caller decides when: `loop.py`)."""
@@ -268,6 +335,18 @@ class Checkpointer:
     self.manager.close()
 
 
+def describe_error(error: BaseException) -> str:
+  """`Type: message` of a failed restore, in one line and without the object reprs (`<bound method
+  ...>`) that TensorStore's messages carry; with the innermost cause when it says more."""
+  def clean(e):
+    text = re.sub(r'<(bound method|function|built-in method)[^>]*>?', '', str(e))
+    text = re.sub(r'\s*See full TensorStore details:?\s*', ' ', text)
+    return f'{type(e).__name__}: {" ".join(text.split())}'.rstrip(': ').rstrip('.')
+  chain = list(cli.errors_in_chain(error))
+  parts = [clean(chain[0])] + ([clean(chain[-1])] if len(chain) > 1 else [])
+  return '; '.join(parts)[:300]
+
+
 def _machine_failure(error: BaseException) -> bool:
   """A restore failure that says nothing about the checkpoint's files: host or device memory ran out, or
   the files may not be read (also as the storage layer's status text, which Orbax passes on)."""
@@ -279,11 +358,11 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_model(config, data_info, workdir: str, flag: str):
+def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None = None):
   """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export
   --workdir`, `dsjax.moments --checkpoint`; `flag` names it in errors): the train state is restored
   onto one device and merged into a model built from `config`, with the result of its method's
-  preparation step that the run saved."""
+  preparation step that the run saved. `remedy`: the advice of `check_compatible`'s message."""
   no_checkpoint = ValueError(f'{flag}={workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
     raise no_checkpoint
@@ -291,7 +370,7 @@ def restore_model(config, data_info, workdir: str, flag: str):
   try:
     if checkpointer.latest_step() is None:
       raise no_checkpoint
-    checkpointer.check_compatible(config, read_by=flag)
+    checkpointer.check_compatible(config, read_by=flag, remedy=remedy)
     prepared = state_lib.method_preparation(config, data_info, workdir)
     setup = state_lib.make_setup(config, data_info, prepared)
     # Every array onto this process's first device, whatever mesh the run saved it from (without a

@@ -21,6 +21,7 @@ from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, interrupts, run_guard
 from dsjax.train import config as config_lib
+from dsjax.train import history as history_lib
 from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
@@ -114,27 +115,34 @@ def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None
           f'(on_nonfinite=\'stop\'; \'skip\' skips such steps), {saved}')
 
 
-def train_and_evaluate(config, workdir: str, devices=None) -> dict[str, float]:
+def train_and_evaluate(config, workdir: str, devices=None, fresh: bool = False) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns the final eval metrics.
 
   `devices` defaults to all devices; tests pass a subset to compare meshes in one process. SIGTERM or
   SIGINT at any point (setup and compilation included) ends the run after its next step, saved (with
   several processes, after the step that follows: the processes' vote on it is read a step late). A
-  check that fails leaves the workdir as it was found (`run_guard.RunGuard`).
+  check that fails leaves the workdir as it was found (`run_guard.RunGuard`). `fresh`: train from step 0
+  over the history of an earlier run that no intact checkpoint continues (`dsjax.train.history`;
+  `--fresh`).
   """
   with interrupts.StopSignals() as signals, run_guard.RunGuard(workdir) as guard:
-    return _train_and_evaluate(config, workdir, devices, signals, guard)
+    return _train_and_evaluate(config, workdir, devices, signals, guard, fresh)
 
 
 def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals,
-                        guard: run_guard.RunGuard) -> dict[str, float]:
-  run = _setup(config, workdir, devices, guard)
+                        guard: run_guard.RunGuard, fresh: bool) -> dict[str, float]:
+  run = _setup(config, workdir, devices, guard, fresh)
   prepared = _method_preparation(run)
   train_data, eval_data = _pipelines(run)
   model = _model(run, prepared)
   state = _restore_or_create(run, model, train_data)
   first_step = int(state['step'])
-  guard.record_run_start(config, first_step, prepared)  # Every check has passed.
+  # The logs must continue from `first_step`: a damaged tail is cut back to it, a damaged row before it
+  # is an error; then, every check passed, the workdir may change.
+  start = history_lib.Start.check(workdir, first_step, run.checkpointer, fresh=fresh, enabled=run.is_chief,
+                                  all_ok=run.all_processes)
+  start.apply(run.checkpointer, enabled=run.is_chief, barrier=run.all_processes)
+  guard.record_run_start(config, prepared)
   # The steps are traced, compiled and run on the mesh, with the logical axis rules the model lays out
   # its activations by. What comes before places its arrays on explicit shardings and stays outside:
   # the method's preparation runs its model on one device (every process alike, on the same rows), and
@@ -168,9 +176,14 @@ class Run:
   data_info: Any                     # the dataset's description (`dsjax.data.DatasetInfo`)
   checkpointer: checkpoint_lib.Checkpointer
   identity: dict[str, Any]           # what a checkpoint records of the run (`checkpoint.run_identity`)
+  fresh: bool                        # start from step 0 over an earlier run's history (`--fresh`)
+
+  def all_processes(self, ok: bool) -> bool:
+    """True on every process when `ok` is on all of them (`run_guard.all_processes`)."""
+    return run_guard.all_processes(ok, self.mesh)
 
 
-def _setup(config, workdir: str, devices, guard: run_guard.RunGuard) -> Run:
+def _setup(config, workdir: str, devices, guard: run_guard.RunGuard, fresh: bool) -> Run:
   devices = jax.devices() if devices is None else list(devices)
   validated = config_lib.validate_config(config, num_devices=len(devices),
                                          process_count=jax.process_count())
@@ -180,12 +193,13 @@ def _setup(config, workdir: str, devices, guard: run_guard.RunGuard) -> Run:
   config_lib.validate_against_data(config, data_info)
   is_chief = jax.process_index() == 0
   guard.take_lock(is_chief, mesh)
+  history_lib.check_layout(workdir, enabled=is_chief, all_ok=lambda ok: run_guard.all_processes(ok, mesh))
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config)
   logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
   return Run(config=config, validated=validated, workdir=workdir, mesh=mesh, process=process,
              is_chief=is_chief, data_info=data_info, checkpointer=checkpointer,
-             identity=checkpoint_lib.run_identity(config))
+             identity=checkpoint_lib.run_identity(config), fresh=fresh)
 
 
 def _method_preparation(run: Run):
@@ -244,8 +258,8 @@ def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
   """The newest intact checkpoint's state (and the input position, set on `train_data`), or the
   initial state."""
   abstract = checkpoint_lib.abstract_with_shardings(model.abstract_state, model.state_shardings)
-  restored = run.checkpointer.restore(abstract, set_aside=run.is_chief,
-                                      all_ok=lambda ok: run_guard.all_processes(ok, run.mesh))
+  restored = run.checkpointer.restore(abstract, set_aside=run.is_chief, fresh=run.fresh,
+                                      all_ok=run.all_processes)
   if restored is None:
     return jax.jit(model.setup.create_state, out_shardings=model.state_shardings)()
   state, data_state = restored

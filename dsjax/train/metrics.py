@@ -15,21 +15,6 @@ METRICS_FILE = 'metrics.jsonl'
 PROGRESS_SECONDS = 10.0  # A progress line at least this often, whatever `log_every` is.
 
 
-def drop_rows_after(path: str, step: int) -> int:
-  """Removes the rows of a JSONL metrics file whose 'step' is beyond `step` (what a resumed run is about
-  to log again); returns how many were dropped. The file is replaced atomically."""
-  if not os.path.exists(path):
-    return 0
-  with open(path) as f:
-    lines = [line for line in f if line.strip()]
-  keep = [line for line in lines if json.loads(line).get('step', 0) <= step]
-  if len(keep) < len(lines):
-    with open(path + '.tmp', 'w') as f:
-      f.writelines(keep)
-    os.replace(path + '.tmp', path)
-  return len(lines) - len(keep)
-
-
 class MetricWriter:
 
   def __init__(self, workdir: str, *, enabled: bool = True):

@@ -14,11 +14,9 @@ import os
 
 import jax
 
-from dsjax import instrument as instrument_lib
 from dsjax import schemes
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import interrupts
-from dsjax.train import metrics as metrics_lib
 from dsjax.train import sharding as sharding_lib
 
 
@@ -52,10 +50,10 @@ class RunGuard:
   def take_lock(self, is_chief: bool, mesh) -> None:
     self.lock = lock_workdir(self.workdir, is_chief, mesh)
 
-  def record_run_start(self, config, first_step: int, prepared) -> None:
+  def record_run_start(self, config, prepared) -> None:
     """Every check has passed: process 0 records itself as the workdir's owner and writes the run's
-    files (the method's preparation result, config.json), and drops the rows after `first_step` from
-    the metrics files (rows a resumed run logs again)."""
+    files (the method's preparation result, config.json). (The logs were cut back to the run's first
+    step before, by `history.Start.apply`.)"""
     if self.lock is None:
       return
     self.lock.record_owner()
@@ -63,8 +61,6 @@ class RunGuard:
       schemes.save_preparation(config, self.workdir, prepared)
     with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
-    for name in (metrics_lib.METRICS_FILE, instrument_lib.MOMENTS_FILE):
-      metrics_lib.drop_rows_after(os.path.join(self.workdir, name), first_step)
 
   def release(self) -> None:
     """The run is over: the next run may take the workdir."""
