@@ -50,7 +50,7 @@ _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order
 # ------------------------------------------------------------------------------------------------
 
 # What a resumed run may change, and what it may not. The one list of it: docs/running.md states it and
-# tests/test_reliability_history.py checks that it does. Every model key but `RESUMABLE_KEYS` (how a step
+# tests/e2e/test_reliability_history.py checks that it does. Every model key but `RESUMABLE_KEYS` (how a step
 # is computed: regularisation, rematerialisation, precision, attention kernel, layer scan), and these:
 # the dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state).
 # Any other run key (learning rate, schedule, batch size, intervals, total_steps above the checkpoint's

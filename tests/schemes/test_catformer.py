@@ -181,7 +181,7 @@ def test_moments_cli_measures_catformer_and_says_the_theory_does_not_cover_it(tm
   assert result['settings']['theory'].startswith('not covered')
 
 
-@pytest.mark.slow  # Resuming a run is checked in tests/test_reliability.py; this is Catformer's own tree.
+@pytest.mark.slow  # Resuming a run is checked in tests/e2e/test_reliability.py; this is Catformer's own tree.
 def test_catformer_gpt_trains_and_resumes_from_its_checkpoint(tmp_path):
   config = _cat_config(depth=2, width=32, dropout=0.1)
   smoke(config, tmp_path, steps=2)

@@ -44,7 +44,7 @@ def test_one_device_and_eight_device_mesh_give_the_same_losses(tmp_path):
   np.testing.assert_allclose(final_8['eval/loss'], final_1['eval/loss'], rtol=2e-5)
 
 
-@pytest.mark.slow  # tests/test_reliability.py resumes bit-exactly after SIGTERM, kill -9 and corruption.
+@pytest.mark.slow  # tests/e2e/test_reliability.py resumes bit-exactly after SIGTERM, kill -9 and corruption.
 def test_resume_after_interruption_is_bitwise_exact(tmp_path):
   config = _quiet(tiny_config('vit', dropout=0.1))
   config.total_steps, config.checkpoint_every, config.keep_checkpoints = 4, 2, 5

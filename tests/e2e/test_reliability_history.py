@@ -10,8 +10,8 @@ import pytest
 
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
-from tests.test_reliability import ONE_DEVICE, ROOT, _config, _largest_file, _snapshot, _truncate
-from tests.test_reliability import four_step_run  # noqa: F401  (a fixture)
+from tests.e2e.test_reliability import ONE_DEVICE, ROOT, _config, _largest_file, _snapshot, _truncate
+from tests.e2e.test_reliability import four_step_run  # noqa: F401  (a fixture)
 
 
 def _train(config, workdir, **kwargs):

@@ -20,7 +20,9 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO_ROOT
+
+ROOT = REPO_ROOT
 TOOLS = ('main', 'moments', 'export', 'bench', 'sensitivity')
 
 # Files a case starts from, under its temporary directory ({tmp} in the arguments).

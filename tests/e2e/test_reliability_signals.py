@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.test_reliability import ROOT, SUBPROCESS_ENV
+from tests.e2e.test_reliability import ROOT, SUBPROCESS_ENV
 
 
 def _start(workdir, stderr_path, *overrides):

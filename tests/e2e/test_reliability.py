@@ -17,9 +17,9 @@ import pytest
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, loop
 from dsjax.train import metrics as metrics_lib
-from tests.helpers import tiny_config
+from tests.helpers import REPO_ROOT, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 # One device, in this process and in the training subprocesses, so their states compare bit for bit
 # (and compile in seconds).
 ONE_DEVICE = jax.devices()[:1]
