@@ -36,18 +36,22 @@ host_memory.keep_freed_memory()  # as every dsjax command does; before JAX or Py
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 
 from dsjax.models import fast_matmul  # noqa: E402
-
-import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 
 torch = paired.require_torch(__file__)
 
 TOKENS, WIDTH, FFN, VOCAB, BATCH_HEADS, SEQ, HEAD_DIM, DEPTH = 4096, 128, 512, 256, 32 * 4, 128, 32, 4
 CALLS_PER_ROUND, WARMUP_ROUNDS = 10, 2
 # The linear layers: (name, d_in, d_out, layers that have one).
-LINEAR = [('qkv', WIDTH, 3 * WIDTH, DEPTH), ('out', WIDTH, WIDTH, DEPTH), ('ffn1', WIDTH, FFN, DEPTH),
-          ('ffn2', FFN, WIDTH, DEPTH), ('head', WIDTH, VOCAB, 1)]
+LINEAR = [
+  ('qkv', WIDTH, 3 * WIDTH, DEPTH),
+  ('out', WIDTH, WIDTH, DEPTH),
+  ('ffn1', WIDTH, FFN, DEPTH),
+  ('ffn2', FFN, WIDTH, DEPTH),
+  ('head', WIDTH, VOCAB, 1),
+]
 
 
 def products():
@@ -58,16 +62,21 @@ def products():
   (its weight is stored (d_out, d_in)); 'weight_grad_plain' the same with XLA's plain aᵀ·b."""
   rows = []
   for name, d_in, d_out, per_step in LINEAR:
-    rows += [(f'{name} forward x·W', (TOKENS, d_in), (d_in, d_out), 'nn', per_step),
-             (f'{name} input grad dy·Wᵀ', (TOKENS, d_out), (d_in, d_out), 'nt', per_step),
-             (f'{name} weight grad xᵀ·dy', (TOKENS, d_in), (TOKENS, d_out), 'weight_grad', per_step)]
+    rows += [
+      (f'{name} forward x·W', (TOKENS, d_in), (d_in, d_out), 'nn', per_step),
+      (f'{name} input grad dy·Wᵀ', (TOKENS, d_out), (d_in, d_out), 'nt', per_step),
+      (f'{name} weight grad xᵀ·dy', (TOKENS, d_in), (TOKENS, d_out), 'weight_grad', per_step),
+    ]
     if d_in > d_out:  # dsjax's CPU form differs from the plain one: time both
-      rows.append((f'{name} weight grad, plain form', (TOKENS, d_in), (TOKENS, d_out),
-                   'weight_grad_plain', None))
+      rows.append(
+        (f'{name} weight grad, plain form', (TOKENS, d_in), (TOKENS, d_out), 'weight_grad_plain', None)
+      )
   b, l, k = BATCH_HEADS, SEQ, HEAD_DIM
-  rows += [('attention q·kᵀ (batched)', (b, l, k), (b, l, k), 'nt', None),
-           ('attention p·v (batched)', (b, l, l), (b, l, k), 'nn', None),
-           ('attention pᵀ·dO (batched)', (b, l, l), (b, l, k), 'tn', None)]
+  rows += [
+    ('attention q·kᵀ (batched)', (b, l, k), (b, l, k), 'nt', None),
+    ('attention p·v (batched)', (b, l, l), (b, l, k), 'nn', None),
+    ('attention pᵀ·dO (batched)', (b, l, l), (b, l, k), 'tn', None),
+  ]
   return rows
 
 
@@ -81,15 +90,26 @@ def dense_weight_grad(x_ND: jax.Array, dy_NO: jax.Array) -> jax.Array:
 def jax_product(form: str):
   swap = lambda t: jnp.swapaxes(t, -1, -2)  # noqa: E731
   tn = lambda a, b: swap(a) @ b  # noqa: E731
-  return jax.jit({'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ swap(b), 'tn': tn,
-                  'weight_grad': dense_weight_grad, 'weight_grad_plain': tn}[form])
+  return jax.jit(
+    {
+      'nn': lambda a, b: a @ b,
+      'nt': lambda a, b: a @ swap(b),
+      'tn': tn,
+      'weight_grad': dense_weight_grad,
+      'weight_grad_plain': tn,
+    }[form]
+  )
 
 
 def torch_product(form: str):
   linear_weight_grad = lambda a, b: b.transpose(-1, -2) @ a  # noqa: E731
-  return {'nn': lambda a, b: a @ b, 'nt': lambda a, b: a @ b.transpose(-1, -2),
-          'tn': lambda a, b: a.transpose(-1, -2) @ b, 'weight_grad': linear_weight_grad,
-          'weight_grad_plain': linear_weight_grad}[form]
+  return {
+    'nn': lambda a, b: a @ b,
+    'nt': lambda a, b: a @ b.transpose(-1, -2),
+    'tn': lambda a, b: a.transpose(-1, -2) @ b,
+    'weight_grad': linear_weight_grad,
+    'weight_grad_plain': linear_weight_grad,
+  }[form]
 
 
 def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tuple[float, float]:
@@ -98,9 +118,12 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
   jax_fn, jax_args = jax_product(form), (jnp.asarray(lhs), jnp.asarray(rhs))
   torch_fn, torch_args = torch_product(form), (torch.from_numpy(lhs), torch.from_numpy(rhs))
   torch_out = torch_fn(*torch_args).numpy()
-  np.testing.assert_allclose(np.asarray(jax_fn(*jax_args)),
-                             torch_out.T if form.startswith('weight_grad') else torch_out, rtol=2e-3,
-                             atol=2e-3)
+  np.testing.assert_allclose(
+    np.asarray(jax_fn(*jax_args)),
+    torch_out.T if form.startswith('weight_grad') else torch_out,
+    rtol=2e-3,
+    atol=2e-3,
+  )
 
   def run_xla():
     for _ in range(CALLS_PER_ROUND):
@@ -119,24 +142,46 @@ def time_pair(form: str, lhs_shape, rhs_shape, repeats: int, pause: float) -> tu
 def main():
   parser = paired.timing_parser(__doc__.split('\n\n')[0], 'repeats', 'rounds per product')
   args = paired.parse_timing_args(parser, 'repeats')
-  print(f'jax {jax.__version__} ({jax.default_backend()}), PyTorch {torch.__version__} '
-        f'({torch.get_num_threads()} threads), {time.strftime("%Y-%m-%d")}; median ms per product')
+  print(
+    f'jax {jax.__version__} ({jax.default_backend()}), PyTorch {torch.__version__} '
+    f'({torch.get_num_threads()} threads), {time.strftime("%Y-%m-%d")}; median ms per product'
+  )
   print(f'  {"product":34s} {"shapes":26s} {"XLA":>7s} {"PyTorch":>8s} {"XLA/PyTorch":>11s}')
   rows, step = [], {'xla': 0.0, 'torch': 0.0}
   for name, lhs_shape, rhs_shape, form, per_step in products():
     xla_ms, torch_ms = time_pair(form, lhs_shape, rhs_shape, args.repeats, args.pause)
-    rows.append({'product': name, 'lhs': lhs_shape, 'rhs': rhs_shape, 'form': form,
-                 'xla_ms': xla_ms, 'torch_ms': torch_ms, 'per_step': per_step})
+    rows.append(
+      {
+        'product': name,
+        'lhs': lhs_shape,
+        'rhs': rhs_shape,
+        'form': form,
+        'xla_ms': xla_ms,
+        'torch_ms': torch_ms,
+        'per_step': per_step,
+      }
+    )
     if per_step:
       step['xla'] += per_step * xla_ms
       step['torch'] += per_step * torch_ms
     shapes = f'{"x".join(map(str, lhs_shape))}, {"x".join(map(str, rhs_shape))}'
     print(f'  {name:34s} {shapes:26s} {xla_ms:7.2f} {torch_ms:8.2f} {xla_ms / torch_ms:11.2f}')
-  print(f'  linear-layer matmuls of one train step: XLA {step["xla"]:.1f} ms, PyTorch {step["torch"]:.1f} ms '
-        f'({step["xla"] / step["torch"]:.2f})')
-  paired.write_json(args.json, {'jax': jax.__version__, 'torch': torch.__version__,
-                                'threads': torch.get_num_threads(), 'date': time.strftime('%Y-%m-%d'),
-                                'repeats': args.repeats, 'products': rows, 'linear_step_ms': step})
+  print(
+    f'  linear-layer matmuls of one train step: XLA {step["xla"]:.1f} ms, PyTorch {step["torch"]:.1f} ms '
+    f'({step["xla"] / step["torch"]:.2f})'
+  )
+  paired.write_json(
+    args.json,
+    {
+      'jax': jax.__version__,
+      'torch': torch.__version__,
+      'threads': torch.get_num_threads(),
+      'date': time.strftime('%Y-%m-%d'),
+      'repeats': args.repeats,
+      'products': rows,
+      'linear_step_ms': step,
+    },
+  )
 
 
 if __name__ == '__main__':

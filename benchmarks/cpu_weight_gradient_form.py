@@ -42,10 +42,12 @@ WARMUP_ROUNDS = 3
 # --form: the switches (module, name) that turn the CPU's forms on (True, the default) or off.
 _KEY = (attention_xla, 'TRANSPOSED_ATTENTION_KEY_GRADIENT')
 _VALUE = (attention_xla, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT')
-FORMS = {'narrowing': ((fast_matmul, 'TRANSPOSED_NARROW_WEIGHT_GRADIENT'),),
-         'attention': (_KEY, _VALUE),
-         'attention_key': (_KEY,),
-         'attention_value': (_VALUE,)}
+FORMS = {
+  'narrowing': ((fast_matmul, 'TRANSPOSED_NARROW_WEIGHT_GRADIENT'),),
+  'attention': (_KEY, _VALUE),
+  'attention_key': (_KEY,),
+  'attention_value': (_VALUE,),
+}
 
 
 def step_with(config, switches: tuple[tuple[object, str], ...], transposed: bool):
@@ -62,16 +64,18 @@ def step_with(config, switches: tuple[tuple[object, str], ...], transposed: bool
 
 def main():
   parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
-  parser.add_argument('--form', choices=sorted(FORMS), default='narrowing',
-                      help='Which gradient form the two steps differ in.')
+  parser.add_argument(
+    '--form', choices=sorted(FORMS), default='narrowing', help='Which gradient form the two steps differ in.'
+  )
   paired.add_config_args(parser)
   args = paired.parse_timing_args(parser, 'rounds')
   config = paired.config_from_args(parser, args)
   switches = FORMS[args.form]
   steps = {'plain': step_with(config, switches, False), 'transposed': step_with(config, switches, True)}
   seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)
-  results = paired.report(args, seconds, 'plain', jax.devices()[0].device_kind, bench.source_commit(),
-                           jax.__version__)
+  results = paired.report(
+    args, seconds, 'plain', jax.devices()[0].device_kind, bench.source_commit(), jax.__version__
+  )
   results['form'] = args.form
   paired.write_json(args.json, results)
 

@@ -35,8 +35,12 @@ import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
 
 WARMUP_ROUNDS = 3
 # name: (instrumented, delivered by callback, a callback per site)
-DELIVERIES = {'off': (False, False, False), 'return': (True, False, False),
-              'callback_table': (True, True, False), 'callback_per_site': (True, True, True)}
+DELIVERIES = {
+  'off': (False, False, False),
+  'return': (True, False, False),
+  'callback_table': (True, True, False),
+  'callback_per_site': (True, True, True),
+}
 
 
 def timed_steps(config) -> dict:
@@ -46,8 +50,12 @@ def timed_steps(config) -> dict:
   for name, (instrument, by_callback, per_site) in DELIVERIES.items():
     collector = instrument_lib.Collector(keep_records=False)
     step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site)
-    calls[name] = bench.step_runner(prepared, step_fn, jax.jit(prepared.setup.create_state)(),
-                                    _deliver_to(collector) if instrument else _wait_for_callbacks)
+    calls[name] = bench.step_runner(
+      prepared,
+      step_fn,
+      jax.jit(prepared.setup.create_state)(),
+      _deliver_to(collector) if instrument else _wait_for_callbacks,
+    )
   return calls
 
 
@@ -58,10 +66,12 @@ def _wait_for_callbacks(step, metrics):
 
 def _deliver_to(collector):
   """After a step: its statistics turned into records, the callbacks' and the returned ones."""
+
   def deliver(step, metrics):
     _wait_for_callbacks(step, metrics)
     collector.add(step, metrics['moments'])  # new keys each step, as the callbacks' records are
     collector.flush()
+
   return deliver
 
 
@@ -71,8 +81,9 @@ def main():
   args = paired.parse_timing_args(parser, 'rounds')
   config = paired.config_from_args(parser, args)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
-  results = paired.report(args, seconds, 'off', jax.devices()[0].device_kind, bench.source_commit(),
-                           jax.__version__)
+  results = paired.report(
+    args, seconds, 'off', jax.devices()[0].device_kind, bench.source_commit(), jax.__version__
+  )
   paired.write_json(args.json, results)
 
 

@@ -62,8 +62,13 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
   """`--config` (a config file, default the default GPT's) and `--set=KEY=VALUE` (repeatable), read by
   `config_from_args`."""
   parser.add_argument('--config', default='configs/gpt_preln.py', help='A config file (configs/*.py).')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                      help='Override a config key, e.g. --set=model.depth=192 (repeatable).')
+  parser.add_argument(
+    '--set',
+    action='append',
+    default=[],
+    metavar='KEY=VALUE',
+    help='Override a config key, e.g. --set=model.depth=192 (repeatable).',
+  )
 
 
 def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -83,23 +88,41 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
 def ratio_summary(times_ms: dict[str, list[float]], base: str) -> dict:
   """Per round, each arm's time over `base`'s: median and quartiles, by arm (`base` left out)."""
   ratios = {name: np.array(t) / np.array(times_ms[base]) for name, t in times_ms.items() if name != base}
-  return {f'ratio_to_{base}_median': {name: float(np.median(r)) for name, r in ratios.items()},
-          f'ratio_to_{base}_quartiles': {name: [float(np.percentile(r, 25)), float(np.percentile(r, 75))]
-                                         for name, r in ratios.items()}}
+  return {
+    f'ratio_to_{base}_median': {name: float(np.median(r)) for name, r in ratios.items()},
+    f'ratio_to_{base}_quartiles': {
+      name: [float(np.percentile(r, 25)), float(np.percentile(r, 75))] for name, r in ratios.items()
+    },
+  }
 
 
-def report(args: argparse.Namespace, seconds: dict[str, list[float]], base: str, device: str,
-           commit: str, jax_version: str) -> dict:
+def report(
+  args: argparse.Namespace,
+  seconds: dict[str, list[float]],
+  base: str,
+  device: str,
+  commit: str,
+  jax_version: str,
+) -> dict:
   """Prints and returns (for `--json`) the results of a script that times config variants of one step
   in turns (`--config`, `--set`, `--rounds`): each arm's step times, and per round its ratio to
   `base`'s."""
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   summary = ratio_summary(times, base)
-  results = {'date': time.strftime('%Y-%m-%d'), 'jax': jax_version, 'config': args.config,
-             'overrides': args.set, 'device': device, 'commit': commit, 'rounds': args.rounds,
-             'pause_s': args.pause, 'step_ms': times,
-             'step_ms_median': {name: statistics.median(t) for name, t in times.items()}, **summary}
-  print(f"{args.config}, {args.rounds} rounds on {device}; jax {jax_version}, {results['date']}")
+  results = {
+    'date': time.strftime('%Y-%m-%d'),
+    'jax': jax_version,
+    'config': args.config,
+    'overrides': args.set,
+    'device': device,
+    'commit': commit,
+    'rounds': args.rounds,
+    'pause_s': args.pause,
+    'step_ms': times,
+    'step_ms_median': {name: statistics.median(t) for name, t in times.items()},
+    **summary,
+  }
+  print(f'{args.config}, {args.rounds} rounds on {device}; jax {jax_version}, {results["date"]}')
   print_times(times, summary, base)
   return results
 
@@ -110,8 +133,10 @@ def print_times(times_ms: dict[str, list[float]], summary: dict, base: str) -> N
     line = f'  {name:18s} {statistics.median(t):8.1f} ms/step median (min {min(t):.1f}, max {max(t):.1f})'
     if name != base:
       q = summary[f'ratio_to_{base}_quartiles'][name]
-      line += (f"   / {base} per round: {summary[f'ratio_to_{base}_median'][name]:.3f} "
-               f'(quartiles {q[0]:.3f}–{q[1]:.3f})')
+      line += (
+        f'   / {base} per round: {summary[f"ratio_to_{base}_median"][name]:.3f} '
+        f'(quartiles {q[0]:.3f}–{q[1]:.3f})'
+      )
     print(line)
 
 
@@ -154,15 +179,16 @@ def write_json(path: str | None, results: dict) -> None:
       json.dump(results, f, indent=1)
 
 
-def alternate(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
-              pause: float) -> dict[str, list[float]]:
+def alternate(
+  calls: dict[str, Callable[[], object]], rounds: int, warmup: int, pause: float
+) -> dict[str, list[float]]:
   """Runs `warmup + rounds` rounds of every call in `calls`, in their order on even rounds and reversed
   on odd ones, after `pause` seconds of idle each; returns the seconds of each timed (post-warm-up) call
   by name. Each call must wait for its own work to finish."""
   names = list(calls)
   seconds = {name: [] for name in names}
   for i in range(warmup + rounds):
-    for name in (names if i % 2 == 0 else names[::-1]):
+    for name in names if i % 2 == 0 else names[::-1]:
       time.sleep(pause)
       start = time.perf_counter()
       calls[name]()

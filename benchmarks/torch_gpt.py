@@ -37,7 +37,6 @@ WARMUP_STEPS = 2
 
 
 class Block(nn.Module):
-
   def __init__(self, d: int, heads: int):
     super().__init__()
     self.heads = heads
@@ -48,8 +47,9 @@ class Block(nn.Module):
   def attention(self, x_BLD: torch.Tensor) -> torch.Tensor:
     b, l, d = x_BLD.shape
     split = lambda t: t.view(b, l, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-    out_BHLK = F.scaled_dot_product_attention(split(self.q(x_BLD)), split(self.k(x_BLD)),
-                                              split(self.v(x_BLD)), is_causal=True)
+    out_BHLK = F.scaled_dot_product_attention(
+      split(self.q(x_BLD)), split(self.k(x_BLD)), split(self.v(x_BLD)), is_causal=True
+    )
     return self.o(out_BHLK.transpose(1, 2).reshape(b, l, d))
 
   def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,6 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-
   def __init__(self):
     super().__init__()
     self.token_embed = nn.Embedding(VOCAB, WIDTH)
@@ -68,7 +67,7 @@ class GPT(nn.Module):
     self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
   def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
-    x_BLD = self.token_embed(tokens_BL) + self.pos_embed[:tokens_BL.shape[1]]
+    x_BLD = self.token_embed(tokens_BL) + self.pos_embed[: tokens_BL.shape[1]]
     for block in self.blocks:
       x_BLD = block(x_BLD)
     return self.head(self.final_norm(x_BLD))
@@ -92,15 +91,20 @@ def make_train_step(microbatches: int = 1) -> Callable[[], float]:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return loss.item()
+
   return step
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--steps', type=int, default=20, help='Timed steps (after 2 warm-up steps).')
-  parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (default: torch\'s).')
-  parser.add_argument('--microbatches', type=int, default=1,
-                      help='Gradient accumulation: the batch in this many microbatches, one update.')
+  parser.add_argument('--threads', type=int, default=None, help="torch.set_num_threads (default: torch's).")
+  parser.add_argument(
+    '--microbatches',
+    type=int,
+    default=1,
+    help='Gradient accumulation: the batch in this many microbatches, one update.',
+  )
   parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
   args = parser.parse_args()
   if args.steps < 1:
@@ -117,16 +121,24 @@ def main():
     step()
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
-  results = {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'steps': args.steps,
-             'microbatches': args.microbatches,
-             'date': time.strftime('%Y-%m-%d'), 'step_ms_median': 1e3 * statistics.median(times),
-             'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
-             'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times)}
-  print(f"PyTorch {results['torch']} eager, {results['threads']} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, "
-        f"batch {BATCH} ({args.microbatches} microbatch(es)): {results['step_ms_median']:.1f} ms/step "
-        f"median of {args.steps} "
-        f"(min {results['step_ms_min']:.1f}, max {results['step_ms_max']:.1f}), "
-        f"{results['tokens_per_s']:,.0f} tokens/s")
+  results = {
+    'torch': torch.__version__,
+    'threads': torch.get_num_threads(),
+    'steps': args.steps,
+    'microbatches': args.microbatches,
+    'date': time.strftime('%Y-%m-%d'),
+    'step_ms_median': 1e3 * statistics.median(times),
+    'step_ms_min': 1e3 * min(times),
+    'step_ms_max': 1e3 * max(times),
+    'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times),
+  }
+  print(
+    f'PyTorch {results["torch"]} eager, {results["threads"]} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, '
+    f'batch {BATCH} ({args.microbatches} microbatch(es)): {results["step_ms_median"]:.1f} ms/step '
+    f'median of {args.steps} '
+    f'(min {results["step_ms_min"]:.1f}, max {results["step_ms_max"]:.1f}), '
+    f'{results["tokens_per_s"]:,.0f} tokens/s'
+  )
   paired.write_json(args.json, results)
 
 

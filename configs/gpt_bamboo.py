@@ -38,13 +38,13 @@ def get_config():
   c.log_every = 100
   c.data.seq_len = 128
 
-  c.model.depth = 16                  # 4× deeper than configs/gpt_preln.py ...
-  c.model.width = 64                  # ... and 2× narrower: the same 12·d²·N block parameters
-  c.model.num_heads = 2               # head width 32, as in configs/gpt_preln.py
+  c.model.depth = 16  # 4× deeper than configs/gpt_preln.py ...
+  c.model.width = 64  # ... and 2× narrower: the same 12·d²·N block parameters
+  c.model.num_heads = 2  # head width 32, as in configs/gpt_preln.py
   c.model.block = 'preln'
   c.model.scheme = 'bamboo'
 
-  c.optimizer.lr = 6e-4               # as configs/gpt_preln.py
+  c.optimizer.lr = 6e-4  # as configs/gpt_preln.py
   c.optimizer.weight_decay = 0.1
   c.optimizer.warmup_steps = 100
   c.optimizer.clip_norm = 1.0

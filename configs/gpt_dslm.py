@@ -31,11 +31,11 @@ def get_config():
   c.model.depth = 16
   c.model.width = 64
   c.model.num_heads = 4
-  c.model.block = 'postln'            # the paper's main setting; 'preln' works the same way
-  c.model.dropout = 0.1               # the paper's p (Table 25); the init accounts for it
+  c.model.block = 'postln'  # the paper's main setting; 'preln' works the same way
+  c.model.dropout = 0.1  # the paper's p (Table 25); the init accounts for it
   c.model.scheme = 'dslm'
-  c.model.dslm.init = 'simple'        # the paper's §4 runs
-  c.model.dslm.input_corr = 'zipf'    # Zipf estimate over the 256 byte values (Appendix A.1)
+  c.model.dslm.init = 'simple'  # the paper's §4 runs
+  c.model.dslm.input_corr = 'zipf'  # Zipf estimate over the 256 byte values (Appendix A.1)
   # The reference code's head: tied to the token table, final hidden state × 1/sqrt(σe²·d) so that the
   # initial logits have variance 1 (the paper's 1/sqrt(d) gives σe² = 0.45 and learns slower here; see
   # configs/gpt_dslm_deep.py).

@@ -44,10 +44,10 @@ def get_config():
   c.model.width = 32
   c.model.num_heads = 4
   c.model.block = 'preln'
-  c.model.dropout = 0.1               # the paper's p; DSLM's init accounts for it
-  c.model.tie_embeddings = True       # as the reference code (see the docstring)
+  c.model.dropout = 0.1  # the paper's p; DSLM's init accounts for it
+  c.model.tie_embeddings = True  # as the reference code (see the docstring)
   c.model.scheme = 'dslm'
-  c.model.dslm.init = 'simple'        # the paper's §4 runs (see dsjax/schemes/dslm.py)
+  c.model.dslm.init = 'simple'  # the paper's §4 runs (see dsjax/schemes/dslm.py)
   c.model.dslm.output_scale = 'sqrt_embed_var_d'  # reference code: logits of variance 1 at init
 
   c.optimizer.lr = 5e-3

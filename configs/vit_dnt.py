@@ -30,7 +30,7 @@ def get_config():
   c.model.depth = 6
   c.model.width = 128
   c.model.num_heads = 4
-  c.model.patch_size = 2              # 8×8 digits → 16 patches of 2×2
+  c.model.patch_size = 2  # 8×8 digits → 16 patches of 2×2
   c.model.block = 'dnt'
   c.model.dnt_setting = 'S5'
   c.model.norm = 'rmsnorm'

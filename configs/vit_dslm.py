@@ -35,13 +35,13 @@ def get_config():
   c.model.num_heads = 4
   c.model.patch_size = 2
   c.model.block = 'postln'
-  c.model.pos_embedding = 'learned'   # required by DSLM (the table's variance is part of the recipe)
+  c.model.pos_embedding = 'learned'  # required by DSLM (the table's variance is part of the recipe)
   c.model.dropout = 0.1
   c.model.scheme = 'dslm'
-  c.model.dslm.init = 'simple'        # the paper's §4 runs; see the docstring for why not 'full' here
+  c.model.dslm.init = 'simple'  # the paper's §4 runs; see the docstring for why not 'full' here
   c.model.dslm.input_corr = 'measure'
 
-  c.optimizer.lr = 1e-3               # AdamW ViT settings of configs/vit_preln.py
+  c.optimizer.lr = 1e-3  # AdamW ViT settings of configs/vit_preln.py
   c.optimizer.weight_decay = 0.1
   c.optimizer.warmup_steps = 100
   # Cosine to 0, as the result above was measured (the default is the paper's minimum, Qi et al. 2025

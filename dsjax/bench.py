@@ -51,29 +51,41 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax.train import cli
-from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
+from dsjax.train import history as history_lib
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/gpt_preln.py', 'Config file (configs/*.py).',
-                                          lock_config=True)
-_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).',
-                              lower_bound=1)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', 'configs/gpt_preln.py', 'Config file (configs/*.py).', lock_config=True
+)
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).', lower_bound=1)
 INSTRUMENT_MODES = ('off', 'return', 'callback')
-_INSTRUMENT = flags.DEFINE_list('instrument', list(INSTRUMENT_MODES),
-                                f'Modes to time, any of {list(INSTRUMENT_MODES)}.')
+_INSTRUMENT = flags.DEFINE_list(
+  'instrument', list(INSTRUMENT_MODES), f'Modes to time, any of {list(INSTRUMENT_MODES)}.'
+)
 INPUTS = ('random', 'real')
 _INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list(INPUTS)}.')
-_PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for MFU (default: looked up '
-                           'from the device kind; on a CPU, measured).', lower_bound=1e-9)
-flags.register_validator('peak_tflops', lambda v: v is None or math.isfinite(v),
-                         message='--peak_tflops must be a finite positive number of TFLOP/s')
+_PEAK = flags.DEFINE_float(
+  'peak_tflops',
+  None,
+  'Peak TFLOP/s of one device for MFU (default: looked up from the device kind; on a CPU, measured).',
+  lower_bound=1e-9,
+)
+flags.register_validator(
+  'peak_tflops',
+  lambda v: v is None or math.isfinite(v),
+  message='--peak_tflops must be a finite positive number of TFLOP/s',
+)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
-_PROFILE = flags.DEFINE_string('profile', None, 'Also trace 3 steps of the first mode with the JAX profiler '
-                               'into this directory (TensorBoard/XProf) and print the device time per '
-                               'kernel, with the compiled step\'s HLO text beside it.')
+_PROFILE = flags.DEFINE_string(
+  'profile',
+  None,
+  'Also trace 3 steps of the first mode with the JAX profiler '
+  'into this directory (TensorBoard/XProf) and print the device time per '
+  "kernel, with the compiled step's HLO text beside it.",
+)
 
 WARMUP_STEPS = 2
 # Dense peak TFLOP/s of one device by `device_kind` prefix, for bf16 and fp32 (TF32 on NVIDIA) matmuls,
@@ -81,17 +93,17 @@ WARMUP_STEPS = 2
 # architecture pages), halved where a sheet quotes sparse throughput. The longest matching prefix wins
 # ('NVIDIA H100 NVL' over 'NVIDIA H100'; a TPU v5p VM reports 'TPU v5', a v5e 'TPU v5 lite').
 PEAK_TFLOPS = {
-    'NVIDIA H100 PCIe': {'bfloat16': 756.0, 'float32': 378.0},
-    'NVIDIA H100 NVL': {'bfloat16': 835.0, 'float32': 418.0},
-    'NVIDIA H100': {'bfloat16': 989.0, 'float32': 494.0},
-    'NVIDIA H200 NVL': {'bfloat16': 835.0, 'float32': 418.0},
-    'NVIDIA H200': {'bfloat16': 989.0, 'float32': 494.0},
-    'NVIDIA A100': {'bfloat16': 312.0, 'float32': 156.0},
-    'TPU v4': {'bfloat16': 275.0, 'float32': 275.0},
-    'TPU v5 lite': {'bfloat16': 197.0, 'float32': 197.0},
-    'TPU v5p': {'bfloat16': 459.0, 'float32': 459.0},
-    'TPU v5': {'bfloat16': 459.0, 'float32': 459.0},
-    'TPU v6 lite': {'bfloat16': 918.0, 'float32': 918.0},
+  'NVIDIA H100 PCIe': {'bfloat16': 756.0, 'float32': 378.0},
+  'NVIDIA H100 NVL': {'bfloat16': 835.0, 'float32': 418.0},
+  'NVIDIA H100': {'bfloat16': 989.0, 'float32': 494.0},
+  'NVIDIA H200 NVL': {'bfloat16': 835.0, 'float32': 418.0},
+  'NVIDIA H200': {'bfloat16': 989.0, 'float32': 494.0},
+  'NVIDIA A100': {'bfloat16': 312.0, 'float32': 156.0},
+  'TPU v4': {'bfloat16': 275.0, 'float32': 275.0},
+  'TPU v5 lite': {'bfloat16': 197.0, 'float32': 197.0},
+  'TPU v5p': {'bfloat16': 459.0, 'float32': 459.0},
+  'TPU v5': {'bfloat16': 459.0, 'float32': 459.0},
+  'TPU v6 lite': {'bfloat16': 918.0, 'float32': 918.0},
 }
 
 
@@ -117,8 +129,11 @@ def matmul_params(abstract_model: nnx.Module) -> int:
   """Parameters that take part in matmuls: all but the looked-up embedding tables (module docstring)."""
   params = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return sum(math.prod(leaf.shape) for path, leaf in flat
-             if not any(getattr(k, 'key', None) in LOOKED_UP_PARAMS for k in path))
+  return sum(
+    math.prod(leaf.shape)
+    for path, leaf in flat
+    if not any(getattr(k, 'key', None) in LOOKED_UP_PARAMS for k in path)
+  )
 
 
 def model_flops_per_step(config, model_dims, num_params: int) -> tuple[float, int]:
@@ -141,13 +156,17 @@ def source_commit() -> str | None:
 
   def git(*args):
     return subprocess.run(['git', '-C', package_dir, *args], capture_output=True, text=True, timeout=10)
+
   try:
     top, head = git('rev-parse', '--show-toplevel'), git('rev-parse', 'HEAD')
     status = git('status', '--porcelain', '--untracked-files=no')
   except (OSError, subprocess.SubprocessError):
     return None
-  if top.returncode or head.returncode or (os.path.realpath(top.stdout.strip())
-                                           != os.path.realpath(os.path.dirname(package_dir))):
+  if (
+    top.returncode
+    or head.returncode
+    or (os.path.realpath(top.stdout.strip()) != os.path.realpath(os.path.dirname(package_dir)))
+  ):
     return None
   return head.stdout.strip() + ('+dirty' if status.stdout.strip() else '')
 
@@ -165,20 +184,24 @@ def measured_matmul_tflops(dtype: str, device) -> float:
     start = time.perf_counter()
     matmul(a).block_until_ready()
     times.append(time.perf_counter() - start)
-  return 2 * n ** 3 / min(times) / 1e12
+  return 2 * n**3 / min(times) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------------
 # The benchmark
 # ---------------------------------------------------------------------------------------------------
 
+
 def random_batch(config, data_info, seed: int = 0) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   if config.model.name == 'vit':
-    return {'image': rng.standard_normal((config.batch_size, *data_info.image_shape), np.float32),
-            'label': rng.integers(0, data_info.num_classes, config.batch_size, np.int32)}
-  return {'tokens': rng.integers(0, data_info.vocab_size, (config.batch_size, config.data.seq_len + 1),
-                                 np.int32)}
+    return {
+      'image': rng.standard_normal((config.batch_size, *data_info.image_shape), np.float32),
+      'label': rng.integers(0, data_info.num_classes, config.batch_size, np.int32),
+    }
+  return {
+    'tokens': rng.integers(0, data_info.vocab_size, (config.batch_size, config.data.seq_len + 1), np.int32)
+  }
 
 
 def memory_of(compiled) -> dict[str, float]:
@@ -186,13 +209,14 @@ def memory_of(compiled) -> dict[str, float]:
   analysis = compiled.memory_analysis()
   if analysis is None:
     return {}
-  gib = lambda b: b / 2 ** 30  # noqa: E731
-  out = {'arguments_gib': gib(analysis.argument_size_in_bytes),
-         'outputs_gib': gib(analysis.output_size_in_bytes),
-         'temporaries_gib': gib(analysis.temp_size_in_bytes),
-         'aliased_gib': gib(analysis.alias_size_in_bytes)}
-  out['total_gib'] = (out['arguments_gib'] + out['outputs_gib'] + out['temporaries_gib']
-                      - out['aliased_gib'])
+  gib = lambda b: b / 2**30  # noqa: E731
+  out = {
+    'arguments_gib': gib(analysis.argument_size_in_bytes),
+    'outputs_gib': gib(analysis.output_size_in_bytes),
+    'temporaries_gib': gib(analysis.temp_size_in_bytes),
+    'aliased_gib': gib(analysis.alias_size_in_bytes),
+  }
+  out['total_gib'] = out['arguments_gib'] + out['outputs_gib'] + out['temporaries_gib'] - out['aliased_gib']
   return out
 
 
@@ -200,8 +224,9 @@ PROFILED_STEPS = 3
 REPORTED_KERNELS = 30  # in the printed report; the JSON lists every kernel
 
 
-def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
-              profile_dir: str | None = None) -> tuple[dict, object]:
+def time_mode(
+  mode: str, step_fn, state, batch, num_steps: int, collector, profile_dir: str | None = None
+) -> tuple[dict, object]:
   """Compiles `step_fn` ahead of time, runs warm-up + timed steps (then, with `profile_dir`, traced
   steps); returns (results, final state)."""
   start = time.perf_counter()
@@ -223,9 +248,13 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
 
   run_steps(0, WARMUP_STEPS)
   times = run_steps(WARMUP_STEPS, num_steps)
-  results = {'compile_s': compile_s, 'step_ms_median': 1e3 * statistics.median(times),
-             'step_ms_min': 1e3 * min(times), 'step_ms_max': 1e3 * max(times),
-             'memory': memory_of(compiled)}
+  results = {
+    'compile_s': compile_s,
+    'step_ms_median': 1e3 * statistics.median(times),
+    'step_ms_min': 1e3 * min(times),
+    'step_ms_max': 1e3 * max(times),
+    'memory': memory_of(compiled),
+  }
   if profile_dir:
     with jax.profiler.trace(profile_dir):
       run_steps(WARMUP_STEPS + num_steps, PROFILED_STEPS)
@@ -234,8 +263,9 @@ def time_mode(mode: str, step_fn, state, batch, num_steps: int, collector,
       f.write(hlo_text)
     # On a GPU the kernels name themselves; its XLA ops can be command buffers around whole graphs.
     on_cpu = jax.devices()[0].platform == 'cpu'
-    results['profile'] = device_time_per_kernel(profile_dir, PROFILED_STEPS,
-                                                matmul_ops(hlo_text) if on_cpu else set())
+    results['profile'] = device_time_per_kernel(
+      profile_dir, PROFILED_STEPS, matmul_ops(hlo_text) if on_cpu else set()
+    )
   return results, state
 
 
@@ -245,11 +275,13 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
   after the fusion; kernels that run in a command buffer (CUDA graph) name it as their op). Kernels are
   the events on the GPU planes' stream lines; the CPU has no device plane, so there the XLA ops are read
   from the host plane. `matmul_hlo_ops`: the step's ops that are or contain a matmul (`matmul_ops`)."""
-  paths = sorted(glob.glob(os.path.join(profile_dir, '**', '*.xplane.pb'), recursive=True),
-                 key=os.path.getmtime)
+  paths = sorted(
+    glob.glob(os.path.join(profile_dir, '**', '*.xplane.pb'), recursive=True), key=os.path.getmtime
+  )
   planes = list(jax.profiler.ProfileData.from_file(paths[-1]).planes)
   device_planes = [p for p in planes if p.name.startswith('/device:')] or [
-      p for p in planes if p.name == '/host:CPU']
+    p for p in planes if p.name == '/host:CPU'
+  ]
   per_kernel_ns: dict[str, float] = {}
   op_of: dict[str, str] = {}
   for plane in device_planes:
@@ -263,10 +295,15 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
         per_kernel_ns[event.name] = per_kernel_ns.get(event.name, 0.0) + event.duration_ns
         op_of.setdefault(event.name, hlo_op)
   ranked = sorted(per_kernel_ns.items(), key=lambda kv: -kv[1])
-  kernels = [{'kernel': name[:90], 'hlo_op': op_of[name], 'ms_per_step': ns / num_steps / 1e6}
-             for name, ns in ranked]
-  return {'busy_ms_per_step': sum(per_kernel_ns.values()) / num_steps / 1e6, 'trace': paths[-1],
-          'ms_per_step_by_kind': ms_by_kind(kernels, matmul_hlo_ops), 'kernels': kernels}
+  kernels = [
+    {'kernel': name[:90], 'hlo_op': op_of[name], 'ms_per_step': ns / num_steps / 1e6} for name, ns in ranked
+  ]
+  return {
+    'busy_ms_per_step': sum(per_kernel_ns.values()) / num_steps / 1e6,
+    'trace': paths[-1],
+    'ms_per_step_by_kind': ms_by_kind(kernels, matmul_hlo_ops),
+    'kernels': kernels,
+  }
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
@@ -275,8 +312,10 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
 # that is or contains a dot is a matmul (`matmul_ops`; XLA's attention included).
 # Everything else (XLA's elementwise and reduction fusions: norms, activations, residual adds, casts,
 # bias gradients, the optimizer) is 'other'.
-KERNEL_KINDS = {'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'),
-                'attention': ('sdpa', 'cudnn', 'fmha', 'flash', 'splash')}
+KERNEL_KINDS = {
+  'matmul': ('gemm', 'nvjet', 'cutlass', 'xmma'),
+  'attention': ('sdpa', 'cudnn', 'fmha', 'flash', 'splash'),
+}
 
 
 def matmul_ops(hlo_text: str) -> set[str]:
@@ -298,8 +337,11 @@ def matmul_ops(hlo_text: str) -> set[str]:
     more = {name for name, called_names in callees_of.items() if called_names & with_product}
     grown = not more <= with_product
     with_product |= more
-  return {name for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M)
-          if is_product.search(rest) or callees(rest) & with_product}
+  return {
+    name
+    for name, rest in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$', hlo_text, re.M)
+    if is_product.search(rest) or callees(rest) & with_product
+  }
 
 
 def ms_by_kind(kernels: list[dict], matmul_hlo_ops: set[str]) -> dict[str, float]:
@@ -315,6 +357,7 @@ def ms_by_kind(kernels: list[dict], matmul_hlo_ops: set[str]) -> dict[str, float
 
 class Prepared(NamedTuple):
   """What the benchmark times, built as the training loop builds it."""
+
   data_info: object
   setup: state_lib.TrainSetup
   state: dict  # the first train state
@@ -327,8 +370,11 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   train-step maker (also used by the scripts in benchmarks/)."""
   data_info = check_args(config, modes, inputs)
   if inputs == 'real':
-    batch = next(data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
-                                        seed=config.seed, process_index=0, process_count=1))
+    batch = next(
+      data_lib.make_pipeline(
+        config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
+      )
+    )
   else:
     batch = random_batch(config, data_info)
   batch = jax.device_put(batch, jax.devices()[0])
@@ -338,18 +384,33 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 
-  def make_step(instrument: bool = False, receiver: instrument_lib.Collector | None = None,
-                per_site: bool = False) -> Callable:
+  def make_step(
+    instrument: bool = False, receiver: instrument_lib.Collector | None = None, per_site: bool = False
+  ) -> Callable:
     # One device: a callback delivery sends each step's table in one callback, as the loop does there
     # (`per_site=True`: a callback per probe site, as on several devices).
-    return step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
-                                    use_dropout, instrument, moments_receiver=receiver,
-                                    moments_per_site=per_site, microbatches=config.microbatches)
+    return step_lib.make_train_step(
+      setup.graphdef,
+      setup.tx,
+      loss_fn,
+      config.seed,
+      setup.schedule,
+      use_dropout,
+      instrument,
+      moments_receiver=receiver,
+      moments_per_site=per_site,
+      microbatches=config.microbatches,
+    )
+
   return Prepared(data_info, setup, state, batch, make_step)
 
 
-def step_runner(prepared: Prepared, step_fn: Callable | None = None, state: dict | None = None,
-                after: Callable[[int, dict], None] | None = None) -> Callable[[], None]:
+def step_runner(
+  prepared: Prepared,
+  step_fn: Callable | None = None,
+  state: dict | None = None,
+  after: Callable[[int, dict], None] | None = None,
+) -> Callable[[], None]:
   """`step_fn` (default: the plain train step of `prepared`), compiled, as a function that runs one step
   from `state` (default `prepared.state`; the step donates it, so each runner needs its own), carries
   the state from call to call, waits for the step's metrics and then calls `after(step number,
@@ -366,11 +427,19 @@ def step_runner(prepared: Prepared, step_fn: Callable | None = None, state: dict
     steps += 1
     if after is not None:
       after(steps, metrics)
+
   return step
 
 
-def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tflops: float | None,
-                  workdir: str, profile_dir: str | None = None) -> dict:
+def run_benchmark(
+  config,
+  num_steps: int,
+  modes: list[str],
+  inputs: str,
+  peak_tflops: float | None,
+  workdir: str,
+  profile_dir: str | None = None,
+) -> dict:
   data_info, setup, state, batch, make_step = prepare(config, modes, inputs)
   device = jax.devices()[0]
   dims = models.model_dims(config.model, data_info, seq_len=config.data.seq_len)
@@ -379,32 +448,55 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
   dtype = models.compute_dtype(config.model)
   spec_peak = peak_tflops or peak_tflops_for(device, dtype)
   tf32 = ' (TF32)' if dtype == 'float32' and device.platform == 'gpu' else ''
-  peak_source = ('--peak_tflops' if peak_tflops else None if spec_peak is None else
-                 f'data sheet, {dtype}{tf32}')
+  peak_source = (
+    '--peak_tflops' if peak_tflops else None if spec_peak is None else f'data sheet, {dtype}{tf32}'
+  )
   measured_peak = measured_matmul_tflops(dtype, device)
 
   results = {
-      'config': {'model': config.model.name, 'block': config.model.block, 'scheme': config.model.scheme,
-                 'depth': config.model.depth, 'width': config.model.width,
-                 'num_heads': config.model.num_heads, 'seq_len': dims.seq_len,
-                 'batch_size': config.batch_size, 'microbatches': config.microbatches,
-                 'dtype': dtype, 'param_dtype': config.model.param_dtype,
-                 'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
-                 'remat': config.model.remat, 'scan_layers': config.model.scan_layers,
-                 'scan_unroll': config.model.scan_unroll, 'optimizer': config.optimizer.name},
-      'device': {'kind': device.device_kind, 'platform': device.platform, 'count': 1,
-                 'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')},
-      'commit': source_commit(),
-      'inputs': inputs, 'steps': num_steps, 'matmul_params': num_params,
-      'model_flops_per_step': flops, 'positions_per_step': tokens,
-      'peak_tflops': spec_peak, 'peak_source': peak_source, 'measured_matmul_tflops': measured_peak,
-      'modes': {}}
+    'config': {
+      'model': config.model.name,
+      'block': config.model.block,
+      'scheme': config.model.scheme,
+      'depth': config.model.depth,
+      'width': config.model.width,
+      'num_heads': config.model.num_heads,
+      'seq_len': dims.seq_len,
+      'batch_size': config.batch_size,
+      'microbatches': config.microbatches,
+      'dtype': dtype,
+      'param_dtype': config.model.param_dtype,
+      'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
+      'remat': config.model.remat,
+      'scan_layers': config.model.scan_layers,
+      'scan_unroll': config.model.scan_unroll,
+      'optimizer': config.optimizer.name,
+    },
+    'device': {
+      'kind': device.device_kind,
+      'platform': device.platform,
+      'count': 1,
+      'jax': jax.__version__,
+      'date': time.strftime('%Y-%m-%d'),
+    },
+    'commit': source_commit(),
+    'inputs': inputs,
+    'steps': num_steps,
+    'matmul_params': num_params,
+    'model_flops_per_step': flops,
+    'positions_per_step': tokens,
+    'peak_tflops': spec_peak,
+    'peak_source': peak_source,
+    'measured_matmul_tflops': measured_peak,
+    'modes': {},
+  }
   for mode in modes:
     # One collector per mode, so that no mode de-duplicates another's records.
     collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
     step_fn = make_step(mode != 'off', collector if mode == 'callback' else None)
-    r, state = time_mode(mode, step_fn, state, batch, num_steps, collector,
-                         profile_dir if mode == modes[0] else None)
+    r, state = time_mode(
+      mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
+    )
     collector.close()
     seconds = r['step_ms_median'] / 1e3
     r['examples_per_s'] = config.batch_size / seconds
@@ -415,7 +507,7 @@ def run_benchmark(config, num_steps: int, modes: list[str], inputs: str, peak_tf
     results['modes'][mode] = r
   if device.platform == 'gpu':
     stats = device.memory_stats() or {}
-    results['device_peak_memory_gib'] = stats.get('peak_bytes_in_use', 0) / 2 ** 30
+    results['device_peak_memory_gib'] = stats.get('peak_bytes_in_use', 0) / 2**30
   return results
 
 
@@ -424,44 +516,52 @@ def report(results: dict) -> str:
   unit = 'images' if c['model'] == 'vit' else 'tokens'
   causal_note = '; causal attention counted in full' if c['model'] == 'gpt' else ''
   lines = [
-      f"{c['model']} {c['block']} {c['scheme']}, depth {c['depth']} x width {c['width']}, "
-      f"{c['num_heads']} heads, seq {c['seq_len']}, batch {c['batch_size']} "
-      f"({c['microbatches']} microbatch(es)), {c['dtype']} compute, {c['param_dtype']} params, "
-      f"attention {c['attention']}, remat {c['remat']}, "
-      f"{'scan unroll ' + str(c['scan_unroll']) if c['scan_layers'] else 'python loop'}, {c['optimizer']}",
-      f"device: {d['kind']} ({d['platform']}), jax {d['jax']}, {d['date']}; inputs: {results['inputs']} "
-      f"{'(random values of the configured shape)' if results['inputs'] == 'random' else '(one real batch)'}",
-      f"model FLOPs/step {results['model_flops_per_step']:.4g} (6N + 12·depth·d·L per position, N = "
-      f"{results['matmul_params']:,} matmul parameters{causal_note})",
-      f"peak: {results['peak_tflops'] or 'unknown'} TFLOP/s "
-      f"({results['peak_source'] or 'no data-sheet entry for this device; give --peak_tflops'}); "
-      f"measured matmul {results['measured_matmul_tflops']:.2f} TFLOP/s",
-      f"median of {results['steps']} steps after {WARMUP_STEPS} warm-up:"]
+    f'{c["model"]} {c["block"]} {c["scheme"]}, depth {c["depth"]} x width {c["width"]}, '
+    f'{c["num_heads"]} heads, seq {c["seq_len"]}, batch {c["batch_size"]} '
+    f'({c["microbatches"]} microbatch(es)), {c["dtype"]} compute, {c["param_dtype"]} params, '
+    f'attention {c["attention"]}, remat {c["remat"]}, '
+    f'{"scan unroll " + str(c["scan_unroll"]) if c["scan_layers"] else "python loop"}, {c["optimizer"]}',
+    f'device: {d["kind"]} ({d["platform"]}), jax {d["jax"]}, {d["date"]}; inputs: {results["inputs"]} '
+    f'{"(random values of the configured shape)" if results["inputs"] == "random" else "(one real batch)"}',
+    f'model FLOPs/step {results["model_flops_per_step"]:.4g} (6N + 12·depth·d·L per position, N = '
+    f'{results["matmul_params"]:,} matmul parameters{causal_note})',
+    f'peak: {results["peak_tflops"] or "unknown"} TFLOP/s '
+    f'({results["peak_source"] or "no data-sheet entry for this device; give --peak_tflops"}); '
+    f'measured matmul {results["measured_matmul_tflops"]:.2f} TFLOP/s',
+    f'median of {results["steps"]} steps after {WARMUP_STEPS} warm-up:',
+  ]
   for mode, r in results['modes'].items():
     per_s = r['examples_per_s'] if unit == 'images' else r['tokens_per_s']
-    mfu = 'n/a' if r['mfu'] is None else f"{100 * r['mfu']:.1f}%"
+    mfu = 'n/a' if r['mfu'] is None else f'{100 * r["mfu"]:.1f}%'
     mem = r['memory'].get('total_gib')
     lines.append(
-        f"  instrument {mode:8s} {r['step_ms_median']:9.2f} ms/step (min {r['step_ms_min']:.2f}, max "
-        f"{r['step_ms_max']:.2f})  {per_s:12,.0f} {unit}/s  {r['model_tflops_per_s']:8.2f} TFLOP/s  "
-        f"MFU {mfu}  ({100 * r['fraction_of_measured_matmul_peak']:.1f}% of measured matmul)  "
-        f"compile {r['compile_s']:.1f} s  step memory "
-        f"{'n/a' if mem is None else f'{mem:.2f} GiB'}")
+      f'  instrument {mode:8s} {r["step_ms_median"]:9.2f} ms/step (min {r["step_ms_min"]:.2f}, max '
+      f'{r["step_ms_max"]:.2f})  {per_s:12,.0f} {unit}/s  {r["model_tflops_per_s"]:8.2f} TFLOP/s  '
+      f'MFU {mfu}  ({100 * r["fraction_of_measured_matmul_peak"]:.1f}% of measured matmul)  '
+      f'compile {r["compile_s"]:.1f} s  step memory '
+      f'{"n/a" if mem is None else f"{mem:.2f} GiB"}'
+    )
   off = results['modes'].get('off')
   for mode in ('return', 'callback'):
     if off and mode in results['modes']:
       ratio = results['modes'][mode]['step_ms_median'] / off['step_ms_median']
       lines.append(f'  instrumentation overhead ({mode}): {ratio:.2f}x the plain step')
   if 'device_peak_memory_gib' in results:
-    lines.append(f"  device peak memory in use: {results['device_peak_memory_gib']:.2f} GiB")
+    lines.append(f'  device peak memory in use: {results["device_peak_memory_gib"]:.2f} GiB')
   for mode, r in results['modes'].items():
     if 'profile' in r:
       p = r['profile']
-      lines.append(f"profile of '{mode}' ({p['trace']}): device busy {p['busy_ms_per_step']:.2f} ms per "
-                   f"step: " + ', '.join(f'{kind} {ms:.2f} ms' for kind, ms in p['ms_per_step_by_kind'].items())
-                   + "; busiest kernels (ms per step, share of busy time, kernel, XLA op):")
-      lines += [f"  {k['ms_per_step']:8.3f}  {100 * k['ms_per_step'] / p['busy_ms_per_step']:5.1f}%  "
-                f"{k['kernel']:60s} {k['hlo_op']}" for k in p['kernels'][:REPORTED_KERNELS]]
+      lines.append(
+        f"profile of '{mode}' ({p['trace']}): device busy {p['busy_ms_per_step']:.2f} ms per "
+        f'step: '
+        + ', '.join(f'{kind} {ms:.2f} ms' for kind, ms in p['ms_per_step_by_kind'].items())
+        + '; busiest kernels (ms per step, share of busy time, kernel, XLA op):'
+      )
+      lines += [
+        f'  {k["ms_per_step"]:8.3f}  {100 * k["ms_per_step"] / p["busy_ms_per_step"]:5.1f}%  '
+        f'{k["kernel"]:60s} {k["hlo_op"]}'
+        for k in p['kernels'][:REPORTED_KERNELS]
+      ]
   return '\n'.join(lines)
 
 
@@ -479,8 +579,9 @@ def main(argv):
   if tuple(config.mesh.shape) != tuple(sharding_lib.mesh_config().shape):
     print(f'note: mesh.shape {tuple(config.mesh.shape)} is not used: the benchmark times one device')
   with tempfile.TemporaryDirectory() as workdir:
-    results = run_benchmark(config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir,
-                            profile_dir)
+    results = run_benchmark(
+      config, _STEPS.value, _INSTRUMENT.value, _INPUTS.value, _PEAK.value, workdir, profile_dir
+    )
   print(report(results))
   if json_path:
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)

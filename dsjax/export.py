@@ -2,13 +2,12 @@ r"""Fold the residual scales λ, β and the output scale into the weights of a p
 
   python -m dsjax.export --workdir=RUN --out=DIR
 
-DSLM (Kedia et al. 2024, arXiv:2403.09635, §3.5 "Folding scaling into weights for inference") multiplies the two inputs of
-every residual add, x ← λ·x + β·f(·), and the final hidden state by s. All of it can be absorbed into
-the weights of the same model with λ = β = s = 1, i.e. a checkpoint of the plain method
-(`dsjax.schemes.PLAIN`, Xavier with λ = β = 1) that
-inference code without any DSLM knowledge runs. The command restores the latest checkpoint of RUN (the
-model is rebuilt from RUN/config.json), folds, verifies on a real batch that the folded plain model
-gives the same logits, and writes
+DSLM (Kedia et al. 2024, arXiv:2403.09635, §3.5 "Folding scaling into weights for inference") multiplies
+the two inputs of every residual add, x ← λ·x + β·f(·), and the final hidden state by s. All of it can be
+absorbed into the weights of the same model with λ = β = s = 1, i.e. a checkpoint of the plain method
+(`dsjax.schemes.PLAIN`, Xavier with λ = β = 1) that inference code without any DSLM knowledge runs. The
+command restores the latest checkpoint of RUN (the model is rebuilt from RUN/config.json), folds,
+verifies on a real batch that the folded plain model gives the same logits, and writes
 
   DIR/checkpoint/   Orbax StandardSave of {'params', 'rest'} of the plain model (`load_exported` reads it)
   DIR/config.json   RUN's config with model.scheme set to the plain method
@@ -73,6 +72,7 @@ EXPORT_JSON = history_lib.EXPORT_MARKER  # also marks OUT as an export's own out
 # Config round trip.
 # ------------------------------------------------------------------------------------------------
 
+
 def _update(config, raw: dict[str, Any]):
   for key, value in raw.items():
     if key in config and isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
@@ -105,6 +105,7 @@ def plain_config(config):
 # Folding (module docstring).
 # ------------------------------------------------------------------------------------------------
 
+
 def fold_state(state: dict[str, Any], block: str) -> dict[str, Any]:
   """Folds λ, β and the output scale of a model state (`nnx.to_pure_dict(nnx.state(model))`).
 
@@ -116,7 +117,9 @@ def fold_state(state: dict[str, Any], block: str) -> dict[str, Any]:
   trunk = state['trunk']
   layer = trunk['stack']['layers']
   f64 = lambda key: np.asarray(layer[key], np.float64)
-  skip_attn, branch_attn, skip_ffn, branch_ffn = (f64(k) for k in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn'))
+  skip_attn, branch_attn, skip_ffn, branch_ffn = (
+    f64(k) for k in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')
+  )
   if np.any(skip_attn <= 0) or np.any(skip_ffn <= 0):
     raise ValueError('folding needs positive skip scales λ (a norm is invariant to positive scales only)')
 
@@ -139,8 +142,10 @@ def fold_state(state: dict[str, Any], block: str) -> dict[str, Any]:
     for k, v in last.items():
       layer['post_ffn_norm'][k] = np.concatenate([layer['post_ffn_norm'][k][:-1], v[None]])
   elif s != 1.0:
-    raise ValueError('cannot fold the output scale: the model has no norm before the head '
-                     '(Pre-LN with model.final_norm=False)')
+    raise ValueError(
+      'cannot fold the output scale: the model has no norm before the head '
+      '(Pre-LN with model.final_norm=False)'
+    )
 
   for key in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn'):
     layer[key] = np.ones_like(layer[key])
@@ -184,13 +189,17 @@ def fold_model(model, config):
 # Restore, save, load, verify.
 # ------------------------------------------------------------------------------------------------
 
+
 def restore_run(workdir: str):
   """The model of a training workdir at its latest checkpoint, and the run's config."""
   config = load_config(os.path.join(workdir, 'config.json'))
-  remedy = (f'{os.path.join(workdir, "config.json")} is not the config its checkpoints were trained with '
-            '(was it replaced?); put back the config.json that run wrote')
-  return checkpoint_lib.restore_model(config, data_lib.dataset_info(config.data), workdir, '--workdir',
-                                      remedy), config
+  remedy = (
+    f'{os.path.join(workdir, "config.json")} is not the config its checkpoints were trained with '
+    '(was it replaced?); put back the config.json that run wrote'
+  )
+  return checkpoint_lib.restore_model(
+    config, data_lib.dataset_info(config.data), workdir, '--workdir', remedy
+  ), config
 
 
 def save_exported(model, config, out: str):
@@ -198,8 +207,11 @@ def save_exported(model, config, out: str):
   _, params, rest = nnx.split(model, nnx.Param, ...)
   os.makedirs(out, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(os.path.abspath(out), EXPORT_CHECKPOINT),
-                    {'params': nnx.to_pure_dict(params), 'rest': nnx.to_pure_dict(rest)}, force=True)
+  checkpointer.save(
+    os.path.join(os.path.abspath(out), EXPORT_CHECKPOINT),
+    {'params': nnx.to_pure_dict(params), 'rest': nnx.to_pure_dict(rest)},
+    force=True,
+  )
   checkpointer.wait_until_finished()
   with open(os.path.join(out, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=2))
@@ -212,10 +224,13 @@ def load_exported(directory: str):
   data_info = data_lib.dataset_info(config.data)
   abstract = nnx.eval_shape(lambda: schemes.build_model(config, data_info, nnx.Rngs(params=0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        {'params': nnx.to_pure_dict(params), 'rest': nnx.to_pure_dict(rest)})
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+    {'params': nnx.to_pure_dict(params), 'rest': nnx.to_pure_dict(rest)},
+  )
   restored = ocp.StandardCheckpointer().restore(
-      os.path.join(os.path.abspath(directory), EXPORT_CHECKPOINT), target)
+    os.path.join(os.path.abspath(directory), EXPORT_CHECKPOINT), target
+  )
   return nnx.merge(graphdef, restored['params'], restored['rest']), config
 
 
@@ -230,14 +245,21 @@ def logit_error(model_a, model_b, inputs) -> dict[str, float]:
 
 def first_eval_inputs(config):
   """Model inputs of the first evaluation batch (real data)."""
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size, seed=config.seed,
-                                    process_index=0, process_count=1, train=False)
+  pipeline = data_lib.make_pipeline(
+    config.data,
+    global_batch_size=config.eval_batch_size,
+    seed=config.seed,
+    process_index=0,
+    process_count=1,
+    train=False,
+  )
   return model_inputs(config.model.name, next(iter(pipeline)))
 
 
 # ------------------------------------------------------------------------------------------------
 # Checks: every argument is checked before anything is restored or written.
 # ------------------------------------------------------------------------------------------------
+
 
 def _inside(path: str, directory: str) -> bool:
   path, directory = os.path.realpath(path), os.path.realpath(directory)
@@ -251,8 +273,9 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   if not workdir:
     raise ValueError(f'--workdir must name a training workdir, got {workdir!r}')
   if not os.path.exists(workdir):
-    raise ValueError(f'--workdir={workdir} does not exist (expected a training workdir: config.json, '
-                     'checkpoints/)')
+    raise ValueError(
+      f'--workdir={workdir} does not exist (expected a training workdir: config.json, checkpoints/)'
+    )
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir={workdir} is not a directory (expected a training workdir)')
   config_path = os.path.join(workdir, 'config.json')
@@ -261,22 +284,27 @@ def check_args(workdir: str | None, out: str | None, rtol: float):
   try:
     config = load_config(config_path)
   except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON or structure of another file.
-    raise ValueError(f'--workdir: {config_path} is not a run config '
-                     f'({type(e).__name__}: {" ".join(str(e).split())})') from e
+    raise ValueError(
+      f'--workdir: {config_path} is not a run config ({type(e).__name__}: {" ".join(str(e).split())})'
+    ) from e
   checkpoints = os.path.join(workdir, 'checkpoints')
   # Orbax names a finished step's directory by the step; unfinished saves carry a suffix.
   if not os.path.isdir(checkpoints) or not any(name.isdigit() for name in os.listdir(checkpoints)):
     raise ValueError(f'--workdir={workdir} holds no checkpoint (looked in {checkpoints})')
   if config.model.block not in ('preln', 'postln'):
-    raise ValueError(f"model.block must be 'preln' or 'postln' to fold residual scales, got "
-                     f'{config.model.block!r} (from {config_path})')
+    raise ValueError(
+      f"model.block must be 'preln' or 'postln' to fold residual scales, got "
+      f'{config.model.block!r} (from {config_path})'
+    )
   cli.check_output_dir('--out', out)
   # The export writes OUT/config.json and replaces OUT/checkpoint: neither may be the run's own.
   if os.path.realpath(out) == os.path.realpath(workdir) or _inside(out, checkpoints):
     raise ValueError(f'--out={out} would overwrite the run in --workdir={workdir}; name another directory')
   if _inside(workdir, os.path.join(out, EXPORT_CHECKPOINT)):
-    raise ValueError(f'--out={out} would replace {os.path.join(out, EXPORT_CHECKPOINT)}, which holds '
-                     f'--workdir={workdir}; name another directory')
+    raise ValueError(
+      f'--out={out} would replace {os.path.join(out, EXPORT_CHECKPOINT)}, which holds '
+      f'--workdir={workdir}; name another directory'
+    )
   # Another run's workdir (its config.json, checkpoints/ or a live lock) is never written into; an
   # earlier export (its export.json) is replaced.
   history_lib.check_not_a_run('--out', out, own_marker=EXPORT_JSON)
@@ -291,11 +319,17 @@ def export(workdir: str, out: str, rtol: float = 1e-4) -> dict[str, Any]:
   folded, plain = fold_model(model, config)
   check = logit_error(model, folded, first_eval_inputs(config))
   check['rtol'] = rtol
-  logging.info('Folded vs scaled logits: max |Δ| %.3g (max |logit| %.3g, relative %.3g)',
-               check['max_abs_error'], check['logit_scale'], check['relative_error'])
+  logging.info(
+    'Folded vs scaled logits: max |Δ| %.3g (max |logit| %.3g, relative %.3g)',
+    check['max_abs_error'],
+    check['logit_scale'],
+    check['relative_error'],
+  )
   if not check['relative_error'] <= rtol:
-    raise ValueError(f'folded model disagrees with the scaled model: max |Δlogits| / max |logits| = '
-                     f'{check["relative_error"]:.3g} > {rtol}')
+    raise ValueError(
+      f'folded model disagrees with the scaled model: max |Δlogits| / max |logits| = '
+      f'{check["relative_error"]:.3g} > {rtol}'
+    )
   save_exported(folded, plain, out)
   with open(os.path.join(out, EXPORT_JSON), 'w') as f:
     json.dump({'workdir': os.path.abspath(workdir), **check}, f, indent=1)
@@ -315,9 +349,11 @@ def main(argv):
   del argv
   args = flags.FLAGS
   check = export(args.workdir, args.out, args.rtol)
-  print(f'wrote {args.out}: plain {load_config(os.path.join(args.out, "config.json")).model.block} '
-        f'checkpoint; max |Δlogits| {check["max_abs_error"]:.3g} '
-        f'(relative {check["relative_error"]:.3g} <= {check["rtol"]})')
+  print(
+    f'wrote {args.out}: plain {load_config(os.path.join(args.out, "config.json")).model.block} '
+    f'checkpoint; max |Δlogits| {check["max_abs_error"]:.3g} '
+    f'(relative {check["relative_error"]:.3g} <= {check["rtol"]})'
+  )
 
 
 if __name__ == '__main__':

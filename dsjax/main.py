@@ -27,33 +27,43 @@ from ml_collections import config_flags
 from dsjax.train import cli, loop
 from dsjax.train import sharding as sharding_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', None, 'Path to a config file (configs/*.py).', lock_config=True
+)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and the config.')
 _COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None,
-    'HOST:PORT of the coordinator that process 0 starts, the same for every process (multi-process '
-    'runs). Default: $JAX_COORDINATOR_ADDRESS.')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
-                                      'Number of processes of a multi-process run. Default: $JAX_NUM_PROCESSES.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None,
-                                   'This process, 0 … num_processes − 1 (0 writes the files). '
-                                   'Default: $JAX_PROCESS_ID.')
+  'coordinator_address',
+  None,
+  'HOST:PORT of the coordinator that process 0 starts, the same for every process (multi-process '
+  'runs). Default: $JAX_COORDINATOR_ADDRESS.',
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  'num_processes', None, 'Number of processes of a multi-process run. Default: $JAX_NUM_PROCESSES.'
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  'process_id', None, 'This process, 0 … num_processes − 1 (0 writes the files). Default: $JAX_PROCESS_ID.'
+)
 _DISTRIBUTED = flags.DEFINE_bool(
-    'jax_distributed', False,
-    'Initialise jax.distributed and let JAX detect what the three flags above leave unset from the '
-    'cluster (Cloud TPU pods, SLURM, Open MPI).')
+  'jax_distributed',
+  False,
+  'Initialise jax.distributed and let JAX detect what the three flags above leave unset from the '
+  'cluster (Cloud TPU pods, SLURM, Open MPI).',
+)
 _FRESH = flags.DEFINE_bool(
-    'fresh', False,
-    'Train from step 0 in a --workdir that holds the history of an earlier run but no intact checkpoint '
-    '(all unreadable, or none written): that history is moved to WORKDIR/earlier_runs/<time>/ first. '
-    'An error where an intact checkpoint exists (rerun without it to resume).')
+  'fresh',
+  False,
+  'Train from step 0 in a --workdir that holds the history of an earlier run but no intact checkpoint '
+  '(all unreadable, or none written): that history is moved to WORKDIR/earlier_runs/<time>/ first. '
+  'An error where an intact checkpoint exists (rerun without it to resume).',
+)
 flags.mark_flags_as_required(['config', 'workdir'])
+
 
 def main(argv):
   del argv
-  settings = sharding_lib.distributed_settings(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                               _DISTRIBUTED.value)
+  settings = sharding_lib.distributed_settings(
+    _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value
+  )
   if settings is not None:
     sharding_lib.initialize_distributed(settings, detect=_DISTRIBUTED.value)
   if jax.process_index() > 0 and logging.get_verbosity() <= logging.INFO:

@@ -48,8 +48,8 @@ from dsjax import schemes
 from dsjax.instrument import theory_adapter
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli
-from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
+from dsjax.train import history as history_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 
@@ -57,37 +57,52 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
 import matplotlib.ticker  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', None, 'Path to a config file (configs/*.py).', lock_config=True
+)
 _OUT = flags.DEFINE_string('out', None, 'Output directory for moments.json and moments.png.')
-_BATCHES = flags.DEFINE_integer('batches', 4, 'Number of training batches to average the statistics over.',
-                                lower_bound=1)
-_CHECKPOINT = flags.DEFINE_string('checkpoint', None,
-                                  'A training workdir: measure its latest checkpoint instead of the init.')
+_BATCHES = flags.DEFINE_integer(
+  'batches', 4, 'Number of training batches to average the statistics over.', lower_bound=1
+)
+_CHECKPOINT = flags.DEFINE_string(
+  'checkpoint', None, 'A training workdir: measure its latest checkpoint instead of the init.'
+)
 INPUT_MOMENTS = ('measured', 'theory')
 THEORY_FORMS = ('exact', 'paper', 'simple')
 _INPUT_MOMENTS = flags.DEFINE_enum(
-    'input_moments', 'measured', INPUT_MOMENTS,
-    'Moments entering the first layer for the prediction: measured at the embedding output, or the '
-    'theory\'s embedding formula (Zipf-distributed tokens, DSLM paper Appendix A.1).')
+  'input_moments',
+  'measured',
+  INPUT_MOMENTS,
+  'Moments entering the first layer for the prediction: measured at the embedding output, or the '
+  "theory's embedding formula (Zipf-distributed tokens, DSLM paper Appendix A.1).",
+)
 _THEORY_FORM = flags.DEFINE_enum(
-    'theory_form', 'exact', THEORY_FORMS,
-    "Formulas of `dsjax.theory.model.propagate`: 'exact' (finite-d LayerNorm, exact softmax and "
-    "attention), 'paper' (the DSLM paper's Appendix A formulas) or 'simple' (its Tables 1-2).")
+  'theory_form',
+  'exact',
+  THEORY_FORMS,
+  "Formulas of `dsjax.theory.model.propagate`: 'exact' (finite-d LayerNorm, exact softmax and "
+  "attention), 'paper' (the DSLM paper's Appendix A formulas) or 'simple' (its Tables 1-2).",
+)
 flags.mark_flags_as_required(['config', 'out'])
 
 # Quantities compared per layer: JSON name -> measured (site, statistic). The first four are of the
 # layer output (the residual stream after the layer); the branch variances (the branch output after
 # its dropout, before the β scale) are what a Post-LN stack's forward pass is really about, since its
 # stream has variance 1 by construction.
-QUANTITIES = {'forward_var': ('ffn_residual', 'var'), 'grad_var': ('ffn_residual', 'grad_var'),
-              'corr_seq': ('ffn_residual', 'corr_seq'), 'grad_corr_seq': ('ffn_residual', 'grad_corr_seq'),
-              'attn_branch_var': ('attn_branch', 'var'), 'ffn_branch_var': ('ffn_branch', 'var')}
+QUANTITIES = {
+  'forward_var': ('ffn_residual', 'var'),
+  'grad_var': ('ffn_residual', 'grad_var'),
+  'corr_seq': ('ffn_residual', 'corr_seq'),
+  'grad_corr_seq': ('ffn_residual', 'grad_corr_seq'),
+  'attn_branch_var': ('attn_branch', 'var'),
+  'ffn_branch_var': ('ffn_branch', 'var'),
+}
 
 
 # ------------------------------------------------------------------------------------------------
 # Checks: every argument is checked before anything is compiled or written.
 # ------------------------------------------------------------------------------------------------
+
 
 def check_config(config):
   """The run's config checks (`dsjax.train.config`), then the dataset's; returns its DatasetInfo.
@@ -97,13 +112,16 @@ def check_config(config):
   return data_info
 
 
-def check_args(config, out: str, num_batches: int, checkpoint: str | None, input_moments: str,
-               theory_form: str):
+def check_args(
+  config, out: str, num_batches: int, checkpoint: str | None, input_moments: str, theory_form: str
+):
   """One-line ValueErrors naming the flag, for everything `run` is given; returns the DatasetInfo."""
   if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
     raise ValueError(f'--batches must be a positive integer, got {num_batches!r}')
-  for flag, value, allowed in (('--input_moments', input_moments, INPUT_MOMENTS),
-                               ('--theory_form', theory_form, THEORY_FORMS)):
+  for flag, value, allowed in (
+    ('--input_moments', input_moments, INPUT_MOMENTS),
+    ('--theory_form', theory_form, THEORY_FORMS),
+  ):
     if value not in allowed:
       raise ValueError(f'{flag} must be one of {", ".join(allowed)}; got {value!r}')
   cli.check_output_dir('--out', out)
@@ -121,6 +139,7 @@ def check_args(config, out: str, num_batches: int, checkpoint: str | None, input
 # ------------------------------------------------------------------------------------------------
 # Model and measurement.
 # ------------------------------------------------------------------------------------------------
+
 
 def load_model(config, data_info, checkpoint: str | None):
   """The model at initialisation, or with the train state of the latest checkpoint in `checkpoint`."""
@@ -161,8 +180,10 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
     logging.info('batch %d: loss %.4f', step, losses[-1])
   collector.flush()
   per_batch = instrument_lib.collector.table(collector.records)
-  means = {key: {layer: float(np.mean(values)) for layer, values in by_layer.items()}
-           for key, by_layer in per_batch.items()}
+  means = {
+    key: {layer: float(np.mean(values)) for layer, values in by_layer.items()}
+    for key, by_layer in per_batch.items()
+  }
   return means, {'loss': float(np.mean(losses)), 'num_batches': len(losses)}
 
 
@@ -170,14 +191,17 @@ def measure(model, config, batches) -> tuple[dict[tuple[str, str], dict[int, flo
 # Comparison, figure, summary.
 # ------------------------------------------------------------------------------------------------
 
+
 def layer_rows(measured, predicted, depth: int) -> list[dict[str, Any]]:
   """Per layer, measured and predicted quantities (predicted None where the theory does not apply)."""
   rows = []
   for n in range(depth):
     row: dict[str, Any] = {'layer': n}
     for name, key in QUANTITIES.items():
-      row[name] = {'measured': measured[key][n],
-                   'predicted': None if predicted is None else predicted[name][n]}
+      row[name] = {
+        'measured': measured[key][n],
+        'predicted': None if predicted is None else predicted[name][n],
+      }
     rows.append(row)
   return rows
 
@@ -200,20 +224,25 @@ def summarize(rows) -> dict[str, dict[str, float]]:
     else:
       kind, err = 'rel', np.abs(p - m) / np.maximum(np.abs(m), 1e-30)
     total = ((m - m.mean()) ** 2).sum()
-    out[name] = {f'mean_{kind}_error': float(err.mean()), f'median_{kind}_error': float(np.median(err)),
-                 f'max_{kind}_error': float(err.max()),
-                 'r2': float(1 - ((m - p) ** 2).sum() / total) if total > 0 else float('nan')}
+    out[name] = {
+      f'mean_{kind}_error': float(err.mean()),
+      f'median_{kind}_error': float(np.median(err)),
+      f'max_{kind}_error': float(err.max()),
+      'r2': float(1 - ((m - p) ** 2).sum() / total) if total > 0 else float('nan'),
+    }
   return out
 
 
 def plot(rows, path: str, title: str):
   layers = np.array([r['layer'] for r in rows]) + 1
-  panels = [('forward_var', 'forward variance (layer output)', True),
-            ('grad_var', 'gradient variance (layer output)', True),
-            ('attn_branch_var', 'attention branch output variance', True),
-            ('corr_seq', 'token correlation rˡ (forward)', False),
-            ('grad_corr_seq', 'token correlation rˡ of the gradient', False),
-            ('ffn_branch_var', 'FFN branch output variance', True)]
+  panels = [
+    ('forward_var', 'forward variance (layer output)', True),
+    ('grad_var', 'gradient variance (layer output)', True),
+    ('attn_branch_var', 'attention branch output variance', True),
+    ('corr_seq', 'token correlation rˡ (forward)', False),
+    ('grad_corr_seq', 'token correlation rˡ of the gradient', False),
+    ('ffn_branch_var', 'FFN branch output variance', True),
+  ]
   fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
   for ax, (name, label, log) in zip(axes.flat, panels):
     measured = np.array([r[name]['measured'] for r in rows])
@@ -249,12 +278,20 @@ def plot(rows, path: str, title: str):
 def describe(config) -> str:
   m = config.model
   inputs = f'seq {config.data.seq_len}' if m.name == 'gpt' else f'patch {m.patch_size}'
-  return (f'{m.name} {m.block} scheme={m.scheme}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
-          f'{m.activation}, {inputs}')
+  return (
+    f'{m.name} {m.block} scheme={m.scheme}, depth {m.depth}, d {m.width}, dropout {m.dropout}, '
+    f'{m.activation}, {inputs}'
+  )
 
 
-def run(config, out: str, num_batches: int, checkpoint: str | None = None,
-        input_moments: str = 'measured', theory_form: str = 'exact') -> dict[str, Any]:
+def run(
+  config,
+  out: str,
+  num_batches: int,
+  checkpoint: str | None = None,
+  input_moments: str = 'measured',
+  theory_form: str = 'exact',
+) -> dict[str, Any]:
   """Measures, predicts, writes DIR/moments.json and DIR/moments.png; returns the JSON content.
 
   Where the theory does not cover the model (`theory_adapter.coverage_gap`: no-norm or DNT blocks,
@@ -262,29 +299,42 @@ def run(config, out: str, num_batches: int, checkpoint: str | None = None,
   the measurement is written, and `settings.theory` says why."""
   data_info = check_args(config, out, num_batches, checkpoint, input_moments, theory_form)
   model = load_model(config, data_info, checkpoint)
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size,
-                                    seed=config.seed, process_index=0, process_count=1, train=True)
+  pipeline = data_lib.make_pipeline(
+    config.data,
+    global_batch_size=config.batch_size,
+    seed=config.seed,
+    process_index=0,
+    process_count=1,
+    train=True,
+  )
   batches = (jax.device_put(b) for b in itertools.islice(pipeline, num_batches))
   measured, info = measure(model, config, batches)
   gap = theory_adapter.coverage_gap(config, model)
   if gap is None:
-    predicted, settings = theory_adapter.predict(config, model, data_info, measured,
-                                                 input_moments=input_moments, form=theory_form)
+    predicted, settings = theory_adapter.predict(
+      config, model, data_info, measured, input_moments=input_moments, form=theory_form
+    )
   else:
     predicted, settings = None, {'theory': f'not covered: {gap}'}
   rows = layer_rows(measured, predicted, config.model.depth)
   summary = summarize(rows)
   result = {
-      'config': json.loads(config.to_json_best_effort()),
-      'settings': {**settings, **info, 'checkpoint': checkpoint,
-                   'grad_normalisation': 'prediction starts from the gradient measured at the last '
-                                         'layer output'},
-      'summary': summary,
-      'input': theory_adapter.embedding_moments(measured),
-      'layers': rows,
-      # Every per-layer record (all four sites, forward and backward, weight-gradient norms).
-      'sites': {f'{site}/{stat}': [values[n] for n in range(config.model.depth)]
-                for (site, stat), values in sorted(measured.items()) if 0 in values},
+    'config': json.loads(config.to_json_best_effort()),
+    'settings': {
+      **settings,
+      **info,
+      'checkpoint': checkpoint,
+      'grad_normalisation': 'prediction starts from the gradient measured at the last layer output',
+    },
+    'summary': summary,
+    'input': theory_adapter.embedding_moments(measured),
+    'layers': rows,
+    # Every per-layer record (all four sites, forward and backward, weight-gradient norms).
+    'sites': {
+      f'{site}/{stat}': [values[n] for n in range(config.model.depth)]
+      for (site, stat), values in sorted(measured.items())
+      if 0 in values
+    },
   }
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, 'moments.json'), 'w') as f:
@@ -303,15 +353,18 @@ def format_summary(result) -> str:
     errors = ''.join(fmt(s[f'{k}_{kind}_error']) for k in ('mean', 'median', 'max'))
     label = 'relative' if kind == 'rel' else 'absolute'
     lines.append(f'{name:16s} {label:>9s} {errors} {s["r2"]:9.4f}')
-  lines.append('(gradient prediction starts from the gradient measured at the last layer output; '
-               'R² over layers is uninformative where a quantity is flat)')
+  lines.append(
+    '(gradient prediction starts from the gradient measured at the last layer output; '
+    'R² over layers is uninformative where a quantity is flat)'
+  )
   return '\n'.join(lines)
 
 
 def main(argv):
   del argv
-  result = run(_CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value,
-               _THEORY_FORM.value)
+  result = run(
+    _CONFIG.value, _OUT.value, _BATCHES.value, _CHECKPOINT.value, _INPUT_MOMENTS.value, _THEORY_FORM.value
+  )
   print(describe(_CONFIG.value))
   print(format_summary(result))
   print(f'wrote {os.path.join(_OUT.value, "moments.json")} and moments.png')

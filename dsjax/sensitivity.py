@@ -55,8 +55,8 @@ from ml_collections import config_flags
 from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.train import cli
-from dsjax.train import history as history_lib
 from dsjax.train import config as config_lib
+from dsjax.train import history as history_lib
 from dsjax.train import state as state_lib
 
 matplotlib.use('Agg')
@@ -64,14 +64,14 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interacti
 import matplotlib.ticker  # noqa: E402
 
 
-
 def _define_flags():
   # Defined only when run as a program, so that importing dsjax.sensitivity (tests, other tools with
   # flags of the same names, e.g. dsjax.moments) defines no absl flags.
   config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).', lock_config=True)
   flags.DEFINE_string('out', None, 'Output directory for sensitivity.json and sensitivity.png.')
-  flags.DEFINE_integer('draws', 8, 'Independent draws of (parameters, perturbation, training batch).',
-                       lower_bound=1)
+  flags.DEFINE_integer(
+    'draws', 8, 'Independent draws of (parameters, perturbation, training batch).', lower_bound=1
+  )
   flags.mark_flags_as_required(['config', 'out'])
 
 
@@ -90,6 +90,7 @@ PREDICTIONS = ('composition', 'local', 'idealised')
 # Parameter trees.
 # ------------------------------------------------------------------------------------------------
 
+
 def _path_keys(path) -> tuple[Any, ...]:
   return tuple(getattr(k, 'key', getattr(k, 'idx', k)) for k in path)
 
@@ -97,16 +98,18 @@ def _path_keys(path) -> tuple[Any, ...]:
 def layer_tangent(direction, n: jax.Array | None, depth: int):
   """`direction` restricted to layer n's parameters (n may be traced), or to every layer's (n None);
   zero elsewhere (embeddings, head, final norm)."""
+
   def select(path, x):
     keys = _path_keys(path)
-    if keys[:len(STACK_PATH)] == STACK_PATH:
+    if keys[: len(STACK_PATH)] == STACK_PATH:
       if n is None:
         return x
       at_n = (jnp.arange(depth) == n).astype(x.dtype)
       return x * at_n.reshape((depth,) + (1,) * (x.ndim - 1))
-    if keys[:len(LAYER_LIST_PATH)] == LAYER_LIST_PATH and isinstance(keys[len(LAYER_LIST_PATH)], int):
+    if keys[: len(LAYER_LIST_PATH)] == LAYER_LIST_PATH and isinstance(keys[len(LAYER_LIST_PATH)], int):
       return x if n is None else x * jnp.asarray(keys[len(LAYER_LIST_PATH)] == n, x.dtype)
     return jnp.zeros_like(x)
+
   return jax.tree_util.tree_map_with_path(select, direction)
 
 
@@ -124,7 +127,8 @@ def _branch_only(tree, add: str):
   """The entries of one layer's parameter tree that belong to the attention or the FFN add
   (`attn`, `pre_attn_norm`, `branch_attn`, ... vs `ffn`, `pre_ffn_norm`, `branch_ffn`, ...)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x if add in str(_path_keys(path)[0]) else jnp.zeros_like(x), tree)
+    lambda path, x: x if add in str(_path_keys(path)[0]) else jnp.zeros_like(x), tree
+  )
 
 
 def _sum_sq(x: jax.Array) -> jax.Array:
@@ -134,6 +138,7 @@ def _sum_sq(x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # One draw: the measurement and the local factors of the composition, on device.
 # ------------------------------------------------------------------------------------------------
+
 
 def with_xla_attention(config):
   """A copy of `config` whose model runs the XLA attention. Forward-mode derivatives (`jax.linearize`)
@@ -190,10 +195,12 @@ class Measurement:
   def _measure_draw(self, params, direction, inputs):
     depth = self.depth
     f, jvp = jax.linearize(lambda p: self.trunk_output(p, inputs), params)
-    per_layer = jax.lax.map(lambda n: _sum_sq(jvp(layer_tangent(direction, n, depth))),
-                            jnp.arange(depth), batch_size=min(LAYER_BATCH, depth))
-    out = {'f': _sum_sq(f), 'layer': per_layer,
-           'all': _sum_sq(jvp(layer_tangent(direction, None, depth)))}
+    per_layer = jax.lax.map(
+      lambda n: _sum_sq(jvp(layer_tangent(direction, n, depth))),
+      jnp.arange(depth),
+      batch_size=min(LAYER_BATCH, depth),
+    )
+    out = {'f': _sum_sq(f), 'layer': per_layer, 'all': _sum_sq(jvp(layer_tangent(direction, None, depth)))}
     if self.additive:
       out.update(self._composition_factors(params, direction, inputs))
     return out
@@ -241,8 +248,13 @@ class Measurement:
       from_input = linear(jax.tree.map(jnp.zeros_like, block_params), dx)
       own = {add: linear(_branch_only(block_direction, add), jnp.zeros_like(x)) for add in ADDS}
       dy_own = own['attn']['y'] + own['ffn']['y']
-      sums = {'x': _sum_sq(x), 'y': _sum_sq(parts['y']), 'dx': _sum_sq(dx),
-              'dy_in': _sum_sq(from_input['y']), 'dy_own': _sum_sq(dy_own)}
+      sums = {
+        'x': _sum_sq(x),
+        'y': _sum_sq(parts['y']),
+        'dx': _sum_sq(dx),
+        'dy_in': _sum_sq(from_input['y']),
+        'dy_own': _sum_sq(dy_own),
+      }
       for add in ADDS:
         sums[f'h_{add}'] = _sum_sq(parts[f'h_{add}'])
         sums[f'dh_{add}'] = _sum_sq(own[add][f'h_{add}'])
@@ -260,8 +272,10 @@ class Measurement:
 # The idealised model (Catformer App. C) from the residual scales and the norm layout.
 # ------------------------------------------------------------------------------------------------
 
-def residual_layout(scales: dict[str, Any], normed_branch: dict[str, bool],
-                    post_norm: dict[str, bool]) -> dict[str, Any]:
+
+def residual_layout(
+  scales: dict[str, Any], normed_branch: dict[str, bool], post_norm: dict[str, bool]
+) -> dict[str, Any]:
   """λ², β² per layer and add (mean over the entries of vector scales) from `scales` (skip_attn,
   branch_attn, skip_ffn, branch_ffn: arrays with a leading depth axis), and per add whether its branch
   output is normalised (a pre- or mid-norm) and whether a norm follows the add (Post-LN)."""
@@ -281,9 +295,11 @@ def model_layout(model) -> dict[str, Any] | None:
   if stack is None:
     return None
   has = lambda name: getattr(stack, name) is not None
-  return residual_layout(stack.scales(),
-                         {add: has(f'pre_{add}_norm') or has(f'mid_{add}_norm') for add in ADDS},
-                         {add: has(f'post_{add}_norm') for add in ADDS})
+  return residual_layout(
+    stack.scales(),
+    {add: has(f'pre_{add}_norm') or has(f'mid_{add}_norm') for add in ADDS},
+    {add: has(f'post_{add}_norm') for add in ADDS},
+  )
 
 
 def idealised(layout: dict[str, Any], depth: int) -> np.ndarray:
@@ -302,6 +318,7 @@ def idealised(layout: dict[str, Any], depth: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # Aggregation over draws.
 # ------------------------------------------------------------------------------------------------
+
 
 def _ratio(num, den):
   num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
@@ -331,18 +348,27 @@ def aggregate(draws: list[dict[str, np.ndarray]], depth: int, layout) -> dict[st
     predicted.append(own * above * tail * d['f'])
   composition = depth * _ratio(np.sum(predicted, axis=0), f2)
   local = depth * _ratio(total('dy_own'), total('y'))
-  input_gain = np.where(total('dx') > 0, _ratio(_ratio(total('dy_in'), total('y')),
-                                                 _ratio(total('dx'), total('x'))), np.nan)
+  input_gain = np.where(
+    total('dx') > 0, _ratio(_ratio(total('dy_in'), total('y')), _ratio(total('dx'), total('x'))), np.nan
+  )
   result.update(
-      normaliser=normaliser, branch_sensitivity=branch, rho=rho, input_sensitivity=input_gain,
-      predicted={'composition': composition / normaliser, 'local': local / normaliser,
-                 'idealised': idealised(layout, depth)})
+    normaliser=normaliser,
+    branch_sensitivity=branch,
+    rho=rho,
+    input_sensitivity=input_gain,
+    predicted={
+      'composition': composition / normaliser,
+      'local': local / normaliser,
+      'idealised': idealised(layout, depth),
+    },
+  )
   return result
 
 
 # ------------------------------------------------------------------------------------------------
 # The run: model, data, JSON, figure, summary.
 # ------------------------------------------------------------------------------------------------
+
 
 def _stats(values) -> dict[str, float]:
   values = np.asarray(values, np.float64)
@@ -363,16 +389,26 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   data_info = config_lib.validate_single_device_run(config, training=False)
   prepared = state_lib.method_preparation(config, data_info)
   measurement = Measurement(config, data_info, prepared)
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
-                                    process_index=0, process_count=1, train=True)
+  pipeline = data_lib.make_pipeline(
+    config.data,
+    global_batch_size=config.batch_size,
+    seed=config.seed,
+    process_index=0,
+    process_count=1,
+    train=True,
+  )
   base = jax.random.key(config.seed)
   per_draw = []
   for i, batch in enumerate(itertools.islice(pipeline, num_draws)):
     inputs = models.model_inputs(config.model.name, batch)
     sums = measurement.draw(jax.random.fold_in(base, i), inputs)
     per_draw.append(jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(sums)))
-    logging.info('draw %d/%d: Σ_n S[f; θ_n] = %.4g', i + 1, num_draws,
-                 float(np.sum(per_draw[-1]['layer']) / per_draw[-1]['f']))
+    logging.info(
+      'draw %d/%d: Σ_n S[f; θ_n] = %.4g',
+      i + 1,
+      num_draws,
+      float(np.sum(per_draw[-1]['layer']) / per_draw[-1]['f']),
+    )
   return per_draw, model_layout(measurement.model)
 
 
@@ -385,8 +421,10 @@ def layer_rows(agg: dict[str, Any], depth: int) -> list[dict[str, Any]]:
       row['predicted'] = {name: _num(agg['predicted'][name][n]) for name in PREDICTIONS}
       row['input_sensitivity'] = _num(agg['input_sensitivity'][n])
       for add in ADDS:
-        row[add] = {'rho': _num(agg['rho'][add][n]),
-                    'branch_sensitivity': _num(agg['branch_sensitivity'][add][n])}
+        row[add] = {
+          'rho': _num(agg['rho'][add][n]),
+          'branch_sensitivity': _num(agg['branch_sensitivity'][add][n]),
+        }
     rows.append(row)
   return rows
 
@@ -396,10 +434,16 @@ def _headline(agg: dict[str, Any]) -> dict[str, float]:
   out = {'s_mean': np.mean(agg['s']), 's_median': np.median(agg['s'])}
   if 'normaliser' in agg:
     measured, composition = agg['s'] / agg['normaliser'], agg['predicted']['composition']
-    out.update(normalised_mean=np.mean(measured), normalised_median=np.median(measured),
-               composition_mean=np.mean(composition), composition_median=np.median(composition))
-    out.update(ratio_mean=out['normalised_mean'] / out['composition_mean'],
-               ratio_median=out['normalised_median'] / out['composition_median'])
+    out.update(
+      normalised_mean=np.mean(measured),
+      normalised_median=np.median(measured),
+      composition_mean=np.mean(composition),
+      composition_median=np.median(composition),
+    )
+    out.update(
+      ratio_mean=out['normalised_mean'] / out['composition_mean'],
+      ratio_median=out['normalised_median'] / out['composition_median'],
+    )
   return {k: float(v) for k, v in out.items()}
 
 
@@ -407,11 +451,16 @@ def jackknife(draws: list[dict[str, np.ndarray]], depth: int, layout) -> dict[st
   """Leave-one-draw-out standard errors of `_headline` (NaN with a single draw)."""
   if len(draws) < 2:
     return {k: float('nan') for k in _headline(aggregate(draws, depth, layout))}
-  samples = [_headline(aggregate(draws[:i] + draws[i + 1:], depth, layout)) for i in range(len(draws))]
+  samples = [_headline(aggregate(draws[:i] + draws[i + 1 :], depth, layout)) for i in range(len(draws))]
   d = len(draws)
-  return {k: float(np.sqrt((d - 1) / d * np.sum((np.array([s[k] for s in samples]) -
-                                                   np.mean([s[k] for s in samples])) ** 2)))
-          for k in samples[0]}
+  return {
+    k: float(
+      np.sqrt(
+        (d - 1) / d * np.sum((np.array([s[k] for s in samples]) - np.mean([s[k] for s in samples])) ** 2)
+      )
+    )
+    for k in samples[0]
+  }
 
 
 def summarize(agg: dict[str, Any], errors: dict[str, float]) -> dict[str, Any]:
@@ -419,14 +468,16 @@ def summarize(agg: dict[str, Any], errors: dict[str, float]) -> dict[str, Any]:
   head = _headline(agg)
   with_error = lambda key, stat: {stat: head[f'{key}_{stat}'], f'{stat}_stderr': errors[f'{key}_{stat}']}
   summary: dict[str, Any] = {
-      's': {**with_error('s', 'mean'), **with_error('s', 'median')},
-      # Σ_n S[f; θ_n] and the same from one JVP perturbing every layer at once (equal in expectation:
-      # independent perturbations of disjoint parameter groups add, Catformer Prop. 5).
-      'total_sensitivity': {'sum_over_layers': agg['total_from_layers'], 'all_layers_at_once': agg['total']},
+    's': {**with_error('s', 'mean'), **with_error('s', 'median')},
+    # Σ_n S[f; θ_n] and the same from one JVP perturbing every layer at once (equal in expectation:
+    # independent perturbations of disjoint parameter groups add, Catformer Prop. 5).
+    'total_sensitivity': {'sum_over_layers': agg['total_from_layers'], 'all_layers_at_once': agg['total']},
   }
   if 'normaliser' in agg:
-    summary['normaliser'] = {'layer': agg['normaliser'],
-                             **{add: float(np.nanmean(agg['branch_sensitivity'][add])) for add in ADDS}}
+    summary['normaliser'] = {
+      'layer': agg['normaliser'],
+      **{add: float(np.nanmean(agg['branch_sensitivity'][add])) for add in ADDS},
+    }
     summary['s_normalised'] = {**with_error('normalised', 'mean'), **with_error('normalised', 'median')}
     summary['predicted'] = {name: _stats(agg['predicted'][name]) for name in PREDICTIONS}
     summary['measured_over_composition'] = {**with_error('ratio', 'mean'), **with_error('ratio', 'median')}
@@ -436,8 +487,9 @@ def summarize(agg: dict[str, Any], errors: dict[str, float]) -> dict[str, Any]:
 def plot(rows, path: str, title: str):
   layers = np.array([r['layer'] for r in rows])
   normalised = 's_normalised' in rows[0]
-  fig, axes = plt.subplots(1, 2 if normalised else 1, figsize=(13 if normalised else 7, 4.5),
-                           constrained_layout=True, squeeze=False)
+  fig, axes = plt.subplots(
+    1, 2 if normalised else 1, figsize=(13 if normalised else 7, 4.5), constrained_layout=True, squeeze=False
+  )
   ax = axes[0, 0]
   key = 's_normalised' if normalised else 's'
   measured = np.array([r[key] for r in rows])
@@ -462,11 +514,19 @@ def plot(rows, path: str, title: str):
   ax.legend()
   if normalised:
     ax = axes[0, 1]
-    ax.plot(layers, [np.nan if r['input_sensitivity'] is None else r['input_sensitivity'] for r in rows],
-            '-', label='input sensitivity g_n (idealised: 1)')
+    ax.plot(
+      layers,
+      [np.nan if r['input_sensitivity'] is None else r['input_sensitivity'] for r in rows],
+      '-',
+      label='input sensitivity g_n (idealised: 1)',
+    )
     for add in ADDS:
-      ax.plot(layers, [r[add]['branch_sensitivity'] for r in rows], '--',
-              label=f'{add} branch own sensitivity (idealised: 2)')
+      ax.plot(
+        layers,
+        [r[add]['branch_sensitivity'] for r in rows],
+        '--',
+        label=f'{add} branch own sensitivity (idealised: 2)',
+      )
     ax.set_xlabel('layer n')
     ax.set_title('local factors')
     ax.grid(alpha=0.3)
@@ -479,8 +539,10 @@ def plot(rows, path: str, title: str):
 def describe(config, num_draws: int) -> str:
   m = config.model
   inputs = f'seq {config.data.seq_len}' if m.name == 'gpt' else f'patch {m.patch_size}'
-  return (f'{m.name} {m.block} scheme={m.scheme}, depth {m.depth}, d {m.width}, {m.activation}, {inputs}, '
-          f'batch {config.batch_size}, {num_draws} draws')
+  return (
+    f'{m.name} {m.block} scheme={m.scheme}, depth {m.depth}, d {m.width}, {m.activation}, {inputs}, '
+    f'batch {config.batch_size}, {num_draws} draws'
+  )
 
 
 def run(config, out: str, num_draws: int) -> dict[str, Any]:
@@ -492,17 +554,17 @@ def run(config, out: str, num_draws: int) -> dict[str, Any]:
   depth = config.model.depth
   agg = aggregate(per_draw, depth, layout)
   result = {
-      'config': json.loads(config.to_json_best_effort()),
-      'draws': num_draws,
-      'definition': {
-          'f': 'trunk output (final hidden state before the head), all tokens, dropout off',
-          'perturbation': "(u' - u'')/sqrt(2) from two more initialisations; constant-initialised "
-                          'parameters get none',
-          's': 'N * S[f; theta_n], N = model.depth',
-          's_normalised': 's / normaliser.layer (own-parameter sensitivity of a layer\'s two branches)',
-      },
-      'summary': summarize(agg, jackknife(per_draw, depth, layout)),
-      'layers': layer_rows(agg, depth),
+    'config': json.loads(config.to_json_best_effort()),
+    'draws': num_draws,
+    'definition': {
+      'f': 'trunk output (final hidden state before the head), all tokens, dropout off',
+      'perturbation': "(u' - u'')/sqrt(2) from two more initialisations; constant-initialised "
+      'parameters get none',
+      's': 'N * S[f; theta_n], N = model.depth',
+      's_normalised': "s / normaliser.layer (own-parameter sensitivity of a layer's two branches)",
+    },
+    'summary': summarize(agg, jackknife(per_draw, depth, layout)),
+    'layers': layer_rows(agg, depth),
   }
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, 'sensitivity.json'), 'w') as f:
@@ -514,19 +576,26 @@ def run(config, out: str, num_draws: int) -> dict[str, Any]:
 def format_summary(result) -> str:
   s = result['summary']
   pm = lambda d, stat: f'{d[stat]:.4g} ± {d[stat + "_stderr"]:.2g}'
-  lines = [f'per-layer sensitivity s_n = N·S[f; θ_n]: mean {pm(s["s"], "mean")}, median {pm(s["s"], "median")} '
-           f'(± jackknife standard error over draws)',
-           f'Σ_n S[f; θ_n] = {s["total_sensitivity"]["sum_over_layers"]:.4g} '
-           f'(one JVP over all layers: {s["total_sensitivity"]["all_layers_at_once"]:.4g})']
+  lines = [
+    f'per-layer sensitivity s_n = N·S[f; θ_n]: mean {pm(s["s"], "mean")}, median {pm(s["s"], "median")} '
+    f'(± jackknife standard error over draws)',
+    f'Σ_n S[f; θ_n] = {s["total_sensitivity"]["sum_over_layers"]:.4g} '
+    f'(one JVP over all layers: {s["total_sensitivity"]["all_layers_at_once"]:.4g})',
+  ]
   if 'normaliser' in s:
     norm = s['normaliser']
-    lines.append(f'normalised ŝ_n = s_n / {norm["layer"]:.3f} (branch own-parameter sensitivity: attention '
-                 f'{norm["attn"]:.3f}, FFN {norm["ffn"]:.3f}; idealised 2 + 2)')
+    lines.append(
+      f'normalised ŝ_n = s_n / {norm["layer"]:.3f} (branch own-parameter sensitivity: attention '
+      f'{norm["attn"]:.3f}, FFN {norm["ffn"]:.3f}; idealised 2 + 2)'
+    )
     lines.append(f'  {"":12s} {"mean":>16s} {"median":>16s}')
     measured = s['s_normalised']
     lines.append(f'  {"measured":12s} {pm(measured, "mean"):>16s} {pm(measured, "median"):>16s}')
-    notes = {'composition': 'chain rule, measured local factors', 'local': 'input sensitivity 1',
-             'idealised': 'unit variances: the closed forms'}
+    notes = {
+      'composition': 'chain rule, measured local factors',
+      'local': 'input sensitivity 1',
+      'idealised': 'unit variances: the closed forms',
+    }
     for name in PREDICTIONS:
       p = s['predicted'][name]
       lines.append(f'  {name:12s} {p["mean"]:16.4g} {p["median"]:16.4g}   ({notes[name]})')

@@ -48,8 +48,10 @@ def best_lrs(path: str) -> dict[str, float]:
 def gradient_groups(config, params, rest, graphdef, batch) -> dict[str, np.ndarray]:
   loss_fn = step_lib.LOSSES[config.model.name]
   grads = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch, None)[0]))(params)
-  return {kind: np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
-          for kind, leaves in stats_lib.group_layer_grads(grads).items()}
+  return {
+    kind: np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
+    for kind, leaves in stats_lib.group_layer_grads(grads).items()
+  }
 
 
 def measure(setting: str, lr: float, steps: int, batch) -> dict[str, dict]:
@@ -66,8 +68,11 @@ def measure(setting: str, lr: float, steps: int, batch) -> dict[str, dict]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', required=True, help='Output directory.')
-  parser.add_argument('--sweep', default='experiments/results/dnt_vit/results.json',
-                      help='results.json of the ViT 2×2 sweep (its best AdamW lr per setting).')
+  parser.add_argument(
+    '--sweep',
+    default='experiments/results/dnt_vit/results.json',
+    help='results.json of the ViT 2×2 sweep (its best AdamW lr per setting).',
+  )
   parser.add_argument('--steps', type=int, default=300, help='Training steps.')
   args = parser.parse_args(argv)
   if not os.path.isfile(args.sweep):
@@ -75,23 +80,38 @@ def main(argv=None):
   lrs = best_lrs(args.sweep)
   os.makedirs(args.out, exist_ok=True)
   config = dnt_sweeps.task_config('vit', 'S1', 'adamw', args.steps)
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=512, seed=123, process_index=0,
-                                    process_count=1, train=True)
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=512, seed=123, process_index=0, process_count=1, train=True
+  )
   batch = next(itertools.islice(pipeline, 1))
   grads = {s: measure(s, lrs[s], args.steps, batch) for s in SETTINGS}
 
-  summary = {s: {when: {kind: {k: float(v) for k, v in stats_lib.distribution_stats(jax.numpy.asarray(g)).items()
-                               if k in TAIL_STATS}
-                        for kind, g in by_kind.items()}
-                 for when, by_kind in grads[s].items()} for s in SETTINGS}
+  summary = {
+    s: {
+      when: {
+        kind: {
+          k: float(v)
+          for k, v in stats_lib.distribution_stats(jax.numpy.asarray(g)).items()
+          if k in TAIL_STATS
+        }
+        for kind, g in by_kind.items()
+      }
+      for when, by_kind in grads[s].items()
+    }
+    for s in SETTINGS
+  }
   summary['adamw_lr'] = lrs
   with open(os.path.join(args.out, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=1)
-  lines = ['| weight type | when | ' + ' | '.join(f'{s}: median |g| / p99.9 / kurtosis / tail ratio' for s in SETTINGS)
-           + ' |', '|---|---|' + '---|' * len(SETTINGS)]
+  lines = [
+    '| weight type | when | '
+    + ' | '.join(f'{s}: median |g| / p99.9 / kurtosis / tail ratio' for s in SETTINGS)
+    + ' |',
+    '|---|---|' + '---|' * len(SETTINGS),
+  ]
   for kind in grads['S1']['init']:
     for when in ('init', 'trained'):
-      cells = [' / '.join(f"{summary[s][when][kind][k]:.3g}" for k in TAIL_STATS) for s in SETTINGS]
+      cells = [' / '.join(f'{summary[s][when][kind][k]:.3g}' for k in TAIL_STATS) for s in SETTINGS]
       lines.append(f'| {kind} | {when} | ' + ' | '.join(cells) + ' |')
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
@@ -101,8 +121,10 @@ def main(argv=None):
 
 def plot(grads, path: str):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   kinds = list(grads['S1']['init'])
   fig, axes = plt.subplots(2, len(kinds), figsize=(2.6 * len(kinds), 5), constrained_layout=True)
   for row, when in enumerate(('init', 'trained')):

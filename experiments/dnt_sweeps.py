@@ -46,7 +46,7 @@ _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
 _SETTINGS = flags.DEFINE_list('settings', ['S1', 'S5'], 'DNT settings (S1 = standard Pre-LN, S5 = DNT).')
 _OPTIMIZERS = flags.DEFINE_list('optimizers', ['adamw', 'msgdw'], 'Optimizers.')
 _STEPS = flags.DEFINE_integer('steps', 300, 'Training steps of every run.')
-_SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds at the best learning rate (seed 0 is the sweep\'s).')
+_SEEDS = flags.DEFINE_integer('seeds', 3, "Seeds at the best learning rate (seed 0 is the sweep's).")
 
 LR_GRIDS = {'adamw': (3e-4, 1e-3, 3e-3, 1e-2, 3e-2), 'msgdw': (0.01, 0.03, 0.1, 0.3, 1.0)}
 NAMES = {'S1': 'Pre-LN (S1)', 'S5': 'DNT (S5)'}
@@ -71,21 +71,29 @@ def task_config(task: str, setting: str, optimizer: str, steps: int):
 
 def run_cell(task, setting, optimizer, steps, num_seeds) -> dict:
   print(f'{task} {setting} {optimizer}: sweep {LR_GRIDS[optimizer]}', flush=True)
-  cell = population.sweep_then_seeds(task_config(task, setting, optimizer, steps), LR_GRIDS[optimizer],
-                                     num_seeds)
+  cell = population.sweep_then_seeds(
+    task_config(task, setting, optimizer, steps), LR_GRIDS[optimizer], num_seeds
+  )
   return {'setting': setting, 'optimizer': optimizer, **cell}
 
 
 def cell_summary(cell: dict) -> dict:
   finals = [m['final'] for m in cell['best_seeds']]
-  return {key: population.spread([f[key] for f in finals]) for key in ('eval/loss', 'eval/accuracy')
-          if key in finals[0]}
+  return {
+    key: population.spread([f[key] for f in finals])
+    for key in ('eval/loss', 'eval/accuracy')
+    if key in finals[0]
+  }
 
 
 def write_summary(task: str, cells: list[dict], out: str):
-  lines = [f'# DNT {task}: best-of-sweep over {len(cells[0]["best_seeds"])} seeds', '',
-           '| setting | optimizer | best lr | eval loss mean ± sd (min–max) | accuracy mean ± sd | '
-           'lr curve (eval loss, seed 0) | diverged lrs | minutes |', '|---|---|---|---|---|---|---|---|']
+  lines = [
+    f'# DNT {task}: best-of-sweep over {len(cells[0]["best_seeds"])} seeds',
+    '',
+    '| setting | optimizer | best lr | eval loss mean ± sd (min–max) | accuracy mean ± sd | '
+    'lr curve (eval loss, seed 0) | diverged lrs | minutes |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for cell in cells:
     s = cell_summary(cell)
     loss = s['eval/loss']
@@ -93,11 +101,12 @@ def write_summary(task: str, cells: list[dict], out: str):
     curve = ' '.join(f'{m["lr"]:g}:{m["final"]["eval/loss"]:.3f}' for m in cell['sweep'])
     diverged = ','.join(f'{m["lr"]:g}' for m in cell['sweep'] if m['diverged']) or '–'
     lines.append(
-        f'| {NAMES.get(cell["setting"], cell["setting"])} | {cell["optimizer"]} | {cell["best_lr"]:g}'
-        f'{" (grid edge)" if cell["best_at_edge"] else ""} | {loss["mean"]:.4f} ± {loss["sd"]:.4f} '
-        f'({loss["min"]:.4f}–{loss["max"]:.4f}) | '
-        + (f'{acc["mean"]:.4f} ± {acc["sd"]:.4f}' if acc else '–')
-        + f' | {curve} | {diverged} | {cell["seconds"] / 60:.1f} |')
+      f'| {NAMES.get(cell["setting"], cell["setting"])} | {cell["optimizer"]} | {cell["best_lr"]:g}'
+      f'{" (grid edge)" if cell["best_at_edge"] else ""} | {loss["mean"]:.4f} ± {loss["sd"]:.4f} '
+      f'({loss["min"]:.4f}–{loss["max"]:.4f}) | '
+      + (f'{acc["mean"]:.4f} ± {acc["sd"]:.4f}' if acc else '–')
+      + f' | {curve} | {diverged} | {cell["seconds"] / 60:.1f} |'
+    )
   with open(os.path.join(out, 'summary.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
@@ -105,19 +114,28 @@ def write_summary(task: str, cells: list[dict], out: str):
 
 def plot(task: str, cells: list[dict], out: str):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   optimizers = sorted({c['optimizer'] for c in cells})
-  fig, axes = plt.subplots(1, len(optimizers), figsize=(5.5 * len(optimizers), 4), constrained_layout=True,
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    1, len(optimizers), figsize=(5.5 * len(optimizers), 4), constrained_layout=True, squeeze=False
+  )
   for ax, opt in zip(axes[0], optimizers):
     for cell in (c for c in cells if c['optimizer'] == opt):
       lrs = [m['lr'] for m in cell['sweep']]
       losses = [m['final']['eval/loss'] if not m['diverged'] else np.nan for m in cell['sweep']]
-      line, = ax.plot(lrs, losses, 'o-', label=NAMES.get(cell['setting'], cell['setting']))
+      (line,) = ax.plot(lrs, losses, 'o-', label=NAMES.get(cell['setting'], cell['setting']))
       seeds = [m['final']['eval/loss'] for m in cell['best_seeds']]
-      ax.errorbar([cell['best_lr']], [np.mean(seeds)], yerr=[np.std(seeds, ddof=1)], color=line.get_color(),
-                  capsize=4, marker='s')
+      ax.errorbar(
+        [cell['best_lr']],
+        [np.mean(seeds)],
+        yerr=[np.std(seeds, ddof=1)],
+        color=line.get_color(),
+        capsize=4,
+        marker='s',
+      )
     ax.set_xscale('log')
     ax.set_xlabel(f'{opt} peak learning rate')
     ax.set_ylabel('final eval loss')
@@ -139,11 +157,15 @@ def main(argv):
       done['cells'].append(run_cell(_TASK.value, setting, optimizer, _STEPS.value, _SEEDS.value))
       with open(path, 'w') as f:
         json.dump(done, f)
-  cells = [c for c in done['cells'] if c['setting'] in _SETTINGS.value and c['optimizer'] in _OPTIMIZERS.value]
+  cells = [
+    c for c in done['cells'] if c['setting'] in _SETTINGS.value and c['optimizer'] in _OPTIMIZERS.value
+  ]
   write_summary(_TASK.value, cells, out)
   plot(_TASK.value, cells, out)
-  print(f'total {sum(c["seconds"] for c in cells) / 60:.1f} min; wrote {out}/results.json, summary.md, '
-        'lr_curves.png')
+  print(
+    f'total {sum(c["seconds"] for c in cells) / 60:.1f} min; wrote {out}/results.json, summary.md, '
+    'lr_curves.png'
+  )
 
 
 if __name__ == '__main__':

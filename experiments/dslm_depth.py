@@ -10,8 +10,8 @@ about 0.2M weights in the blocks): 4 × 64, 16 × 32, 64 × 16 (head dim 16), ea
   DSLM Pre-LN, DSLM Post-LN        (`model.scheme='dslm'`, simple init, β² = 2/N, λ² = 1 − β²)
 
 with everything else shared: dropout 0.1, tied embeddings, seq 64, batch 16, 300 steps (the same tokens),
-AdamW (wd 0.01, clip 1, warmup over the first tenth, cosine to 0). DSLM's head scales the final hidden state by
-1/sqrt(σe²·d) (the reference code's choice, `configs/gpt_dslm_deep.py`).
+AdamW (wd 0.01, clip 1, warmup over the first tenth, cosine to 0). DSLM's head scales the final hidden
+state by 1/sqrt(σe²·d) (the reference code's choice, `configs/gpt_dslm_deep.py`).
 
 Protocol per (model, depth): a sweep of 5 log-spaced peak learning rates with seed 0, then the best lr
 with seeds 1 and 2 (`experiments/population.py`). A run 'diverged' when its loss or gradient turned
@@ -41,10 +41,11 @@ from experiments import population  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
 _SHAPES = flags.DEFINE_list('shapes', ['4x64', '16x32', '64x16'], 'depth x width of each model.')
-_MODELS = flags.DEFINE_list('models', ['vanilla_preln', 'vanilla_postln', 'dslm_preln', 'dslm_postln'],
-                            'scheme_block of each model.')
+_MODELS = flags.DEFINE_list(
+  'models', ['vanilla_preln', 'vanilla_postln', 'dslm_preln', 'dslm_postln'], 'scheme_block of each model.'
+)
 _STEPS = flags.DEFINE_integer('steps', 300, 'Training steps of every run.')
-_SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds at the best learning rate (seed 0 is the sweep\'s).')
+_SEEDS = flags.DEFINE_integer('seeds', 3, "Seeds at the best learning rate (seed 0 is the sweep's).")
 
 LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 FP8 = {'fp8_e4m3': jnp.float8_e4m3fn, 'fp8_e5m2': jnp.float8_e5m2}
@@ -64,33 +65,47 @@ def model_config(model: str, depth: int, width: int, steps: int):
 
 
 def summary_rows(cells: list[dict]) -> list[str]:
-  lines = ['| model | depth × width | best lr | eval loss mean ± sd (min–max), 3 seeds | lr curve (seed 0; '
-           'div = diverged) | FP8 e4m3 Δloss | FP8 e5m2 Δloss | minutes |', '|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| model | depth × width | best lr | eval loss mean ± sd (min–max), 3 seeds | lr curve (seed 0; '
+    'div = diverged) | FP8 e4m3 Δloss | FP8 e5m2 Δloss | minutes |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for c in cells:
     loss = population.spread([m['final']['eval/loss'] for m in c['best_seeds']])
-    curve = ' '.join(f'{m["lr"]:g}:' + ('div' if m['diverged'] else f'{m["final"]["eval/loss"]:.3f}')
-                     for m in c['sweep'])
+    curve = ' '.join(
+      f'{m["lr"]:g}:' + ('div' if m['diverged'] else f'{m["final"]["eval/loss"]:.3f}') for m in c['sweep']
+    )
     fp8 = []
     for name in FP8:
       delta = [m[f'final/{name}']['eval/loss'] - m['final']['eval/loss'] for m in c['best_seeds'][1:]]
       fp8.append(' / '.join(f'{d:+.3f}' for d in delta) or '–')
-    lines.append(f'| {c["model"]} | {c["depth"]} × {c["width"]} | {c["best_lr"]:g}'
-                 f'{" (edge)" if c["best_at_edge"] else ""} | {loss["mean"]:.4f} ± {loss["sd"]:.4f} '
-                 f'({loss["min"]:.4f}–{loss["max"]:.4f}) | {curve} | {fp8[0]} | {fp8[1]} | '
-                 f'{c["seconds"] / 60:.1f} |')
+    lines.append(
+      f'| {c["model"]} | {c["depth"]} × {c["width"]} | {c["best_lr"]:g}'
+      f'{" (edge)" if c["best_at_edge"] else ""} | {loss["mean"]:.4f} ± {loss["sd"]:.4f} '
+      f'({loss["min"]:.4f}–{loss["max"]:.4f}) | {curve} | {fp8[0]} | {fp8[1]} | '
+      f'{c["seconds"] / 60:.1f} |'
+    )
   return lines
 
 
 def plot(cells: list[dict], path: str):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
   for model in dict.fromkeys(c['model'] for c in cells):
     mine = sorted((c for c in cells if c['model'] == model), key=lambda c: c['depth'])
     stats = [population.spread([m['final']['eval/loss'] for m in c['best_seeds']]) for c in mine]
-    ax.errorbar([c['depth'] for c in mine], [s['mean'] for s in stats], yerr=[s['sd'] for s in stats],
-                marker='o', capsize=3, label=model)
+    ax.errorbar(
+      [c['depth'] for c in mine],
+      [s['mean'] for s in stats],
+      yerr=[s['sd'] for s in stats],
+      marker='o',
+      capsize=3,
+      label=model,
+    )
   ax.set_xscale('log', base=2)
   ax.set_xlabel('depth N (width = 128 / sqrt(N), N·d² fixed)')
   ax.set_ylabel('final eval loss, best lr (nats/byte)')
@@ -110,8 +125,12 @@ def main(argv):
       if any(c['model'] == model and c['depth'] == depth for c in done['cells']):
         continue
       print(f'{model} {depth} × {width}: sweep {LRS}', flush=True)
-      cell = population.sweep_then_seeds(model_config(model, depth, width, _STEPS.value), LRS, _SEEDS.value,
-                                         final_variants={k: cast_through(v) for k, v in FP8.items()})
+      cell = population.sweep_then_seeds(
+        model_config(model, depth, width, _STEPS.value),
+        LRS,
+        _SEEDS.value,
+        final_variants={k: cast_through(v) for k, v in FP8.items()},
+      )
       done['cells'].append({'model': model, 'depth': depth, 'width': width, **cell})
       with open(path, 'w') as f:
         json.dump(done, f)
@@ -120,8 +139,10 @@ def main(argv):
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
   plot(done['cells'], os.path.join(out, 'depth.png'))
-  print(f'total {sum(c["seconds"] for c in done["cells"]) / 60:.1f} min; wrote {out}/results.json, summary.md, '
-        'depth.png')
+  print(
+    f'total {sum(c["seconds"] for c in done["cells"]) / 60:.1f} min; wrote {out}/results.json, summary.md, '
+    'depth.png'
+  )
 
 
 if __name__ == '__main__':

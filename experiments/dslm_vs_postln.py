@@ -30,19 +30,22 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
 _OUT = flags.DEFINE_string('out', '/tmp/dslm_vs_postln', 'Output directory.')
-_STEPS = flags.DEFINE_integer('steps', None, 'Training steps (default: the config\'s).')
-_DEPTH = flags.DEFINE_integer('depth', None, 'Number of layers (default: the config\'s, 96).')
+_STEPS = flags.DEFINE_integer('steps', None, "Training steps (default: the config's).")
+_DEPTH = flags.DEFINE_integer('depth', None, "Number of layers (default: the config's, 96).")
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of both runs.')
 _WITH_PRELN = flags.DEFINE_bool('with_vanilla_preln', False, 'Also train the vanilla Pre-LN model.')
-_LR = flags.DEFINE_float('lr', None, 'Peak AdamW learning rate of both runs (default: the config\'s).')
+_LR = flags.DEFINE_float('lr', None, "Peak AdamW learning rate of both runs (default: the config's).")
 
 
-def configs(steps: int | None, depth: int | None, seed: int, lr: float | None = None,
-            with_vanilla_preln: bool = False):
+def configs(
+  steps: int | None, depth: int | None, seed: int, lr: float | None = None, with_vanilla_preln: bool = False
+):
   """{'dslm': configs/gpt_dslm_deep.py, 'vanilla_postln': the same with model.scheme='vanilla' and
   model.block='postln'} (+ 'vanilla_preln')."""
   import copy
+
   from configs import gpt_dslm_deep
+
   dslm = gpt_dslm_deep.get_config()
   dslm.seed = seed
   if steps is not None:
@@ -65,16 +68,24 @@ def summarize(name: str, records: list[dict], final_eval: dict) -> dict:
   finite = all(math.isfinite(x) for x in losses)
   k = max(1, len(losses) // 10)  # Mean of the first and last tenth of the logged losses.
   first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-  return {'model': name, 'final_train_loss': losses[-1], 'first_tenth_loss': first, 'last_tenth_loss': last,
-          'min_train_loss': min(losses), 'diverged': (not finite) or last > first,
-          **final_eval}
+  return {
+    'model': name,
+    'final_train_loss': losses[-1],
+    'first_tenth_loss': first,
+    'last_tenth_loss': last,
+    'min_train_loss': min(losses),
+    'diverged': (not finite) or last > first,
+    **final_eval,
+  }
 
 
 def unigram_entropy() -> float:
   """Entropy (nats) of the byte distribution of the training split: the loss of a model that ignores
   the context — the plateau a model that has not learnt to use its input sits on."""
   import numpy as np
+
   from dsjax.data.embedded import python_docs_documents
+
   data = b''.join(text.encode('utf-8') for _, text in python_docs_documents()['train'])
   counts = np.bincount(np.frombuffer(data, np.uint8), minlength=256)
   probs = counts[counts > 0] / counts.sum()
@@ -83,12 +94,14 @@ def unigram_entropy() -> float:
 
 def plot(curves: dict[str, list[dict]], path: str, title: str, plateau: float):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
   for name, records in curves.items():
     steps = [r['step'] for r in records if 'train/loss' in r]
-    line, = ax.plot(steps, [r['train/loss'] for r in records if 'train/loss' in r], label=f'{name} train')
+    (line,) = ax.plot(steps, [r['train/loss'] for r in records if 'train/loss' in r], label=f'{name} train')
     evals = [(r['step'], r['eval/loss']) for r in records if 'eval/loss' in r]
     if evals:
       ax.plot(*zip(*evals), 'o', color=line.get_color(), label=f'{name} eval')
@@ -107,6 +120,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from dsjax.instrument.collector import read_jsonl
   from dsjax.train import loop
+
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   curves, summary = {}, []
@@ -125,12 +139,18 @@ def main(argv):
   with open(os.path.join(out, 'summary.json'), 'w') as f:
     json.dump({'unigram_entropy': plateau, 'runs': summary}, f, indent=1)
   m = runs['dslm'].model
-  plot(curves, os.path.join(out, 'curves.png'),
-       f'GPT, {m.depth} layers × width {m.width}: DSLM ({m.block}) vs vanilla Xavier', plateau)
+  plot(
+    curves,
+    os.path.join(out, 'curves.png'),
+    f'GPT, {m.depth} layers × width {m.width}: DSLM ({m.block}) vs vanilla Xavier',
+    plateau,
+  )
   for s in summary:
-    print(f"{s['model']:15s} train loss {s['first_tenth_loss']:.3f} → {s['last_tenth_loss']:.3f} "
-          f"(final {s['final_train_loss']:.3f}), eval loss {s.get('eval/loss', float('nan')):.3f}, "
-          f"diverged: {s['diverged']}")
+    print(
+      f'{s["model"]:15s} train loss {s["first_tenth_loss"]:.3f} → {s["last_tenth_loss"]:.3f} '
+      f'(final {s["final_train_loss"]:.3f}), eval loss {s.get("eval/loss", float("nan")):.3f}, '
+      f'diverged: {s["diverged"]}'
+    )
   print(f'unigram entropy of the corpus (context-free plateau): {plateau:.3f} nats/byte')
   print(f'wrote {out}/curves.jsonl, curves.png, summary.json')
 

@@ -27,19 +27,23 @@ DEFAULT_STATS = 'ffn_residual/corr_seq,ffn_residual/var,attn_branch/var,ffn_resi
 
 def moments_table(workdir: str, layers: list[int], stats: list[str]) -> str:
   from dsjax.instrument import collector
+
   path = os.path.join(workdir, 'moments.jsonl')
   if not os.path.exists(path):
     raise SystemExit(f'moments_table: error: {path} does not exist (train with --config.instrument.every=N)')
   values = {(r['site'], r['stat'], r['step'], r['layer']): r['value'] for r in collector.read_jsonl(path)}
   steps = sorted({key[2] for key in values})
-  lines = ['| site/statistic | step | ' + ' | '.join(f'layer {n}' for n in layers) + ' |',
-           '|---|---|' + '---|' * len(layers)]
+  lines = [
+    '| site/statistic | step | ' + ' | '.join(f'layer {n}' for n in layers) + ' |',
+    '|---|---|' + '---|' * len(layers),
+  ]
   for name in stats:
     site, stat = name.split('/', 1)
     for step in steps:
       cells = [values.get((site, stat, step, n)) for n in layers]
-      lines.append(f'| {name} | {step} | ' + ' | '.join('–' if v is None else f'{v:.3g}' for v in cells)
-                   + ' |')
+      lines.append(
+        f'| {name} | {step} | ' + ' | '.join('–' if v is None else f'{v:.3g}' for v in cells) + ' |'
+      )
   return '\n'.join(lines)
 
 
@@ -47,8 +51,9 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', required=True, help='Training workdir holding moments.jsonl.')
   parser.add_argument('--layers', default='0,10,48,95', help='Comma-separated layer indices (0-based).')
-  parser.add_argument('--stats', default=DEFAULT_STATS,
-                      help='Comma-separated site/statistic pairs, e.g. ffn_residual/grad_var.')
+  parser.add_argument(
+    '--stats', default=DEFAULT_STATS, help='Comma-separated site/statistic pairs, e.g. ffn_residual/grad_var.'
+  )
   args = parser.parse_args(argv)
   try:
     layers = [int(n) for n in args.layers.split(',')]

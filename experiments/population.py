@@ -33,7 +33,6 @@ import numpy as np
 import optax
 
 from dsjax import data as data_lib
-from dsjax import schemes
 from dsjax.train import config as config_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
@@ -51,9 +50,11 @@ def grid(lrs: Sequence[float], seeds: Sequence[int]) -> list[Member]:
 
 def _scaled(tx: optax.GradientTransformation, factor: jax.Array) -> optax.GradientTransformation:
   """`tx` with its updates multiplied by `factor` (the member's peak learning rate)."""
+
   def update(grads, opt_state, params=None):
     updates, opt_state = tx.update(grads, opt_state, params)
     return jax.tree.map(lambda u: factor * u, updates), opt_state
+
   return optax.GradientTransformation(tx.init, update)
 
 
@@ -76,9 +77,15 @@ def _member_config(config, seed: int):
   return c
 
 
-def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), log_every: int = 10,
-          verbose: bool = True, final_variants: dict[str, Callable[[Any], Any]] | None = None
-          ) -> dict[str, Any]:
+def train(
+  config,
+  members: Sequence[Member],
+  *,
+  eval_steps: Sequence[int] = (),
+  log_every: int = 10,
+  verbose: bool = True,
+  final_variants: dict[str, Callable[[Any], Any]] | None = None,
+) -> dict[str, Any]:
   """Trains every member for `config.total_steps` steps; evaluates all at `eval_steps` and at the end.
   `final_variants` {name: params → params} are also evaluated at the end, as 'final/<name>' (e.g. the
   trained weights cast to FP8 and back).
@@ -106,23 +113,48 @@ def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), 
   seed_K = jnp.asarray([m.seed for m in members], jnp.int32)
 
   def member_step(state, batch, lr, seed):
-    step_fn = step_lib.make_train_step(setup.graphdef, _scaled(setup.tx, lr), loss_fn, seed, setup.schedule,
-                                       use_dropout, on_nonfinite='skip', microbatches=config.microbatches)
+    step_fn = step_lib.make_train_step(
+      setup.graphdef,
+      _scaled(setup.tx, lr),
+      loss_fn,
+      seed,
+      setup.schedule,
+      use_dropout,
+      on_nonfinite='skip',
+      microbatches=config.microbatches,
+    )
     return step_fn(state, batch)
 
   train_step = jax.jit(jax.vmap(member_step), donate_argnums=0)
   eval_step = jax.jit(jax.vmap(step_lib.make_eval_step(setup.graphdef, loss_fn), in_axes=(0, None)))
-  pipelines = {seed: data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=seed,
-                                            process_index=0, process_count=1, train=True) for seed in seeds}
+  pipelines = {
+    seed: data_lib.make_pipeline(
+      config.data,
+      global_batch_size=config.batch_size,
+      seed=seed,
+      process_index=0,
+      process_count=1,
+      train=True,
+    )
+    for seed in seeds
+  }
 
   def evaluate(state_K) -> list[dict[str, float]]:
     totals: dict[str, np.ndarray] = {}
-    for batch in data_lib.make_pipeline(config.data, global_batch_size=config.eval_batch_size, seed=0,
-                                        process_index=0, process_count=1, train=False):
+    for batch in data_lib.make_pipeline(
+      config.data,
+      global_batch_size=config.eval_batch_size,
+      seed=0,
+      process_index=0,
+      process_count=1,
+      train=False,
+    ):
       for k, v in jax.device_get(eval_step(state_K, batch)).items():
         totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
-    return [step_lib.summarize_eval(config.model.name, {k: float(v[i]) for k, v in totals.items()})
-            for i in range(len(members))]
+    return [
+      step_lib.summarize_eval(config.model.name, {k: float(v[i]) for k, v in totals.items()})
+      for i in range(len(members))
+    ]
 
   records = [{'lr': m.lr, 'seed': m.seed, 'eval': {}, 'train_loss': []} for m in members]
   window: list[np.ndarray] = []
@@ -139,8 +171,11 @@ def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), 
       for r, loss in zip(records, losses_K):
         r['train_loss'].append((step, float(loss)))
       if verbose:
-        print(f'  step {step}/{config.total_steps} ({time.time() - t0:.0f}s): train loss '
-              + ' '.join(f'{x:.3f}' for x in losses_K), flush=True)
+        print(
+          f'  step {step}/{config.total_steps} ({time.time() - t0:.0f}s): train loss '
+          + ' '.join(f'{x:.3f}' for x in losses_K),
+          flush=True,
+        )
     if step in eval_steps or step == config.total_steps:
       for r, ev in zip(records, evaluate(state_K)):
         r['eval'][step] = ev
@@ -153,12 +188,12 @@ def train(config, members: Sequence[Member], *, eval_steps: Sequence[int] = (), 
     variant_K = dict(state_K, params=jax.jit(transform)(state_K['params']))
     for r, ev in zip(records, evaluate(variant_K)):
       r[f'final/{name}'] = ev
-  return {'members': records, 'seconds': time.time() - t0, 'steps': config.total_steps,
-          'state': state_K}
+  return {'members': records, 'seconds': time.time() - t0, 'steps': config.total_steps, 'state': state_K}
 
 
-def sweep_then_seeds(config, lrs: Sequence[float], num_seeds: int,
-                     final_variants: dict[str, Callable[[Any], Any]] | None = None) -> dict[str, Any]:
+def sweep_then_seeds(
+  config, lrs: Sequence[float], num_seeds: int, final_variants: dict[str, Callable[[Any], Any]] | None = None
+) -> dict[str, Any]:
   """The sweep protocol of the experiments: every lr with seed 0, then the lr with the lowest final eval
   loss with seeds 1..num_seeds-1. Returns {'grid', 'best_lr', 'best_at_edge', 'sweep': members,
   'best_seeds': the best lr's members (seed 0 first), 'seconds'}; `final_variants` are evaluated on the
@@ -167,19 +202,33 @@ def sweep_then_seeds(config, lrs: Sequence[float], num_seeds: int,
   sweep = train(config, grid(lrs, [0]))['members']
   losses = np.asarray([m['final']['eval/loss'] for m in sweep], np.float64)
   best = int(np.nanargmin(np.where(np.isfinite(losses), losses, np.nan)))
-  seeds = (train(config, grid([lrs[best]], range(1, num_seeds)), final_variants=final_variants)['members']
-           if num_seeds > 1 else [])
+  seeds = (
+    train(config, grid([lrs[best]], range(1, num_seeds)), final_variants=final_variants)['members']
+    if num_seeds > 1
+    else []
+  )
   for r in sweep + seeds:
     r['eval'] = {str(k): v for k, v in r['eval'].items()}
-  return {'grid': [float(x) for x in lrs], 'best_lr': float(lrs[best]), 'best_at_edge': best in (0, len(lrs) - 1),
-          'sweep': sweep, 'best_seeds': [sweep[best]] + seeds, 'seconds': time.time() - t0}
+  return {
+    'grid': [float(x) for x in lrs],
+    'best_lr': float(lrs[best]),
+    'best_at_edge': best in (0, len(lrs) - 1),
+    'sweep': sweep,
+    'best_seeds': [sweep[best]] + seeds,
+    'seconds': time.time() - t0,
+  }
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
   """mean, sample sd, min, max and the values."""
   v = np.asarray(values, np.float64)
-  return {'mean': float(v.mean()), 'sd': float(v.std(ddof=1)) if len(v) > 1 else 0.0, 'min': float(v.min()),
-          'max': float(v.max()), 'values': v.tolist()}
+  return {
+    'mean': float(v.mean()),
+    'sd': float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+    'min': float(v.min()),
+    'max': float(v.max()),
+    'values': v.tolist(),
+  }
 
 
 def load_results(out: str, key: str) -> tuple[str, dict[str, list]]:

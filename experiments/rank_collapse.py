@@ -32,7 +32,14 @@ CASES = ('xavier_preln', 'xavier_postln', 'dslm_preln_simple', 'dslm_postln_simp
 DROPOUTS = (0.1, 0.0)
 SHAPE = dict(depth=192, width=256, num_heads=4, seq_len=128, batch_size=4, activation='relu')
 REPORT_LAYERS = (1, 12, 48, 192)
-ERROR_QUANTITIES = ('forward_var', 'grad_var', 'attn_branch_var', 'ffn_branch_var', 'corr_seq', 'grad_corr_seq')
+ERROR_QUANTITIES = (
+  'forward_var',
+  'grad_var',
+  'attn_branch_var',
+  'ffn_branch_var',
+  'corr_seq',
+  'grad_corr_seq',
+)
 
 
 def load(out: str, dropout: float, case: str) -> dict:
@@ -44,24 +51,37 @@ def case_summary(result: dict) -> dict:
   corr = np.asarray([r['corr_seq']['measured'] for r in result['layers']])
   predicted = np.asarray([r['corr_seq']['predicted'] for r in result['layers']])
   tail = slice(len(corr) * 3 // 4, None)  # The last quarter of the layers: the plateau, if any.
-  return {'corr_at': {n: float(corr[n - 1]) for n in REPORT_LAYERS},
-          'predicted_corr_at': {n: float(predicted[n - 1]) for n in REPORT_LAYERS},
-          'plateau': float(corr[tail].mean()), 'predicted_plateau': float(predicted[tail].mean()),
-          'errors': {q: result['summary'][q] for q in ERROR_QUANTITIES if q in result['summary']}}
+  return {
+    'corr_at': {n: float(corr[n - 1]) for n in REPORT_LAYERS},
+    'predicted_corr_at': {n: float(predicted[n - 1]) for n in REPORT_LAYERS},
+    'plateau': float(corr[tail].mean()),
+    'predicted_plateau': float(predicted[tail].mean()),
+    'errors': {q: result['summary'][q] for q in ERROR_QUANTITIES if q in result['summary']},
+  }
 
 
 def markdown(summary: dict) -> list[str]:
   r_max, rg_max = summary['paper_stable']
-  lines = [f'Paper, Appendix F (Xavier, C1 = 2.2, C2 = 0.4, p = 0.1): r_max = {r_max:.3f}, rg_max = {rg_max:.3f}.',
-           '', '| case | dropout | token corr at layer ' + ' / '.join(map(str, REPORT_LAYERS))
-           + ' measured (theory) | plateau, mean of the last quarter of the layers (theory) |', '|---|---|---|---|']
+  lines = [
+    f'Paper, Appendix F (Xavier, C1 = 2.2, C2 = 0.4, p = 0.1): r_max = {r_max:.3f}, rg_max = {rg_max:.3f}.',
+    '',
+    '| case | dropout | token corr at layer '
+    + ' / '.join(map(str, REPORT_LAYERS))
+    + ' measured (theory) | plateau, mean of the last quarter of the layers (theory) |',
+    '|---|---|---|---|',
+  ]
   for key, s in summary['cases'].items():
     case, p = key.rsplit('@', 1)
-    at = ' / '.join(f"{s['corr_at'][n]:.3f} ({s['predicted_corr_at'][n]:.3f})" for n in REPORT_LAYERS)
-    lines.append(f"| {case} | {p} | {at} | {s['plateau']:.3f} ({s['predicted_plateau']:.3f}) |")
-  lines += ['', 'Whole-model prediction error at 192 layers, dropout 0.1 (relative error for variances, absolute '
-            'for correlations; mean / median / R² over the 192 layers):', '',
-            '| case | ' + ' | '.join(ERROR_QUANTITIES) + ' |', '|---|' + '---|' * len(ERROR_QUANTITIES)]
+    at = ' / '.join(f'{s["corr_at"][n]:.3f} ({s["predicted_corr_at"][n]:.3f})' for n in REPORT_LAYERS)
+    lines.append(f'| {case} | {p} | {at} | {s["plateau"]:.3f} ({s["predicted_plateau"]:.3f}) |')
+  lines += [
+    '',
+    'Whole-model prediction error at 192 layers, dropout 0.1 (relative error for variances, absolute '
+    'for correlations; mean / median / R² over the 192 layers):',
+    '',
+    '| case | ' + ' | '.join(ERROR_QUANTITIES) + ' |',
+    '|---|' + '---|' * len(ERROR_QUANTITIES),
+  ]
   for key, s in summary['cases'].items():
     if not key.endswith('@0.1'):
       continue
@@ -70,22 +90,27 @@ def markdown(summary: dict) -> list[str]:
       e = s['errors'].get(q)
       kind = 'abs' if q.endswith('corr_seq') else 'rel'
       fmt = (lambda x: f'{x:.3f}') if kind == 'abs' else (lambda x: f'{100 * x:.1f}%')
-      cells.append('–' if e is None else f"{fmt(e[f'mean_{kind}_error'])} / {fmt(e[f'median_{kind}_error'])} / "
-                   f"{e['r2']:.3f}")
-    lines.append(f"| {key.rsplit('@', 1)[0]} | " + ' | '.join(cells) + ' |')
+      cells.append(
+        '–'
+        if e is None
+        else f'{fmt(e[f"mean_{kind}_error"])} / {fmt(e[f"median_{kind}_error"])} / {e["r2"]:.3f}'
+      )
+    lines.append(f'| {key.rsplit("@", 1)[0]} | ' + ' | '.join(cells) + ' |')
   return lines
 
 
 def plot(out: str, path: str):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, len(DROPOUTS), figsize=(11, 4), constrained_layout=True, sharey=True)
   for ax, p in zip(axes, DROPOUTS):
     for case in CASES:
       rows = load(out, p, case)['layers']
       layers = np.arange(1, len(rows) + 1)
-      line, = ax.plot(layers, [r['corr_seq']['measured'] for r in rows], label=case)
+      (line,) = ax.plot(layers, [r['corr_seq']['measured'] for r in rows], label=case)
       ax.plot(layers, [r['corr_seq']['predicted'] for r in rows], '--', color=line.get_color(), lw=0.8)
     ax.axhline(theory_model.stable_correlation()[0], color='grey', ls=':', label='paper r_max (App. F)')
     ax.set_title(f'dropout {p:g} (dashed: theory)')
@@ -104,9 +129,13 @@ def main(argv=None):
   args = parser.parse_args(argv)
   for p in DROPOUTS:
     todo = [c for c in CASES if not os.path.exists(os.path.join(args.out, f'p{p:g}', c, 'moments.json'))]
-    dslm_moments.run_cases(os.path.join(args.out, f'p{p:g}'), todo, num_batches=args.batches, dropout=p, **SHAPE)
-  summary = {'paper_stable': theory_model.stable_correlation(),
-             'cases': {f'{c}@{p:g}': case_summary(load(args.out, p, c)) for p in DROPOUTS for c in CASES}}
+    dslm_moments.run_cases(
+      os.path.join(args.out, f'p{p:g}'), todo, num_batches=args.batches, dropout=p, **SHAPE
+    )
+  summary = {
+    'paper_stable': theory_model.stable_correlation(),
+    'cases': {f'{c}@{p:g}': case_summary(load(args.out, p, c)) for p in DROPOUTS for c in CASES},
+  }
   with open(os.path.join(args.out, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=1)
   lines = markdown(summary)

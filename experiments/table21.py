@@ -28,26 +28,38 @@ def fmt(values) -> str:
 
 
 def rows(summary: dict[str, dict]) -> list[str]:
-  lines = ['| component | statistic | paper, Table 21 (its formula, its simulation) | paper\'s formula, this '
-           'simulation | this project\'s formula, this simulation | what the comparison shows |',
-           '|---|---|---|---|---|---|']
+  lines = [
+    "| component | statistic | paper, Table 21 (its formula, its simulation) | paper's formula, this "
+    "simulation | this project's formula, this simulation | what the comparison shows |",
+    '|---|---|---|---|---|---|',
+  ]
   for component, stats in verify.PAPER_TABLE21.items():
     for stat, paper in stats.items():
       ours = summary.get(component, {}).get(stat)
       if ours is None:
         continue
       # An alternative form that gives identical errors on the same simulations is the same formula here.
-      alternatives = {k: v[stat] for k, v in summary.items()
-                      if k.startswith(f'{component}[') and stat in v and v[stat] != ours}
+      alternatives = {
+        k: v[stat]
+        for k, v in summary.items()
+        if k.startswith(f'{component}[') and stat in v and v[stat] != ours
+      }
       if alternatives:
-        theirs = '; '.join(f'{k[len(component):]} {fmt(v)}' for k, v in alternatives.items())
+        theirs = '; '.join(f'{k[len(component) :]} {fmt(v)}' for k, v in alternatives.items())
         # Compared at the printed precision (0.1 percentage points) at the 99th percentile.
         best_paper_p99, ours_p99 = round(min(v[2] for v in alternatives.values()), 1), round(ours[2], 1)
-        verdict = ('formulas differ: this project\'s is closer at p99' if ours_p99 < best_paper_p99 else
-                   'formulas differ: the same error at p99' if ours_p99 == best_paper_p99 else
-                   'formulas differ: the paper\'s is closer at p99')
+        verdict = (
+          "formulas differ: this project's is closer at p99"
+          if ours_p99 < best_paper_p99
+          else 'formulas differ: the same error at p99'
+          if ours_p99 == best_paper_p99
+          else "formulas differ: the paper's is closer at p99"
+        )
       else:
-        theirs, verdict = '= this project\'s (same formula)', 'same formula: the gap to Table 21 is simulation noise'
+        theirs, verdict = (
+          "= this project's (same formula)",
+          'same formula: the gap to Table 21 is simulation noise',
+        )
       lines.append(f'| {component} | {stat} | {fmt(paper)} | {theirs} | {fmt(ours)} | {verdict} |')
   return lines
 
@@ -55,7 +67,9 @@ def rows(summary: dict[str, dict]) -> list[str]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', required=True, help='Output directory.')
-  parser.add_argument('--verify_json', default=None, help='verify.json of a finished dsjax.theory.verify run.')
+  parser.add_argument(
+    '--verify_json', default=None, help='verify.json of a finished dsjax.theory.verify run.'
+  )
   args = parser.parse_args(argv)
   if args.verify_json is not None and not os.path.isfile(args.verify_json):
     parser.error(f'--verify_json: {args.verify_json} is not a file')

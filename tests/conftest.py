@@ -6,7 +6,10 @@ checks — every comparison in the suite is between runs compiled the same way, 
 
 import os
 
-_FLAGS = ('--xla_force_host_platform_device_count=8', '--xla_backend_optimization_level=0',
-          '--xla_llvm_disable_expensive_passes=true')
+_FLAGS = (
+  '--xla_force_host_platform_device_count=8',
+  '--xla_backend_optimization_level=0',
+  '--xla_llvm_disable_expensive_passes=true',
+)
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), *_FLAGS]).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import ast
-import re
 import pathlib
+import re
 
 from dsjax import schemes
 
@@ -60,8 +60,18 @@ def test_code_and_docs_cite_papers_not_internal_notes():
   """References go to the papers (authors, year, section); the project's internal notes are not shipped."""
   pattern = re.compile(r'SPEC(\.md|\s*§)|\bseeds?/|\bseed 00\d')
   root = PACKAGE.parent
-  files = [*root.glob('*.md'), *(root / 'configs').glob('*.py'), *(root / 'experiments').rglob('*.py'),
-           *(root / 'experiments').rglob('*.md'), *PACKAGE.rglob('*.py'), *PACKAGE.rglob('*.md')]
-  found = [f'{p.relative_to(root)}:{i}' for p in files
-           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+  files = [
+    *root.glob('*.md'),
+    *(root / 'configs').glob('*.py'),
+    *(root / 'experiments').rglob('*.py'),
+    *(root / 'experiments').rglob('*.md'),
+    *PACKAGE.rglob('*.py'),
+    *PACKAGE.rglob('*.md'),
+  ]
+  found = [
+    f'{p.relative_to(root)}:{i}'
+    for p in files
+    for i, line in enumerate(p.read_text().splitlines(), 1)
+    if pattern.search(line)
+  ]
   assert not found, f'references to internal notes: {found}'

@@ -17,11 +17,26 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run(
-      [sys.executable, '-m', 'dsjax.bench', '--config=configs/gpt_preln.py', f'--config.model.depth={DEPTH}',
-       f'--config.model.width={WIDTH}', f'--config.batch_size={BATCH}', f'--config.data.seq_len={SEQ_LEN}',
-       '--steps=1', '--instrument=off,callback', '--peak_tflops=1', f'--json={out}',
-       f'--profile={tmp_path / "profile"}'],
-      capture_output=True, text=True, env=env, timeout=300)
+    [
+      sys.executable,
+      '-m',
+      'dsjax.bench',
+      '--config=configs/gpt_preln.py',
+      f'--config.model.depth={DEPTH}',
+      f'--config.model.width={WIDTH}',
+      f'--config.batch_size={BATCH}',
+      f'--config.data.seq_len={SEQ_LEN}',
+      '--steps=1',
+      '--instrument=off,callback',
+      '--peak_tflops=1',
+      f'--json={out}',
+      f'--profile={tmp_path / "profile"}',
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert 'instrumentation overhead (callback)' in proc.stdout
   results = json.loads(out.read_text())

@@ -16,9 +16,13 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'benchmarks' / 'results'
-DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md')),
-        *sorted((ROOT / 'benchmarks').rglob('*.md')), *sorted((ROOT / 'dsjax').rglob('README.md')),
-        *sorted((ROOT / 'experiments').rglob('*.md'))]
+DOCS = [
+  ROOT / 'README.md',
+  *sorted((ROOT / 'docs').rglob('*.md')),
+  *sorted((ROOT / 'benchmarks').rglob('*.md')),
+  *sorted((ROOT / 'dsjax').rglob('README.md')),
+  *sorted((ROOT / 'experiments').rglob('*.md')),
+]
 # A results name as the docs write it: a device prefix, then name characters, braces and wildcards.
 RESULT_NAME = re.compile(r'\b((?:h100|cpu)[\w*{},.]*)')
 
@@ -30,9 +34,10 @@ def _expand(pattern: str) -> list[str]:
     return [pattern]
   body = match.group(1)
   numeric = re.fullmatch(r'(\d+)(?:\.\.|,\.\.\.,)(\d+)', body)
-  options = ([str(i) for i in range(int(numeric.group(1)), int(numeric.group(2)) + 1)] if numeric
-             else body.split(','))
-  head, tail = pattern[:match.start()], pattern[match.end():]
+  options = (
+    [str(i) for i in range(int(numeric.group(1)), int(numeric.group(2)) + 1)] if numeric else body.split(',')
+  )
+  head, tail = pattern[: match.start()], pattern[match.end() :]
   return [name for option in options for name in _expand(head + option + tail)]
 
 
@@ -59,6 +64,9 @@ def test_every_cited_result_exists():
 
 def test_every_result_is_cited():
   patterns = _cited_patterns()
-  orphans = [p.name for p in sorted(RESULTS.glob('*.json'))
-             if not any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)]
+  orphans = [
+    p.name
+    for p in sorted(RESULTS.glob('*.json'))
+    if not any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)
+  ]
   assert not orphans, f'results in benchmarks/results/ that no doc names: {orphans}'

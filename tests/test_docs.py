@@ -8,9 +8,13 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md')),
-        *sorted((ROOT / 'benchmarks').rglob('*.md')), *sorted((ROOT / 'experiments').rglob('*.md')),
-        *sorted((ROOT / 'dsjax').rglob('README.md'))]
+DOCS = [
+  ROOT / 'README.md',
+  *sorted((ROOT / 'docs').rglob('*.md')),
+  *sorted((ROOT / 'benchmarks').rglob('*.md')),
+  *sorted((ROOT / 'experiments').rglob('*.md')),
+  *sorted((ROOT / 'dsjax').rglob('README.md')),
+]
 # [text](target) and ![alt](target); the target ends at whitespace or the closing parenthesis.
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)(?:\s+"[^"]*")?\)')
 FENCE = re.compile(r'^```.*?^```', re.M | re.S)
@@ -61,7 +65,8 @@ def test_relative_links_resolve():
 def test_readme_is_a_short_guide():
   readme = (ROOT / 'README.md').read_text()
   assert len(readme.splitlines()) <= 200
-  linked = {target.partition('#')[0] for doc, target in _links() if doc.name == 'README.md'
-            and doc.parent == ROOT}
+  linked = {
+    target.partition('#')[0] for doc, target in _links() if doc.name == 'README.md' and doc.parent == ROOT
+  }
   pages = {str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.md')}
   assert pages <= linked, f'docs pages the README does not link: {sorted(pages - linked)}'

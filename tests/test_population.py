@@ -8,9 +8,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from experiments import population  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
 from dsjax.train import loop  # noqa: E402
+from experiments import population  # noqa: E402
 
 
 def _tiny_gpt(optimizer: str):
@@ -32,7 +32,7 @@ def test_member_matches_the_loop(tmp_path):
   for member in result['members'][::3]:  # (0.3, seed 0) and (0.05, seed 1)
     run = c.copy_and_resolve_references()
     run.optimizer.lr, run.seed = member['lr'], member['seed']
-    final = loop.train_and_evaluate(run, str(tmp_path / f"{member['lr']}_{member['seed']}"))
+    final = loop.train_and_evaluate(run, str(tmp_path / f'{member["lr"]}_{member["seed"]}'))
     np.testing.assert_allclose(member['final']['eval/loss'], final['eval/loss'], rtol=2e-5)
   assert not any(m['diverged'] for m in result['members'])
   assert len({m['final']['eval/loss'] for m in result['members']}) == 4  # lrs and seeds both matter.

@@ -45,13 +45,15 @@ def _cli_config(depth: int, **model):
 
 def _plan_layout(config):
   """The idealised model's inputs from the method's plan alone (no model is built)."""
-  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO,
-                                                                seq_len=config.data.seq_len))
+  plan = schemes.make_init_plan(
+    config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
+  )
   lay = plan.layout or NormLayout.for_block(config.model.block, config.model.dnt_setting)
   return sensitivity.residual_layout(
-      {k: plan.layer[k] for k in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')},
-      {'attn': lay.pre_attn or lay.mid_attn, 'ffn': lay.pre_ffn or lay.mid_ffn},
-      {'attn': lay.post, 'ffn': lay.post})
+    {k: plan.layer[k] for k in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn')},
+    {'attn': lay.pre_attn or lay.mid_attn, 'ffn': lay.pre_ffn or lay.mid_ffn},
+    {'attn': lay.post, 'ffn': lay.post},
+  )
 
 
 # The four cases of the closed forms: model overrides and the closed form of the idealised ŝ_n.
@@ -60,10 +62,10 @@ def _harmonic(n: int) -> float:
 
 
 CASES = {
-    'preln': {},
-    'postln': {'block': 'postln'},
-    'weighted': {'scheme': 'dslm', 'dslm.alpha': 0.0, 'dslm.k': 0.5},  # λ² = 0.5, β² = 0.5 at every add
-    'dslm': {'scheme': 'dslm'},                                        # β² = 2/N, λ² = 1 − 2/N
+  'preln': {},
+  'postln': {'block': 'postln'},
+  'weighted': {'scheme': 'dslm', 'dslm.alpha': 0.0, 'dslm.k': 0.5},  # λ² = 0.5, β² = 0.5 at every add
+  'dslm': {'scheme': 'dslm'},  # β² = 2/N, λ² = 1 − 2/N
 }
 
 
@@ -76,8 +78,9 @@ def test_idealised_model_gives_the_closed_forms(depth):
   np.testing.assert_allclose(preln.mean(), (_harmonic(2 * depth + 1) - 1) / 2, rtol=1e-12)
   # Catformer's "log N" is the sum over the adds: 2·mean = H_{2N+1} − 1 → ln N + ln 2 + γ − 1, above
   # ln N by 17%, 8.5%, 5.7% at N = 8, 32, 128 (the ln 2 + γ − 1 = 0.27 offset).
-  assert 2 * preln.mean() / math.log(depth) - 1 == pytest.approx({8: 0.173, 32: 0.085, 128: 0.057}[depth],
-                                                                  abs=0.002)
+  assert 2 * preln.mean() / math.log(depth) - 1 == pytest.approx(
+    {8: 0.173, 32: 0.085, 128: 0.057}[depth], abs=0.002
+  )
   assert 2 * preln.mean() - math.log(depth) == pytest.approx(math.log(2) + 0.5772 - 1, abs=0.1)
   # The median is flat: ŝ_n ≈ N/(2n + 2.5) and the median sits at n = (N − 1)/2: ≈ N/(N + 1.5) → 1.
   assert np.median(preln) == pytest.approx(depth / (depth + 1.5), rel=0.03)
@@ -85,23 +88,37 @@ def test_idealised_model_gives_the_closed_forms(depth):
   postln = sensitivity.idealised(_plan_layout(_cli_config(depth, **CASES['postln'])), depth)
   np.testing.assert_allclose(postln, depth / 2, rtol=1e-12)
   weighted = sensitivity.idealised(_plan_layout(_cli_config(depth, **CASES['weighted'])), depth)
-  np.testing.assert_allclose(weighted, (1 - 0.5) * depth, rtol=1e-6)   # (1 − λ²)·N
+  np.testing.assert_allclose(weighted, (1 - 0.5) * depth, rtol=1e-6)  # (1 − λ²)·N
   dslm = sensitivity.idealised(_plan_layout(_cli_config(depth, **CASES['dslm'])), depth)
-  np.testing.assert_allclose(dslm, 2.0, rtol=1e-6)                      # k, at every depth
+  np.testing.assert_allclose(dslm, 2.0, rtol=1e-6)  # k, at every depth
 
 
 def test_composition_bookkeeping():
   """Per draw: prediction_n = N·ℓ_n·Π_{m>n} g_m·g_f, summed over draws like the measurement."""
   depth = 3
-  draw = {'f': np.float64(2.0), 'layer': np.array([1.0, 1.0, 1.0]), 'all': np.float64(1.0),
-          'x': np.ones(3), 'y': np.ones(3), 'dx': np.array([0.0, 1.0, 1.0]),
-          'dy_in': np.array([0.0, 2.0, 3.0]), 'dy_own': np.array([0.1, 0.2, 0.3]),
-          'xN': np.float64(1.0), 'dxN': np.float64(0.25)}
+  draw = {
+    'f': np.float64(2.0),
+    'layer': np.array([1.0, 1.0, 1.0]),
+    'all': np.float64(1.0),
+    'x': np.ones(3),
+    'y': np.ones(3),
+    'dx': np.array([0.0, 1.0, 1.0]),
+    'dy_in': np.array([0.0, 2.0, 3.0]),
+    'dy_own': np.array([0.1, 0.2, 0.3]),
+    'xN': np.float64(1.0),
+    'dxN': np.float64(0.25),
+  }
   for add in sensitivity.ADDS:
-    draw.update({f'h_{add}': np.ones(3), f'dh_{add}': 2 * np.ones(3), f'bh_{add}': 0.5 * np.ones(3),
-                 f'u_{add}': np.ones(3)})
+    draw.update(
+      {
+        f'h_{add}': np.ones(3),
+        f'dh_{add}': 2 * np.ones(3),
+        f'bh_{add}': 0.5 * np.ones(3),
+        f'u_{add}': np.ones(3),
+      }
+    )
   agg = sensitivity.aggregate([draw, draw], depth, _plan_layout(_cli_config(depth)))
-  tail = (1.0 / 2.0) / (0.25 / 1.0)                                 # g_f = S_{x_N}[f] = 2
+  tail = (1.0 / 2.0) / (0.25 / 1.0)  # g_f = S_{x_N}[f] = 2
   expected = depth * np.array([0.1 * 2 * 3, 0.2 * 3, 0.3]) * tail
   assert agg['normaliser'] == pytest.approx(4.0)
   np.testing.assert_allclose(agg['predicted']['composition'] * 4.0, expected)
@@ -163,8 +180,9 @@ def test_layout_is_read_from_the_model(small_postln):
 def test_perturbation_has_the_initial_covariance(small_postln):
   config, measurement, _ = small_postln
   _, direction = measurement.parameters_and_direction(jax.random.key(3))
-  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO,
-                                                                seq_len=config.data.seq_len))
+  plan = schemes.make_init_plan(
+    config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
+  )
   layers = sensitivity.layer_params(direction)
   for name, module in (('q', 'attn'), ('o', 'attn'), ('ffn1', 'ffn'), ('ffn2', 'ffn')):
     kernel = np.asarray(layers[module][name]['kernel'])
@@ -184,7 +202,7 @@ def test_cli_run_preln_depth8(tmp_path):
   assert saved['draws'] == 32 and saved['config']['model']['depth'] == 8 and len(saved['layers']) == 8
   s = saved['summary']
   assert s['s']['mean'] == pytest.approx(np.mean([r['s'] for r in saved['layers']]))
-  assert 3.6 < s['normaliser']['layer'] < 5.0      # two branches of own-sensitivity ≈ 2 each
+  assert 3.6 < s['normaliser']['layer'] < 5.0  # two branches of own-sensitivity ≈ 2 each
   for stat in ('mean', 'median'):
     assert s['s_normalised'][stat] == pytest.approx(s['predicted']['composition'][stat], rel=0.15)
   # Independent perturbations of disjoint layers add (Prop. 5): Σ_n S[f; θ_n] = S[f; θ].
@@ -195,8 +213,12 @@ def test_cli_run_preln_depth8(tmp_path):
 
 def test_cli_help_and_one_line_errors(tmp_path):
   base = [sys.executable, '-m', 'dsjax.sensitivity', '--config=configs/gpt_preln.py', f'--out={tmp_path}/o']
-  assert subprocess.run([sys.executable, '-m', 'dsjax.sensitivity', '--help'], cwd=ROOT,
-                        capture_output=True, text=True).returncode == 0
+  assert (
+    subprocess.run(
+      [sys.executable, '-m', 'dsjax.sensitivity', '--help'], cwd=ROOT, capture_output=True, text=True
+    ).returncode
+    == 0
+  )
   for extra, words in ((['--draws=0'], ('--draws',)), (['--config.model.block=bogus'], ('model.block',))):
     proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
@@ -206,8 +228,12 @@ def test_cli_help_and_one_line_errors(tmp_path):
 
 
 # Draws of the slow runs: 32, except 16 at depth 128 for the cases whose draws scatter little.
-SLOW_DRAWS = {'preln': {8: 32, 32: 32, 128: 16}, 'postln': {8: 32, 32: 32, 128: 32},
-              'weighted': {8: 32, 32: 32, 128: 32}, 'dslm': {8: 32, 32: 32, 128: 16}}
+SLOW_DRAWS = {
+  'preln': {8: 32, 32: 32, 128: 16},
+  'postln': {8: 32, 32: 32, 128: 32},
+  'weighted': {8: 32, 32: 32, 128: 32},
+  'dslm': {8: 32, 32: 32, 128: 16},
+}
 
 
 def _agrees_with_composition(summary, stat):
@@ -256,8 +282,9 @@ def _assert_layer_masks_partition(direction, depth):
   every = sensitivity.layer_tangent(direction, None, depth)
   layers = [sensitivity.layer_tangent(direction, jnp.asarray(n), depth) for n in range(depth)]
   summed = jax.tree.map(lambda *leaves: sum(leaves), *layers)
-  for (path, a), b, c in zip(jax.tree_util.tree_leaves_with_path(every), jax.tree.leaves(summed),
-                             jax.tree.leaves(direction)):
+  for (path, a), b, c in zip(
+    jax.tree_util.tree_leaves_with_path(every), jax.tree.leaves(summed), jax.tree.leaves(direction)
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
     in_layers = sensitivity._path_keys(path)[1] in ('stack', 'layers')
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c) if in_layers else 0, err_msg=str(path))

@@ -1,7 +1,25 @@
 """Per-layer moment instrumentation: forward and backward statistics of every layer (see README.md)."""
 
-from dsjax.instrument.collector import MOMENTS_FILE, Collector, NO_LAYER, first_nonfinite, json_value, read_jsonl
-from dsjax.instrument.probe import (SITES, instrument_config, is_instrumented_step, validate_instrument_config,
-                                    value_and_grad)
-from dsjax.instrument.stats import (FORWARD_STATS, GRAD_STATS, WEIGHT_TYPES, forward_stats, grad_stats,
-                                    weight_grad_stats)
+from dsjax.instrument.collector import (
+  MOMENTS_FILE,
+  NO_LAYER,
+  Collector,
+  first_nonfinite,
+  json_value,
+  read_jsonl,
+)
+from dsjax.instrument.probe import (
+  SITES,
+  instrument_config,
+  is_instrumented_step,
+  validate_instrument_config,
+  value_and_grad,
+)
+from dsjax.instrument.stats import (
+  FORWARD_STATS,
+  GRAD_STATS,
+  WEIGHT_TYPES,
+  forward_stats,
+  grad_stats,
+  weight_grad_stats,
+)

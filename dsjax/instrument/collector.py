@@ -41,8 +41,11 @@ def first_nonfinite(moments: Moments) -> tuple[str, str, str] | None:
   statistic in forward order (the embedding, then each layer's sites), else the first NaN/Inf gradient
   statistic in backward order (the last layer's last site first); None if all are finite."""
   site_order = {site: i for i, site in enumerate(SITES)}
-  bad = [key for key, value in moments_to_records(0, moments)
-         if not key[2].startswith('weight/') and not np.isfinite(value)]
+  bad = [
+    key
+    for key, value in moments_to_records(0, moments)
+    if not key[2].startswith('weight/') and not np.isfinite(value)
+  ]
   forward = [k for k in bad if k[3] in stats_lib.FORWARD_STATS]
   order = lambda k: (k[1], site_order.get(k[2], len(site_order)))
   if forward:
@@ -81,8 +84,14 @@ class Collector:
   processes) everything is a no-op.
   """
 
-  def __init__(self, workdir: str | None = None, *, enabled: bool = True, tensorboard: bool = True,
-               keep_records: bool = True):
+  def __init__(
+    self,
+    workdir: str | None = None,
+    *,
+    enabled: bool = True,
+    tensorboard: bool = True,
+    keep_records: bool = True,
+  ):
     self.enabled = enabled
     self.keep_records = keep_records
     self.records: list[dict[str, Any]] = []
@@ -100,6 +109,7 @@ class Collector:
         # into one event (`_write`) rather than one event per scalar, each of which passes a
         # multiprocessing queue (~0.4 ms: ~0.2 s per step for GPT-2-small's ~470 records).
         from tensorboardX import FileWriter
+
         self._tensorboard = FileWriter(os.path.join(workdir, 'tensorboard'))
 
   def add(self, step: int, moments: Moments):
@@ -112,8 +122,7 @@ class Collector:
     if not self.enabled:
       return
     key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer −1 = NO_LAYER.
-    self._buffer([(key + (name,), float(value))
-                  for name, value in zip(ACTIVATION_STATS, np.asarray(values))])
+    self._buffer([(key + (name,), float(value)) for name, value in zip(ACTIVATION_STATS, np.asarray(values))])
 
   def receive_table(self, step, table):
     """`jax.debug.callback` target: the (depth + 1, sites, statistics) table of loop step `step`."""
@@ -135,14 +144,14 @@ class Collector:
     with self._lock:
       received, self._received = self._received, []
     new = []
-    for key, value in received + [r for step, moments in ready
-                                  for r in moments_to_records(step, jax.device_get(moments))]:
+    for key, value in received + [
+      r for step, moments in ready for r in moments_to_records(step, jax.device_get(moments))
+    ]:
       if key in self._seen:
         self.num_duplicates += 1
         continue
       self._seen.add(key)
-      new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3],
-                  'value': float(value)})
+      new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3], 'value': float(value)})
     self._write(new)
     return new
 
@@ -154,13 +163,15 @@ class Collector:
       self._jsonl.flush()
     if self._tensorboard is not None and new:
       from tensorboardX.proto.summary_pb2 import Summary
+
       by_step = collections.defaultdict(list)
       for r in new:
         if not np.isfinite(r['value']):
           continue
         where = 'all' if r['layer'] == NO_LAYER else f'layer_{r["layer"]:03d}'
-        by_step[r['step']].append(Summary.Value(tag=f'moments/{r["site"]}/{r["stat"]}/{where}',
-                                                simple_value=r['value']))
+        by_step[r['step']].append(
+          Summary.Value(tag=f'moments/{r["site"]}/{r["stat"]}/{where}', simple_value=r['value'])
+        )
       for step, values in sorted(by_step.items()):
         self._tensorboard.add_summary(Summary(value=values), step)
       self._tensorboard.flush()
@@ -182,7 +193,8 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 def table(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[float]]]:
   """{(site, stat): {layer: [value of each step, in step order]}} — e.g. to average over batches."""
   out: dict[tuple[str, str], dict[int, list[float]]] = collections.defaultdict(
-      lambda: collections.defaultdict(list))
+    lambda: collections.defaultdict(list)
+  )
   for r in sorted(records, key=lambda r: r['step']):
     out[(r['site'], r['stat'])][r['layer']].append(r['value'])
   return out

@@ -51,16 +51,15 @@ ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
 DELIVERIES = ('return', 'callback')
 
 
-
 def instrument_config() -> ml_collections.ConfigDict:
   """The `instrument` config section."""
   c = ml_collections.ConfigDict()
-  c.every = 0                     # steps between per-layer moment records; 0 = off (nothing compiled)
-  c.delivery = 'return'           # 'return': statistics returned from the jitted step | 'callback':
-                                  # sent by jax.debug.callback, on one device the step's table in
-                                  # one callback, on several each probe site from inside the layer
-                                  # scan (dsjax/instrument/README.md: why, and why 'return' is the
-                                  # default)
+  c.every = 0  # steps between per-layer moment records; 0 = off (nothing compiled)
+  c.delivery = 'return'  # 'return': statistics returned from the jitted step | 'callback':
+  # sent by jax.debug.callback, on one device the step's table in
+  # one callback, on several each probe site from inside the layer
+  # scan (dsjax/instrument/README.md: why, and why 'return' is the
+  # default)
   return c
 
 
@@ -94,10 +93,12 @@ def _site_row(forward_row: jax.Array, g_BLD: jax.Array) -> jax.Array:
 
 def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
   """The model's probe(site, x, layer), checking the site and calling tap(site_index, x, layer)."""
+
   def probe(site: str, x_BLD: jax.Array, layer: jax.Array) -> jax.Array:
     if site not in SITES:
       raise ValueError(f'dsjax.instrument knows the probe sites {SITES}, got {site!r}')
     return tap(SITES.index(site), x_BLD, jnp.asarray(layer, jnp.int32))
+
   return probe
 
 
@@ -105,9 +106,11 @@ def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
 # Delivery in a stats sink returned from the step (instrument.delivery='return', default).
 # ------------------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _stats_tap(site_index: int, sink_shape: tuple[int, ...], x_BLD: jax.Array, sink: jax.Array,
-               layer: jax.Array) -> jax.Array:
+def _stats_tap(
+  site_index: int, sink_shape: tuple[int, ...], x_BLD: jax.Array, sink: jax.Array, layer: jax.Array
+) -> jax.Array:
   """Identity on x; d(loss)/d(sink) receives x's forward and gradient statistics at [layer+1, site]."""
   del site_index, sink_shape, sink, layer
   return x_BLD
@@ -150,8 +153,7 @@ def stack_depth(params: Any) -> int:
 
 
 def _sink_probe(sink: jax.Array) -> Probe:
-  return _probe_with(lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink,
-                                                                 layer))
+  return _probe_with(lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink, layer))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,8 +167,9 @@ Receiver = Any
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _callback_tap(site_index: int, receiver: Receiver, x_BLD: jax.Array, step: jax.Array,
-                  layer: jax.Array) -> jax.Array:
+def _callback_tap(
+  site_index: int, receiver: Receiver, x_BLD: jax.Array, step: jax.Array, layer: jax.Array
+) -> jax.Array:
   """Identity on x; in the backward pass sends x's forward and gradient statistics to `receiver`,
   tagged with (step, layer, site)."""
   del site_index, receiver, step, layer
@@ -191,13 +194,18 @@ _callback_tap.defvjp(_callback_tap_fwd, _callback_tap_bwd)
 
 def _callback_probe(receiver: Receiver, step: jax.Array) -> Probe:
   step = jnp.asarray(step, jnp.int32)
-  return _probe_with(lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step,
-                                                                    layer))
+  return _probe_with(lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step, layer))
 
 
-def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, weights: bool = True,
-                   receiver: Receiver | None = None, step: jax.Array | None = None,
-                   per_site: bool = True) -> tuple[jax.Array, Any, Moments]:
+def value_and_grad(
+  loss_fn: Callable[[Any, Probe], jax.Array],
+  params: Any,
+  *,
+  weights: bool = True,
+  receiver: Receiver | None = None,
+  step: jax.Array | None = None,
+  per_site: bool = True,
+) -> tuple[jax.Array, Any, Moments]:
   """(loss, grads, moments): `jax.value_and_grad(lambda p: loss_fn(p, probe))(params)` plus the moments.
 
   `loss_fn(params, probe)` must hand `probe` to the model; every probe site must be visited once per
@@ -216,15 +224,15 @@ def value_and_grad(loss_fn: Callable[[Any, Probe], jax.Array], params: Any, *, w
   if receiver is None or not per_site:
     sink = jnp.zeros((stack_depth(params) + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
     loss, (grads, table) = jax.value_and_grad(
-        lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1))(params, sink)
+      lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1)
+    )(params, sink)
     if receiver is None:
       moments = {'activations': table}
     else:
       jax.debug.callback(receiver.receive_table, jnp.asarray(step, jnp.int32), table)
       moments = {}
   else:
-    loss, grads = jax.value_and_grad(
-        lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
+    loss, grads = jax.value_and_grad(lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
     moments = {}
   if weights:
     moments['weights'] = stats_lib.weight_grad_stats(*_layer_trees(grads))

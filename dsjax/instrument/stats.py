@@ -49,8 +49,8 @@ class _Sums:
     x_BLD = x_BLD.astype(jnp.float32)
     self.b, self.l, self.d = x_BLD.shape
     self.n = float(x_BLD.size)  # a float: see the module docstring, "Numerics"
-    self.sum_BD = x_BLD.sum(1)                                  # over tokens
-    self.sum_BL = x_BLD.sum(2) if hidden_sums else None         # over hidden units
+    self.sum_BD = x_BLD.sum(1)  # over tokens
+    self.sum_BL = x_BLD.sum(2) if hidden_sums else None  # over hidden units
     self.sum = self.sum_BD.sum()
     self.sum_sq = (x_BLD * x_BLD).sum(1).sum()
     self.max_abs = jnp.abs(x_BLD).max()
@@ -61,7 +61,7 @@ class _Sums:
 
   @property
   def var(self) -> jax.Array:
-    return jnp.maximum(self.sum_sq / self.n - self.mean ** 2, 0.0)
+    return jnp.maximum(self.sum_sq / self.n - self.mean**2, 0.0)
 
   def pair_corr(self, group_sums: jax.Array, group_size: int) -> jax.Array:
     """Correlation over pairs i ≠ j inside groups of `group_size` elements with sums `group_sums`.
@@ -84,8 +84,13 @@ def _safe_ratio(num: jax.Array, den: jax.Array) -> jax.Array:
 def forward_stats(x_BLD: jax.Array) -> dict[str, jax.Array]:
   """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D)."""
   s = _Sums(x_BLD)
-  return {'mean': s.mean, 'var': s.var, 'corr_seq': s.pair_corr(s.sum_BD, s.l),
-          'corr_hidden': s.pair_corr(s.sum_BL, s.d), 'max_abs': s.max_abs}
+  return {
+    'mean': s.mean,
+    'var': s.var,
+    'corr_seq': s.pair_corr(s.sum_BD, s.l),
+    'corr_hidden': s.pair_corr(s.sum_BL, s.d),
+    'max_abs': s.max_abs,
+  }
 
 
 def grad_stats(g_BLD: jax.Array) -> dict[str, jax.Array]:
@@ -97,6 +102,7 @@ def grad_stats(g_BLD: jax.Array) -> dict[str, jax.Array]:
 # ------------------------------------------------------------------------------------------------
 # Weight gradients.
 # ------------------------------------------------------------------------------------------------
+
 
 def _path_names(path) -> tuple[str, ...]:
   names = []
@@ -149,9 +155,9 @@ def group_layer_grads(layer_grads: Any) -> dict[str, list[jax.Array]]:
 # one small histogram is fastest (the copies double its time there).
 _BINS_PER_OCTAVE = 32
 _OCTAVES = 40
-_MAX_CHUNK = 2 ** 30
+_MAX_CHUNK = 2**30
 _HISTOGRAM_COPIES = 1024
-_MIN_ENTRIES_PER_COPY = 2 ** 12
+_MIN_ENTRIES_PER_COPY = 2**12
 
 
 def _leaves(g: jax.Array | Sequence[jax.Array]) -> list[jax.Array]:
@@ -164,7 +170,7 @@ def _flat_chunks(leaves: list[jax.Array]) -> list[jax.Array]:
   chunks = []
   for leaf in leaves:
     flat = leaf.reshape(-1)
-    chunks += [flat[start:start + _MAX_CHUNK] for start in range(0, flat.size, _MAX_CHUNK)]
+    chunks += [flat[start : start + _MAX_CHUNK] for start in range(0, flat.size, _MAX_CHUNK)]
   return chunks
 
 
@@ -198,8 +204,10 @@ def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) 
     bins = jnp.minimum(jnp.floor(depth * _BINS_PER_OCTAVE), num_bins).astype(jnp.int32)
     copies = max(1, min(_HISTOGRAM_COPIES, abs_g.size // _MIN_ENTRIES_PER_COPY))
     counts_ascending += jax.lax.platform_dependent(
-        num_bins - bins, cpu=functools.partial(_bin_counts, copies=1),
-        default=functools.partial(_bin_counts, copies=copies)).astype(jnp.float32)
+      num_bins - bins,
+      cpu=functools.partial(_bin_counts, copies=1),
+      default=functools.partial(_bin_counts, copies=copies),
+    ).astype(jnp.float32)
   cumulative = jnp.cumsum(counts_ascending)
   rank = jnp.asarray(probs, jnp.float32) * float(sum(leaf.size for leaf in leaves))
   # First bin reaching the rank. 'compare_all' (a few thousand comparisons) rather than the default
@@ -245,8 +253,11 @@ def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[
   out = {}
   for kind in groups[0]:
     leaves = [leaf for g in groups for leaf in g[kind]]
-    sq_norm_N = jnp.concatenate([
+    sq_norm_N = jnp.concatenate(
+      [
         sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1) for leaf in g[kind])
-        for g in groups])
+        for g in groups
+      ]
+    )
     out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(leaves)}
   return out

@@ -13,17 +13,36 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsjax.models.config import (MODEL_NAMES, attention_implementation, compute_dtype, model_config,
-                                 validate_against_data, validate_model)
 from dsjax.models import layers
+from dsjax.models.config import (
+  MODEL_NAMES,
+  attention_implementation,
+  compute_dtype,
+  model_config,
+  validate_against_data,
+  validate_model,
+)
 from dsjax.models.gpt import GPT
 from dsjax.models.plan import InitPlan, ModelDims, NormLayout
 from dsjax.models.transformer import TransformerConfig
 from dsjax.models.vit import ViT
 
-__all__ = ['MODEL_NAMES', 'InitPlan', 'ModelDims', 'attention_implementation', 'attention_implementations',
-           'build_model', 'compute_dtype', 'model_config', 'model_dims', 'model_inputs',
-           'nonstandard_residual', 'transformer_config', 'validate_against_data', 'validate_model']
+__all__ = [
+  'MODEL_NAMES',
+  'InitPlan',
+  'ModelDims',
+  'attention_implementation',
+  'attention_implementations',
+  'build_model',
+  'compute_dtype',
+  'model_config',
+  'model_dims',
+  'model_inputs',
+  'nonstandard_residual',
+  'transformer_config',
+  'validate_against_data',
+  'validate_model',
+]
 
 
 def transformer_config(model_config, plan: InitPlan | None = None) -> TransformerConfig:
@@ -32,41 +51,71 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
   # A concatenation residual's attention has its own width, and so its own head dimension.
   head_dim = None if plan is None or plan.concat is None else plan.concat.attn_width // m.num_heads
   cfg = TransformerConfig(
-      depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
-      activation=m.activation, dropout=m.dropout, attn_dropout=m.attn_dropout, norm=m.norm,
-      norm_eps=m.norm_eps,
-      layout=NormLayout.for_block(m.block, m.dnt_setting, m.get('final_norm', None)),
-      causal=(m.name == 'gpt'), use_bias=m.use_bias, distribution=m.init_distribution,
-      remat=m.remat, scan_layers=m.scan_layers, scan_unroll=m.scan_unroll, dtype=compute_dtype(m),
-      attention=attention_implementation(m, head_dim=head_dim))
+    depth=m.depth,
+    width=m.width,
+    num_heads=m.num_heads,
+    mlp_hidden=m.mlp_ratio * m.width,
+    activation=m.activation,
+    dropout=m.dropout,
+    attn_dropout=m.attn_dropout,
+    norm=m.norm,
+    norm_eps=m.norm_eps,
+    layout=NormLayout.for_block(m.block, m.dnt_setting, m.get('final_norm', None)),
+    causal=(m.name == 'gpt'),
+    use_bias=m.use_bias,
+    distribution=m.init_distribution,
+    remat=m.remat,
+    scan_layers=m.scan_layers,
+    scan_unroll=m.scan_unroll,
+    dtype=compute_dtype(m),
+    attention=attention_implementation(m, head_dim=head_dim),
+  )
   if plan is None:
     return cfg
   return dataclasses.replace(
-      cfg, distribution=plan.distribution, layout=plan.layout or cfg.layout, skip_scale=plan.skip,
-      branch_scale=plan.branch, attn_logit_scale=plan.attn_logit_scale, attn_identity=plan.attn_identity,
-      lr_scale=tuple(sorted(plan.lr_scale.items())))
+    cfg,
+    distribution=plan.distribution,
+    layout=plan.layout or cfg.layout,
+    skip_scale=plan.skip,
+    branch_scale=plan.branch,
+    attn_logit_scale=plan.attn_logit_scale,
+    attn_identity=plan.attn_identity,
+    lr_scale=tuple(sorted(plan.lr_scale.items())),
+  )
 
 
 def attention_implementations(model: nnx.Module) -> list[str]:
   """The attention implementations `model` runs, as its attention modules were built ('plain', 'xla',
   'cudnn', 'splash')."""
-  return sorted({node.implementation for _, node in nnx.iter_graph(model)
-                 if isinstance(node, layers.Attention)})
+  return sorted(
+    {node.implementation for _, node in nnx.iter_graph(model) if isinstance(node, layers.Attention)}
+  )
 
 
 def model_dims(model_config, data_info, *, seq_len: int) -> ModelDims:
   """The sizes the init schemes (and the theory) need, from the model config and the dataset
   (`seq_len`: a language model's context, the `data.seq_len` of a run)."""
   m = model_config
-  common = dict(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_hidden=m.mlp_ratio * m.width,
-                num_embedding_tables=2)
+  common = dict(
+    depth=m.depth,
+    width=m.width,
+    num_heads=m.num_heads,
+    mlp_hidden=m.mlp_ratio * m.width,
+    num_embedding_tables=2,
+  )
   if m.name == 'vit':
     h, w, c = data_info.image_shape
     num_patches = (h // m.patch_size) * (w // m.patch_size)
-    return ModelDims(kind='vit', input_dim=m.patch_size * m.patch_size * c,
-                     num_outputs=data_info.num_classes, seq_len=num_patches + (m.pooling == 'cls'), **common)
-  return ModelDims(kind='gpt', input_dim=data_info.vocab_size, num_outputs=data_info.vocab_size,
-                   seq_len=seq_len, **common)
+    return ModelDims(
+      kind='vit',
+      input_dim=m.patch_size * m.patch_size * c,
+      num_outputs=data_info.num_classes,
+      seq_len=num_patches + (m.pooling == 'cls'),
+      **common,
+    )
+  return ModelDims(
+    kind='gpt', input_dim=data_info.vocab_size, num_outputs=data_info.vocab_size, seq_len=seq_len, **common
+  )
 
 
 def model_inputs(model_name: str, batch: dict[str, Any]) -> jax.Array:
@@ -80,12 +129,20 @@ def build_model(model_config, data_info, plan: InitPlan, rngs: nnx.Rngs, *, seq_
   m = model_config
   cfg = transformer_config(m, plan)
   if m.name == 'vit':
-    model = ViT(cfg, plan, image_shape=data_info.image_shape, patch_size=m.patch_size,
-                num_classes=data_info.num_classes, pos_embedding=m.pos_embedding, pooling=m.pooling,
-                rngs=rngs)
+    model = ViT(
+      cfg,
+      plan,
+      image_shape=data_info.image_shape,
+      patch_size=m.patch_size,
+      num_classes=data_info.num_classes,
+      pos_embedding=m.pos_embedding,
+      pooling=m.pooling,
+      rngs=rngs,
+    )
   elif m.name == 'gpt':
-    model = GPT(cfg, plan, vocab_size=data_info.vocab_size, max_len=seq_len,
-                tie_embeddings=m.tie_embeddings, rngs=rngs)
+    model = GPT(
+      cfg, plan, vocab_size=data_info.vocab_size, max_len=seq_len, tie_embeddings=m.tie_embeddings, rngs=rngs
+    )
   else:
     raise ValueError(f'model.name must be one of {list(MODEL_NAMES)}, got {m.name!r}')
   return cast_params(model, m.param_dtype)
@@ -113,7 +170,7 @@ def cast_params(model: nnx.Module, param_dtype: str) -> nnx.Module:
 
 def _is_matrix(variable: nnx.Param) -> bool:
   shape, axes = variable.get_value().shape, variable.get_metadata().get('axes', ())
-  per_layer = shape[len(shape) - len(axes):]
+  per_layer = shape[len(shape) - len(axes) :]
   return sum(size > 1 for size in per_layer) >= 2
 
 
@@ -127,7 +184,7 @@ def nonstandard_residual(model: nnx.Module) -> str | None:
   attn = stack.layers.attn
   if attn.mix_identity is not None:
     return 'the attention matrix is α·I + β·A(X)'
-  if not np.isclose(attn.logit_scale, attn.head_dim ** -0.5):
+  if not np.isclose(attn.logit_scale, attn.head_dim**-0.5):
     return f'the attention logit scale is {attn.logit_scale:.4g}, not 1/sqrt(d_head)'
   if any(np.ndim(v) > 1 for v in stack.layers.scales().values()):
     return 'the residual scales are vectors'

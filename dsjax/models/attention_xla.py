@@ -36,9 +36,15 @@ TRANSPOSED_ATTENTION_KEY_GRADIENT = True
 TRANSPOSED_ATTENTION_VALUE_GRADIENT = True
 
 
-def xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
-                  causal: bool, dropout_rate: float = 0.0,
-                  dropout_key: jax.Array | None = None) -> jax.Array:
+def xla_attention(
+  q_BLHK: jax.Array,
+  k_BLHK: jax.Array,
+  v_BLHK: jax.Array,
+  logit_scale: float,
+  causal: bool,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked)) · v with the logits and softmax in float32, and dropout on
   the probabilities when a key is given; (B, L, H, K) in and out.
 
@@ -54,12 +60,16 @@ def xla_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit
   swap_heads = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731 (B, L, H, K) <-> (B, H, L, K)
   q_BHLK, k_BHLK, v_BHLK = swap_heads(q_BLHK), swap_heads(k_BLHK), swap_heads(v_BLHK)
   # Block boundaries ceil(l·i/n), i = 0..n (a set: short sequences give fewer, non-empty blocks).
-  bounds = (tuple(sorted({-(-l * i // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS + 1)}))
-            if causal else (0, l))
+  bounds = (
+    tuple(sorted({-(-l * i // CAUSAL_QUERY_BLOCKS) for i in range(CAUSAL_QUERY_BLOCKS + 1)}))
+    if causal
+    else (0, l)
+  )
   if dropout_key is None or dropout_rate == 0.0:
     return swap_heads(_attention_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal))
-  return swap_heads(_attention_over_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal,
-                                           dropout_rate, dropout_key))
+  return swap_heads(
+    _attention_over_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal, dropout_rate, dropout_key)
+  )
 
 
 def _dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
@@ -68,8 +78,9 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def _query_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, bounds: tuple[int, ...],
-                  causal: bool):
+def _query_blocks(
+  q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, bounds: tuple[int, ...], causal: bool
+):
   """For each block of queries [start, end): its queries, the keys and values up to `end` (all of them
   for the one block of non-causal attention) and the mask (True: may attend; None: all)."""
   for start, end in zip(bounds[:-1], bounds[1:]):
@@ -78,14 +89,22 @@ def _query_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, bound
     yield q_BHLK[:, :, start:end], k_BHLK[:, :, :end], v_BHLK[:, :, :end], mask_QT
 
 
-def _attention_over_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, logit_scale: float,
-                           bounds: tuple[int, ...], causal: bool, dropout_rate: float = 0.0,
-                           dropout_key: jax.Array | None = None) -> jax.Array:
+def _attention_over_blocks(
+  q_BHLK: jax.Array,
+  k_BHLK: jax.Array,
+  v_BHLK: jax.Array,
+  logit_scale: float,
+  bounds: tuple[int, ...],
+  causal: bool,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+) -> jax.Array:
   """Attention over the query blocks `bounds` (`_query_blocks`), (B, H, L, K) layout, with dropout on
   the probabilities when a key is given (each causal block draws its own mask)."""
   out_blocks = []
   for i, (q_BHQK, k_BHTK, v_BHTK, mask_QT) in enumerate(
-      _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)):
+    _query_blocks(q_BHLK, k_BHLK, v_BHLK, bounds, causal)
+  ):
     key = jax.random.fold_in(dropout_key, i) if causal and dropout_key is not None else dropout_key
     probs_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT).astype(v_BHTK.dtype)
     if key is not None and dropout_rate != 0.0:
@@ -94,8 +113,9 @@ def _attention_over_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Arr
   return jnp.concatenate(out_blocks, axis=2)
 
 
-def _attention_probabilities(q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: float,
-                             mask_QT: jax.Array | None) -> jax.Array:
+def _attention_probabilities(
+  q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: float, mask_QT: jax.Array | None
+) -> jax.Array:
   """softmax(scale·q·kᵀ) in float32 of queries Q against keys T, with `mask_QT` (True: may attend)."""
   logits_BHQT = jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, k_BHTK, preferred_element_type=jnp.float32)
   logits_BHQT = logits_BHQT * logit_scale
@@ -109,8 +129,14 @@ def _attention_probabilities(q_BHQK: jax.Array, k_BHTK: jax.Array, logit_scale: 
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _attention_blocks(q_BHLK: jax.Array, k_BHLK: jax.Array, v_BHLK: jax.Array, logit_scale: float,
-                      bounds: tuple[int, ...], causal: bool) -> jax.Array:
+def _attention_blocks(
+  q_BHLK: jax.Array,
+  k_BHLK: jax.Array,
+  v_BHLK: jax.Array,
+  logit_scale: float,
+  bounds: tuple[int, ...],
+  causal: bool,
+) -> jax.Array:
   """`_attention_over_blocks` without dropout, differentiated by its own rule (below)."""
   return _attention_over_blocks(q_BHLK, k_BHLK, v_BHLK, logit_scale, bounds, causal)
 
@@ -137,27 +163,35 @@ def _attention_blocks_jvp(logit_scale, bounds, causal, primals, tangents):
 
   def key_term(q_BHQK, dk_BHTK):  # Q·dKᵀ
     return on_cpu_transposed(
-        TRANSPOSED_ATTENTION_KEY_GRADIENT, dk_BHTK,
-        lambda dk: swap(barrier(jnp.einsum('bhtk,bhqk->bhtq', dk, q_BHQK, preferred_element_type=f32))),
-        lambda dk: jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, dk, preferred_element_type=f32))
+      TRANSPOSED_ATTENTION_KEY_GRADIENT,
+      dk_BHTK,
+      lambda dk: swap(barrier(jnp.einsum('bhtk,bhqk->bhtq', dk, q_BHQK, preferred_element_type=f32))),
+      lambda dk: jnp.einsum('bhqk,bhtk->bhqt', q_BHQK, dk, preferred_element_type=f32),
+    )
 
   def value_term(probs_BHQT, dv_BHTK):  # P·dV
     return on_cpu_transposed(
-        TRANSPOSED_ATTENTION_VALUE_GRADIENT, dv_BHTK,
-        lambda dv: jnp.einsum('bhkt,bhqt->bhqk', barrier(swap(dv)), probs_BHQT),
-        lambda dv: jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, dv))
+      TRANSPOSED_ATTENTION_VALUE_GRADIENT,
+      dv_BHTK,
+      lambda dv: jnp.einsum('bhkt,bhqt->bhqk', barrier(swap(dv)), probs_BHQT),
+      lambda dv: jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, dv),
+    )
 
   out_blocks, tangent_blocks = [], []
   for (q_BHQK, k_BHTK, v_BHTK, mask_QT), (dq_BHQK, dk_BHTK, dv_BHTK, _) in zip(
-      _query_blocks(*primals, bounds, causal), _query_blocks(*tangents, bounds, causal)):
+    _query_blocks(*primals, bounds, causal), _query_blocks(*tangents, bounds, causal)
+  ):
     probs_f32_BHQT = _attention_probabilities(q_BHQK, k_BHTK, logit_scale, mask_QT)
     probs_BHQT = probs_f32_BHQT.astype(v_BHTK.dtype)
     out_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', probs_BHQT, v_BHTK))
     dlogits_BHQT = logit_scale * (
-        jnp.einsum('bhqk,bhtk->bhqt', dq_BHQK, k_BHTK, preferred_element_type=f32)
-        + key_term(q_BHQK, dk_BHTK))
+      jnp.einsum('bhqk,bhtk->bhqt', dq_BHQK, k_BHTK, preferred_element_type=f32) + key_term(q_BHQK, dk_BHTK)
+    )
     dprobs_BHQT = probs_f32_BHQT * (
-        dlogits_BHQT - jnp.sum(probs_f32_BHQT * dlogits_BHQT, axis=-1, keepdims=True))
-    tangent_blocks.append(jnp.einsum('bhqt,bhtk->bhqk', dprobs_BHQT.astype(v_BHTK.dtype), v_BHTK)
-                          + value_term(probs_BHQT, dv_BHTK))
+      dlogits_BHQT - jnp.sum(probs_f32_BHQT * dlogits_BHQT, axis=-1, keepdims=True)
+    )
+    tangent_blocks.append(
+      jnp.einsum('bhqt,bhtk->bhqk', dprobs_BHQT.astype(v_BHTK.dtype), v_BHTK)
+      + value_term(probs_BHQT, dv_BHTK)
+    )
   return jnp.concatenate(out_blocks, axis=2), jnp.concatenate(tangent_blocks, axis=2)

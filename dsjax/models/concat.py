@@ -45,14 +45,18 @@ def check_concat_plan(concat: ConcatPlan, depth: int, num_heads: int) -> None:
   """The stream widths a ConcatTrunk of `depth` layers needs: 2·depth + 1 of them, growing by `growth`."""
   widths = tuple(concat.stream_widths)
   if len(widths) != 2 * depth + 1:
-    raise ValueError(f'ConcatPlan.stream_widths needs 2·depth + 1 = {2 * depth + 1} entries, '
-                     f'got {len(widths)}')
+    raise ValueError(
+      f'ConcatPlan.stream_widths needs 2·depth + 1 = {2 * depth + 1} entries, got {len(widths)}'
+    )
   if concat.growth < 1 or any(b - a != concat.growth for a, b in zip(widths, widths[1:])) or widths[0] < 1:
-    raise ValueError(f'ConcatPlan.stream_widths must start positive and grow by growth={concat.growth} '
-                     f'per module, got {widths}')
+    raise ValueError(
+      f'ConcatPlan.stream_widths must start positive and grow by growth={concat.growth} '
+      f'per module, got {widths}'
+    )
   if concat.attn_width % num_heads:
-    raise ValueError(f'ConcatPlan.attn_width ({concat.attn_width}) must be divisible by model.num_heads '
-                     f'({num_heads})')
+    raise ValueError(
+      f'ConcatPlan.attn_width ({concat.attn_width}) must be divisible by model.num_heads ({num_heads})'
+    )
 
 
 def embedding_and_head_widths(cfg: TransformerConfig, plan: InitPlan) -> tuple[int, int]:
@@ -66,8 +70,9 @@ class ConcatLayer(nnx.Module):
   """Layer n of a concatenation stream: an attention module, then an FFN module, each appending
   `growth` features. `layer_init` holds this layer's initial standard deviations (floats)."""
 
-  def __init__(self, cfg: TransformerConfig, concat: ConcatPlan, n: int, layer_init: dict[str, Any], *,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, cfg: TransformerConfig, concat: ConcatPlan, n: int, layer_init: dict[str, Any], *, rngs: nnx.Rngs
+  ):
     lay = cfg.layout
     w_attn, w_ffn, g = concat.stream_widths[2 * n], concat.stream_widths[2 * n + 1], concat.growth
     norm = lambda enabled, dim: layers.make_norm(enabled, dim, cfg.norm, cfg.norm_eps)
@@ -75,26 +80,47 @@ class ConcatLayer(nnx.Module):
     self.dropout, self.dtype = cfg.dropout, cfg.dtype
     self.pre_attn_norm, self.mid_attn_norm = norm(lay.pre_attn, w_attn), norm(lay.mid_attn, g)
     self.attn = layers.Attention(
-        w_attn, cfg.num_heads, stds=layer_init, distribution=cfg.distribution, use_bias=cfg.use_bias,
-        qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps, causal=cfg.causal,
-        attn_dropout=cfg.attn_dropout, logit_scale=cfg.attn_logit_scale, identity_mix=cfg.attn_identity,
-        lr_scale=lr_scale, inner_width=concat.attn_width, out_width=g, implementation=cfg.attention,
-        rngs=rngs)
+      w_attn,
+      cfg.num_heads,
+      stds=layer_init,
+      distribution=cfg.distribution,
+      use_bias=cfg.use_bias,
+      qk_norm=lay.qk_norm,
+      norm_kind=cfg.norm,
+      norm_eps=cfg.norm_eps,
+      causal=cfg.causal,
+      attn_dropout=cfg.attn_dropout,
+      logit_scale=cfg.attn_logit_scale,
+      identity_mix=cfg.attn_identity,
+      lr_scale=lr_scale,
+      inner_width=concat.attn_width,
+      out_width=g,
+      implementation=cfg.attention,
+      rngs=rngs,
+    )
     self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn, w_ffn), norm(lay.mid_ffn, g)
-    self.ffn = layers.FFN(w_ffn, concat.ffn_hidden, activation=cfg.activation, stds=layer_init,
-                          distribution=cfg.distribution, use_bias=cfg.use_bias, lr_scale=lr_scale,
-                          out_width=g, rngs=rngs)
+    self.ffn = layers.FFN(
+      w_ffn,
+      concat.ffn_hidden,
+      activation=cfg.activation,
+      stds=layer_init,
+      distribution=cfg.distribution,
+      use_bias=cfg.use_bias,
+      lr_scale=lr_scale,
+      out_width=g,
+      rngs=rngs,
+    )
 
-  def attention_module(self, x_BLW: jax.Array, keys: tuple[Any, Any], *, layer: jax.Array,
-                       probe: Probe = no_probe) -> jax.Array:
+  def attention_module(
+    self, x_BLW: jax.Array, keys: tuple[Any, Any], *, layer: jax.Array, probe: Probe = no_probe
+  ) -> jax.Array:
     """x ← concat[x, Drop(MidNorm(Attention(PreNorm(x))))]; keys: (attention probabilities, output)."""
     h_BLG = self.attn(layers.apply_norm(self.pre_attn_norm, x_BLW).astype(self.dtype), keys[0])
     h_BLG = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLG), self.dropout, keys[1])
     h_BLG = probe('attn_branch', constrain_batch(h_BLG), layer)
     return probe('attn_residual', constrain_batch(jnp.concatenate([x_BLW, h_BLG], axis=-1)), layer)
 
-  def ffn_module(self, x_BLW: jax.Array, key: Any, *, layer: jax.Array,
-                 probe: Probe = no_probe) -> jax.Array:
+  def ffn_module(self, x_BLW: jax.Array, key: Any, *, layer: jax.Array, probe: Probe = no_probe) -> jax.Array:
     """x ← concat[x, Drop(MidNorm(FFN(PreNorm(x))))]."""
     h_BLG = self.ffn(layers.apply_norm(self.pre_ffn_norm, x_BLW).astype(self.dtype))
     h_BLG = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLG), self.dropout, key)
@@ -106,24 +132,35 @@ class ConcatTrunk(nnx.Module):
   """Embedded tokens (width w_0) in, final hidden states (width w_{2N}) out: embedding dropout,
   InputNorm, the concatenating layers, final norm, output scale (module docstring)."""
 
-  def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], concat: ConcatPlan, *,
-               output_scale: float, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: TransformerConfig,
+    layer_init: dict[str, Any],
+    concat: ConcatPlan,
+    *,
+    output_scale: float,
+    rngs: nnx.Rngs,
+  ):
     """`layer_init[name]` has shape (depth,): layer n is built from entry n of each array."""
     if cfg.layout.post:
-      raise ValueError('a concatenation residual has no Post-LN form (norm after the residual); use a '
-                       'layout without post norms (model.block=preln)')
+      raise ValueError(
+        'a concatenation residual has no Post-LN form (norm after the residual); use a '
+        'layout without post norms (model.block=preln)'
+      )
     check_concat_plan(concat, cfg.depth, cfg.num_heads)
     self.dropout, self.remat, self.depth = cfg.dropout, cfg.remat, cfg.depth
     widths = concat.stream_widths
     self.input_norm = layers.make_norm(cfg.layout.input_norm, widths[0], cfg.norm, cfg.norm_eps)
-    self.layers = nnx.List([
+    self.layers = nnx.List(
+      [
         ConcatLayer(cfg, concat, n, {k: float(layer_init[k][n]) for k in WEIGHT_KEYS}, rngs=rngs)
-        for n in range(cfg.depth)])
+        for n in range(cfg.depth)
+      ]
+    )
     self.final_norm = layers.make_norm(cfg.layout.final_norm, widths[-1], cfg.norm, cfg.norm_eps)
     self.output_scale = layers.constant(jnp.asarray(output_scale, jnp.float32), ())
 
-  def __call__(self, x_BLW: jax.Array, dropout_key: jax.Array | None,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(self, x_BLW: jax.Array, dropout_key: jax.Array | None, probe: Probe = no_probe) -> jax.Array:
     embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     x_BLW = layers.dropout(x_BLW.astype(jnp.float32), self.dropout, embed_key)  # a float32 stream
     x_BLW = probe('embedding', constrain_batch(layers.apply_norm(self.input_norm, x_BLW)), jnp.asarray(-1))

@@ -27,32 +27,32 @@ INIT_DISTRIBUTIONS = ('normal', 'truncated_normal', 'uniform')
 
 def model_config(model_name: str) -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
-  m.name = model_name             # 'vit' | 'gpt'
-  m.depth = 6                     # N layers; a layer = attention add + FFN add
-  m.width = 128                   # d
+  m.name = model_name  # 'vit' | 'gpt'
+  m.depth = 6  # N layers; a layer = attention add + FFN add
+  m.width = 128  # d
   m.num_heads = 4
-  m.mlp_ratio = 4                 # FFN hidden = mlp_ratio · d
-  m.block = 'preln'               # 'preln' | 'postln' | 'dnt' | 'nonorm' (no norm anywhere)
-  m.dnt_setting = 'S5'            # DNT norm placement S1–S5 (Qi et al. 2025, §4.4, Fig. 7); block='dnt'
+  m.mlp_ratio = 4  # FFN hidden = mlp_ratio · d
+  m.block = 'preln'  # 'preln' | 'postln' | 'dnt' | 'nonorm' (no norm anywhere)
+  m.dnt_setting = 'S5'  # DNT norm placement S1–S5 (Qi et al. 2025, §4.4, Fig. 7); block='dnt'
   m.final_norm = config_dict.placeholder(bool)  # None: the block's default (preln/dnt on, postln off)
-  m.norm = 'layernorm'            # 'layernorm' | 'rmsnorm'
+  m.norm = 'layernorm'  # 'layernorm' | 'rmsnorm'
   m.norm_eps = 1e-6
-  m.activation = 'gelu'           # 'gelu' (exact, x·Φ(x)) | 'relu'
-  m.dropout = 0.0                 # embedding and every branch output
-  m.attn_dropout = 0.0            # attention probabilities
+  m.activation = 'gelu'  # 'gelu' (exact, x·Φ(x)) | 'relu'
+  m.dropout = 0.0  # embedding and every branch output
+  m.attn_dropout = 0.0  # attention probabilities
   m.use_bias = True
   m.init_distribution = 'normal'  # 'normal' | 'truncated_normal' | 'uniform' (every weight's draw)
   # How a step is computed (none of these changes the parameters; a run may resume with others).
-  m.dtype = 'auto'                # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
-  m.param_dtype = 'float32'       # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
-  m.attention = 'auto'            # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
-  m.remat = 'none'                # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
-  m.scan_layers = True            # False: a Python loop over the layers instead of jax.lax.scan
-  m.scan_unroll = 1               # layers per scan iteration
+  m.dtype = 'auto'  # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
+  m.param_dtype = 'float32'  # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
+  m.attention = 'auto'  # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
+  m.remat = 'none'  # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
+  m.scan_layers = True  # False: a Python loop over the layers instead of jax.lax.scan
+  m.scan_unroll = 1  # layers per scan iteration
   # ViT only.
   m.patch_size = 2
-  m.pos_embedding = 'learned'     # 'learned' | 'sincos2d'
-  m.pooling = 'gap'               # 'gap' | 'cls'
+  m.pos_embedding = 'learned'  # 'learned' | 'sincos2d'
+  m.pooling = 'gap'  # 'gap' | 'cls'
   # GPT only.
   m.tie_embeddings = False
   return m
@@ -81,8 +81,15 @@ def is_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x and abs(x) != float('inf')
 
 
-def number(key: str, value, *, low: float | None = None, high: float | None = None,
-           low_open: bool = False, high_open: bool = False) -> None:
+def number(
+  key: str,
+  value,
+  *,
+  low: float | None = None,
+  high: float | None = None,
+  low_open: bool = False,
+  high_open: bool = False,
+) -> None:
   """Checks that `value` is a finite number in the interval [low, high] (ends open where asked)."""
   ok = is_number(value)
   if ok and low is not None:
@@ -92,8 +99,15 @@ def number(key: str, value, *, low: float | None = None, high: float | None = No
   if not ok:
     lo = '' if low is None else f'{"(" if low_open else "["}{low}'
     hi = '' if high is None else f'{high}{")" if high_open else "]"}'
-    where = f' in {lo}, {hi}' if lo and hi else (f' {">" if low_open else ">="} {low}' if lo else
-                                                  (f' {"<" if high_open else "<="} {high}' if hi else ''))
+    where = (
+      f' in {lo}, {hi}'
+      if lo and hi
+      else (
+        f' {">" if low_open else ">="} {low}'
+        if lo
+        else (f' {"<" if high_open else "<="} {high}' if hi else '')
+      )
+    )
     raise ValueError(f'{key} must be a number{where}, got {value!r}')
 
 
@@ -167,21 +181,29 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
       _warn_splash_interpreted(backend)
     return _fused_or_xla(m.attention, 'splash', no_dropout)
   head_dim = m.width // m.num_heads if head_dim is None else head_dim
-  blockers = {**no_dropout,
-              'model.dtype': (compute_dtype(m, backend) != 'bfloat16', 'must be bfloat16 (or auto on a GPU)'),
-              'model.width / model.num_heads': (head_dim % 8 or head_dim > 128,
-                                                f'(the head dimension, {head_dim}) must be a multiple of 8 '
-                                                'and at most 128'),
-              'the backend': (backend != 'gpu', f'must be a GPU, not {backend}'),
-              'the GPU': (backend == 'gpu' and not gpu_capable,
-                          'must be an NVIDIA GPU of compute capability 8.0 or newer')}
+  blockers = {
+    **no_dropout,
+    'model.dtype': (compute_dtype(m, backend) != 'bfloat16', 'must be bfloat16 (or auto on a GPU)'),
+    'model.width / model.num_heads': (
+      head_dim % 8 or head_dim > 128,
+      f'(the head dimension, {head_dim}) must be a multiple of 8 and at most 128',
+    ),
+    'the backend': (backend != 'gpu', f'must be a GPU, not {backend}'),
+    'the GPU': (
+      backend == 'gpu' and not gpu_capable,
+      'must be an NVIDIA GPU of compute capability 8.0 or newer',
+    ),
+  }
   return _fused_or_xla(m.attention, 'cudnn', blockers)
 
 
 @functools.cache
 def _warn_splash_interpreted(backend: str) -> None:
-  logging.warning('model.attention=splash on %s runs the TPU kernel in Pallas\' interpreter: the same '
-                  'function, many times slower (model.attention=auto picks the fast path here)', backend)
+  logging.warning(
+    "model.attention=splash on %s runs the TPU kernel in Pallas' interpreter: the same "
+    'function, many times slower (model.attention=auto picks the fast path here)',
+    backend,
+  )
 
 
 def _fused_or_xla(requested: str, fused: str, blockers: dict[str, tuple[Any, str]]) -> str:
@@ -211,7 +233,9 @@ def validate_against_data(m, data_name: str, data_info) -> None:
   """Checks that need the dataset's shapes (known before compilation, after the dataset is found)."""
   if m.name == 'vit':
     if data_info.kind != 'image':
-      raise ValueError(f'model.name=vit needs an image dataset, but data.name={data_name!r} is {data_info.kind}')
+      raise ValueError(
+        f'model.name=vit needs an image dataset, but data.name={data_name!r} is {data_info.kind}'
+      )
     h, w, _ = data_info.image_shape
     if h % m.patch_size or w % m.patch_size:
       raise ValueError(f'model.patch_size ({m.patch_size}) must divide the image size {h}x{w}')

@@ -9,8 +9,8 @@
   * a bf16 matmul written in float32 (`out_dtype`, e.g. the logits head) keeps its input and weight
     gradients bf16 matmuls (`_matmul_wider_output`).
 `dsjax.models.layers.Dense` uses it. `benchmarks/cpu_weight_gradient_form.py` and
-`benchmarks/cpu_matmul_kernels.py` time the forms; tests/models/test_precision_attention.py checks them against
-the plain matmul's autodiff.
+`benchmarks/cpu_matmul_kernels.py` time the forms; tests/models/test_precision_attention.py checks them
+against the plain matmul's autodiff.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def _matmul_narrowing_jvp(primals, tangents):
   if not isinstance(dx_NI, jax.custom_derivatives.SymbolicZero):
     terms.append(dx_NI @ kernel_IO)
   if not isinstance(dkernel_IO, jax.custom_derivatives.SymbolicZero):
-    terms.append(jax.lax.platform_dependent(dkernel_IO, cpu=kernel_term_cpu,
-                                            default=lambda d: x_NI @ d))
+    terms.append(jax.lax.platform_dependent(dkernel_IO, cpu=kernel_term_cpu, default=lambda d: x_NI @ d))
   return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
 
 
@@ -88,6 +87,7 @@ def _matmul_wider_output_jvp(out_dtype, primals, tangents):
   # float32 output gradient would make the input and weight gradients float32 matmuls (for a head
   # over a large vocabulary, the costliest of the backward pass). Forward mode stays available.
   (x_ND, kernel), (dx_ND, dkernel) = primals, tangents
-  dy = (jnp.tensordot(dx_ND, kernel, axes=1).astype(out_dtype)
-        + jnp.tensordot(x_ND, dkernel, axes=1).astype(out_dtype))
+  dy = jnp.tensordot(dx_ND, kernel, axes=1).astype(out_dtype) + jnp.tensordot(x_ND, dkernel, axes=1).astype(
+    out_dtype
+  )
   return _matmul_wider_output(x_ND, kernel, out_dtype), dy

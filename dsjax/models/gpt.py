@@ -18,32 +18,56 @@ from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
 
 class GPT(nnx.Module):
-
-  def __init__(self, cfg: TransformerConfig, plan: InitPlan, *, vocab_size: int, max_len: int,
-               tie_embeddings: bool, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: TransformerConfig,
+    plan: InitPlan,
+    *,
+    vocab_size: int,
+    max_len: int,
+    tie_embeddings: bool,
+    rngs: nnx.Rngs,
+  ):
     d, head_width = embedding_and_head_widths(cfg, plan)
     lr = plan.lr_scale
     if tie_embeddings and head_width != d:
-      raise ValueError(f'model.tie_embeddings needs the head to read the embedding width ({d}), but the '
-                       f'residual stream ends at width {head_width}')
-    self.token_embed = layers.param(layers.init_weight(rngs.params(), (vocab_size, d), plan.input_std,
-                                                       plan.distribution), ('vocab', 'embed'),
-                                    lr.get('input', 1.0))
-    self.pos_embedding = layers.param(layers.init_weight(rngs.params(), (max_len, d), plan.pos_std,
-                                                         plan.distribution), (None, 'embed'),
-                                      lr.get('pos', 1.0))
+      raise ValueError(
+        f'model.tie_embeddings needs the head to read the embedding width ({d}), but the '
+        f'residual stream ends at width {head_width}'
+      )
+    self.token_embed = layers.param(
+      layers.init_weight(rngs.params(), (vocab_size, d), plan.input_std, plan.distribution),
+      ('vocab', 'embed'),
+      lr.get('input', 1.0),
+    )
+    self.pos_embedding = layers.param(
+      layers.init_weight(rngs.params(), (max_len, d), plan.pos_std, plan.distribution),
+      (None, 'embed'),
+      lr.get('pos', 1.0),
+    )
     self.trunk = make_trunk(cfg, plan, rngs=rngs)
     self.dtype = cfg.dtype
-    self.head = None if tie_embeddings else layers.Dense(
-        head_width, vocab_size, std=0.0 if plan.zero_head else plan.head_std,
-        distribution=plan.distribution, use_bias=False, axes=('embed', 'vocab'),
-        lr_scale=lr.get('head', 1.0), rngs=rngs)
+    self.head = (
+      None
+      if tie_embeddings
+      else layers.Dense(
+        head_width,
+        vocab_size,
+        std=0.0 if plan.zero_head else plan.head_std,
+        distribution=plan.distribution,
+        use_bias=False,
+        axes=('embed', 'vocab'),
+        lr_scale=lr.get('head', 1.0),
+        rngs=rngs,
+      )
+    )
 
   def embed(self, tokens_BL: jax.Array) -> jax.Array:
-    return self.token_embed[...][tokens_BL] + self.pos_embedding[...][:tokens_BL.shape[1]]
+    return self.token_embed[...][tokens_BL] + self.pos_embedding[...][: tokens_BL.shape[1]]
 
-  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(
+    self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None, probe: Probe = no_probe
+  ) -> jax.Array:
     """Next-token logits (B, L, vocab), float32: the head's matmul runs in the compute dtype and
     writes float32, so the loss's softmax sees logits that were never rounded to bfloat16."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)

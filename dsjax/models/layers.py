@@ -49,6 +49,7 @@ class Constant(nnx.Variable):
 # 'patch' (patch pixels), 'seq' (positions), None (never sharded: norm gains, scalars).
 # `lr_scale=` multiplies the learning rate of a parameter (μP; read by the optimizer builder).
 
+
 def param(value: jax.Array, axes: tuple[str | None, ...], lr_scale: float = 1.0) -> nnx.Param:
   if len(axes) != jnp.ndim(value):
     raise ValueError(f'logical axes {axes} do not match a parameter of shape {jnp.shape(value)}')
@@ -59,8 +60,9 @@ def constant(value: jax.Array, axes: tuple[str | None, ...]) -> Constant:
   return Constant(value, axes=axes)
 
 
-def init_weight(key: jax.Array, shape: tuple[int, ...], std: Any, distribution: str,
-                dtype=jnp.float32) -> jax.Array:
+def init_weight(
+  key: jax.Array, shape: tuple[int, ...], std: Any, distribution: str, dtype=jnp.float32
+) -> jax.Array:
   """Draws a weight with standard deviation `std` (a Python or traced scalar)."""
   if distribution == 'normal':
     z = jax.random.normal(key, shape, dtype)
@@ -102,8 +104,18 @@ class Dense(nnx.Module):
   learning rate μP leaves unscaled (Yang et al. 2021, Tensor Programs V, Table 3: "all biases").
   """
 
-  def __init__(self, d_in: int, d_out: int, *, std: Any, distribution: str, use_bias: bool,
-               axes: tuple[str | None, str | None], rngs: nnx.Rngs, lr_scale: float = 1.0):
+  def __init__(
+    self,
+    d_in: int,
+    d_out: int,
+    *,
+    std: Any,
+    distribution: str,
+    use_bias: bool,
+    axes: tuple[str | None, str | None],
+    rngs: nnx.Rngs,
+    lr_scale: float = 1.0,
+  ):
     self.kernel = param(init_weight(rngs.params(), (d_in, d_out), std, distribution), axes, lr_scale)
     self.bias = param(jnp.zeros((d_out,)), axes[1:]) if use_bias else None
 
@@ -150,16 +162,23 @@ def apply_norm(norm: Norm | None, x: jax.Array) -> jax.Array:
   return x if norm is None else norm(x)
 
 
-def plain_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
-                    causal: bool, dropout_rate: float = 0.0,
-                    dropout_key: jax.Array | None = None) -> jax.Array:
+def plain_attention(
+  q_BLHK: jax.Array,
+  k_BLHK: jax.Array,
+  v_BLHK: jax.Array,
+  logit_scale: float,
+  causal: bool,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked))·v, the attention's definition, differentiated by JAX; (B, L,
   H, K) in and out. The logits and the softmax are float32 whatever the inputs' dtype; the probabilities
   are rounded to v's dtype, dropped out (with a key) and applied to v. Edit this to change the attention
   (e.g. ALiBi, a logit soft-cap) and run it with `model.attention='plain'`: the fast forms in
   `ATTENTION_IMPLEMENTATIONS` compute this function as it is written here, not an edit of it."""
-  logits_BHQT = logit_scale * jnp.einsum('bqhk,bthk->bhqt', q_BLHK, k_BLHK,
-                                         preferred_element_type=jnp.float32)
+  logits_BHQT = logit_scale * jnp.einsum(
+    'bqhk,bthk->bhqt', q_BLHK, k_BLHK, preferred_element_type=jnp.float32
+  )
   if causal:  # Query i sees the keys 0..i.
     l = q_BLHK.shape[1]
     logits_BHQT = jnp.where(jnp.tril(jnp.ones((l, l), bool)), logits_BHQT, jnp.finfo(jnp.float32).min)
@@ -175,8 +194,12 @@ def plain_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, log
 #   'splash': Pallas' splash kernel for TPUs, no dropout; q·scale is rounded to q's dtype before the
 #     kernel's product, an extra rounding in bfloat16 (`tpu_attention`).
 # `dsjax.models.config.attention_implementation` resolves 'auto' to one of them.
-ATTENTION_IMPLEMENTATIONS = {'plain': plain_attention, 'xla': xla_attention, 'cudnn': cudnn_attention,
-                             'splash': splash_attention}
+ATTENTION_IMPLEMENTATIONS = {
+  'plain': plain_attention,
+  'xla': xla_attention,
+  'cudnn': cudnn_attention,
+  'splash': splash_attention,
+}
 
 
 class Attention(nnx.Module):
@@ -191,26 +214,51 @@ class Attention(nnx.Module):
   `plain_attention`, the definition; the others are its fast forms).
   """
 
-  def __init__(self, d: int, num_heads: int, *, stds: dict[str, Any], distribution: str,
-               use_bias: bool, qk_norm: bool, norm_kind: str, norm_eps: float, causal: bool,
-               attn_dropout: float, rngs: nnx.Rngs, logit_scale: float | None = None,
-               identity_mix: bool = False, lr_scale: dict[str, float] | None = None,
-               inner_width: int | None = None, out_width: int | None = None,
-               implementation: str = 'xla'):
+  def __init__(
+    self,
+    d: int,
+    num_heads: int,
+    *,
+    stds: dict[str, Any],
+    distribution: str,
+    use_bias: bool,
+    qk_norm: bool,
+    norm_kind: str,
+    norm_eps: float,
+    causal: bool,
+    attn_dropout: float,
+    rngs: nnx.Rngs,
+    logit_scale: float | None = None,
+    identity_mix: bool = False,
+    lr_scale: dict[str, float] | None = None,
+    inner_width: int | None = None,
+    out_width: int | None = None,
+    implementation: str = 'xla',
+  ):
     if implementation not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f'model.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, '
-                       f'got {implementation!r}')
+      raise ValueError(
+        f'model.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, got {implementation!r}'
+      )
     self.implementation = implementation
     inner = d if inner_width is None else inner_width
     out = d if out_width is None else out_width
     self.num_heads, self.head_dim = num_heads, inner // num_heads
     self.causal, self.attn_dropout = causal, attn_dropout
-    self.logit_scale = float(self.head_dim ** -0.5 if logit_scale is None else logit_scale)
+    self.logit_scale = float(self.head_dim**-0.5 if logit_scale is None else logit_scale)
     lr = lr_scale or {}
 
     def dense(name, d_in, d_out, axes):
-      return Dense(d_in, d_out, std=stds[name], distribution=distribution, use_bias=use_bias,
-                   axes=axes, lr_scale=lr.get(name, 1.0), rngs=rngs)
+      return Dense(
+        d_in,
+        d_out,
+        std=stds[name],
+        distribution=distribution,
+        use_bias=use_bias,
+        axes=axes,
+        lr_scale=lr.get(name, 1.0),
+        rngs=rngs,
+      )
+
     self.q, self.k = dense('q', d, inner, ('embed', 'heads')), dense('k', d, inner, ('embed', 'heads'))
     self.v, self.o = dense('v', d, inner, ('embed', 'heads')), dense('o', inner, out, ('heads', 'embed'))
     # QKNorm normalises each head's query/key over the head dimension (gain shared across heads).
@@ -241,8 +289,7 @@ class Attention(nnx.Module):
     k_BLHK = apply_norm(self.k_norm, split_heads(k_BLD))
     v_BLHK = split_heads(v_BLD)
     attend = ATTENTION_IMPLEMENTATIONS[self.implementation]
-    out_BLHK = attend(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal, self.attn_dropout,
-                      dropout_key)
+    out_BLHK = attend(q_BLHK, k_BLHK, v_BLHK, self.logit_scale, self.causal, self.attn_dropout, dropout_key)
     if self.mix_identity is not None:  # (α·I + β·A)·V = α·V + β·A·V
       mix = lambda a: a[...].astype(v_BLHK.dtype)  # noqa: E731
       out_BLHK = mix(self.mix_identity) * v_BLHK + mix(self.mix_attention) * out_BLHK
@@ -266,18 +313,43 @@ ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': jax.checkpoint(_gelu)}
 class FFN(nnx.Module):
   """Linear d→F, activation, Linear F→d."""
 
-  def __init__(self, d: int, hidden: int, *, activation: str, stds: dict[str, Any], distribution: str,
-               use_bias: bool, rngs: nnx.Rngs, lr_scale: dict[str, float] | None = None,
-               out_width: int | None = None):
+  def __init__(
+    self,
+    d: int,
+    hidden: int,
+    *,
+    activation: str,
+    stds: dict[str, Any],
+    distribution: str,
+    use_bias: bool,
+    rngs: nnx.Rngs,
+    lr_scale: dict[str, float] | None = None,
+    out_width: int | None = None,
+  ):
     if activation not in ACTIVATIONS:
       raise ValueError(f'model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}')
     self.activation = activation
     lr = lr_scale or {}
-    self.ffn1 = Dense(d, hidden, std=stds['ffn1'], distribution=distribution, use_bias=use_bias,
-                      axes=('embed', 'mlp'), lr_scale=lr.get('ffn1', 1.0), rngs=rngs)
-    self.ffn2 = Dense(hidden, d if out_width is None else out_width, std=stds['ffn2'],
-                      distribution=distribution, use_bias=use_bias, axes=('mlp', 'embed'),
-                      lr_scale=lr.get('ffn2', 1.0), rngs=rngs)
+    self.ffn1 = Dense(
+      d,
+      hidden,
+      std=stds['ffn1'],
+      distribution=distribution,
+      use_bias=use_bias,
+      axes=('embed', 'mlp'),
+      lr_scale=lr.get('ffn1', 1.0),
+      rngs=rngs,
+    )
+    self.ffn2 = Dense(
+      hidden,
+      d if out_width is None else out_width,
+      std=stds['ffn2'],
+      distribution=distribution,
+      use_bias=use_bias,
+      axes=('mlp', 'embed'),
+      lr_scale=lr.get('ffn2', 1.0),
+      rngs=rngs,
+    )
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     return self.ffn2(ACTIVATIONS[self.activation](self.ffn1(x_BLD)))

@@ -42,6 +42,6 @@ def with_logical_layout(x: jax.Array, axes: tuple) -> jax.Array:
       return name  # None or P.UNCONSTRAINED
     names = rules.get(name)
     names = (names,) if isinstance(names, str) else tuple(names or ())
-    return (names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None)
+    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
 
   return jax.lax.with_sharding_constraint(x, P(*(mesh_axes(a, n) for a, n in zip(axes, x.shape))))

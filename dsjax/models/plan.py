@@ -41,14 +41,15 @@ DNT_SETTINGS = ('S1', 'S2', 'S3', 'S4', 'S5')
 @dataclasses.dataclass(frozen=True)
 class NormLayout:
   """Where the norms sit. Field names follow the DNT paper (Qi et al. 2025, §3)."""
-  input_norm: bool = False     # after the embedding, before the first block
-  pre_attn: bool = True        # on the attention branch input
-  pre_ffn: bool = True         # on the FFN branch input
-  qk_norm: bool = False        # on each head's queries and keys
-  mid_attn: bool = False       # on the attention branch output (before dropout and β)
-  mid_ffn: bool = False        # on the FFN branch output
-  post: bool = False           # after each residual add (Post-LN)
-  final_norm: bool = True      # after the stack, before the head
+
+  input_norm: bool = False  # after the embedding, before the first block
+  pre_attn: bool = True  # on the attention branch input
+  pre_ffn: bool = True  # on the FFN branch input
+  qk_norm: bool = False  # on each head's queries and keys
+  mid_attn: bool = False  # on the attention branch output (before dropout and β)
+  mid_ffn: bool = False  # on the FFN branch output
+  post: bool = False  # after each residual add (Post-LN)
+  final_norm: bool = True  # after the stack, before the head
 
   @classmethod
   def for_block(cls, block: str, dnt_setting: str = 'S5', final_norm: bool | None = None) -> 'NormLayout':
@@ -63,11 +64,13 @@ class NormLayout:
       layout = cls(pre_attn=False, pre_ffn=False, final_norm=False)
     elif block == 'dnt':
       #                      input  pre_attn pre_ffn  qk     mid_attn mid_ffn
-      flags = {'S1': (False, True, True, False, False, False),
-               'S2': (False, True, True, True, False, False),
-               'S3': (True, True, True, True, False, False),
-               'S4': (True, True, True, True, True, True),
-               'S5': (True, True, False, True, True, True)}
+      flags = {
+        'S1': (False, True, True, False, False, False),
+        'S2': (False, True, True, True, False, False),
+        'S3': (True, True, True, True, False, False),
+        'S4': (True, True, True, True, True, True),
+        'S5': (True, True, False, True, True, True),
+      }
       if dnt_setting not in flags:
         raise ValueError(f'model.dnt_setting must be one of {list(flags)}, got {dnt_setting!r}')
       layout = cls(*flags[dnt_setting])
@@ -81,15 +84,18 @@ class NormLayout:
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
   """Sizes a scheme needs. `input_dim`: patch size²·channels (ViT) or vocabulary size (GPT)."""
-  kind: str            # 'vit' | 'gpt'
+
+  kind: str  # 'vit' | 'gpt'
   depth: int
   width: int
   num_heads: int
   mlp_hidden: int
   input_dim: int
-  num_outputs: int     # classes (ViT) or vocabulary (GPT)
+  num_outputs: int  # classes (ViT) or vocabulary (GPT)
   seq_len: int
-  num_embedding_tables: int  # K of the DSLM paper's App. A.1: GPT token + position = 2; ViT patch + position = 2
+  num_embedding_tables: (
+    int  # K of the DSLM paper's App. A.1: GPT token + position = 2; ViT patch + position = 2
+  )
 
   @property
   def head_dim(self) -> int:
@@ -105,6 +111,7 @@ class ResidualScale:
              the plan's per-layer value, instead of one scalar.
   shared:    one value per layer used at both adds (ReZero's α); the plan's `*_attn` value initialises it.
   """
+
   learnable: bool = False
   vector: bool = False
   shared: bool = False
@@ -119,6 +126,7 @@ class ConcatPlan:
   width of q/k/v inside every attention module and `ffn_hidden` the FFN hidden width. Built by
   `dsjax.models.concat.ConcatTrunk`, which reads the plan's per-layer weight stds (for these shapes) but
   not its residual scales (there is no addition)."""
+
   growth: int
   attn_width: int
   ffn_hidden: int
@@ -127,20 +135,20 @@ class ConcatPlan:
 
 @dataclasses.dataclass(frozen=True)
 class InitPlan:
-  distribution: str                 # 'normal' | 'truncated_normal' | 'uniform'
-  layer: Mapping[str, np.ndarray]   # LAYER_INIT_KEYS -> (depth,) float arrays
-  input_std: float                  # patch-embedding kernel (ViT) or token embedding table (GPT)
-  pos_std: float                    # learned position embedding (and CLS token)
-  head_std: float                   # classifier / LM head kernel (ignored when tied)
-  output_scale: float = 1.0         # multiplies the final hidden state before the head
+  distribution: str  # 'normal' | 'truncated_normal' | 'uniform'
+  layer: Mapping[str, np.ndarray]  # LAYER_INIT_KEYS -> (depth,) float arrays
+  input_std: float  # patch-embedding kernel (ViT) or token embedding table (GPT)
+  pos_std: float  # learned position embedding (and CLS token)
+  head_std: float  # classifier / LM head kernel (ignored when tied)
+  output_scale: float = 1.0  # multiplies the final hidden state before the head
   skip: ResidualScale = ResidualScale()
   branch: ResidualScale = ResidualScale()
   layout: NormLayout | None = None  # None: the layout of model.block
   attn_logit_scale: float | None = None  # multiplies q·k; None: 1/sqrt(d_head)
-  attn_identity: bool = False       # attention matrix α·I + β·A(X), learnable α (init 1), β (init 0)
+  attn_identity: bool = False  # attention matrix α·I + β·A(X), learnable α (init 1), β (init 0)
   concat: ConcatPlan | None = None  # None: additive residual
   lr_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)  # weight type -> lr multiplier
-  zero_head: bool = False           # head kernel initialised to zero (μP's optional readout init)
+  zero_head: bool = False  # head kernel initialised to zero (μP's optional readout init)
 
   def __post_init__(self):
     missing = set(LAYER_INIT_KEYS) - set(self.layer)
@@ -166,8 +174,14 @@ def xavier_layer_stds(dims: ModelDims) -> dict[str, np.ndarray]:
   """Xavier standard deviations of the six block matrices, per layer."""
   n, d, f = dims.depth, dims.width, dims.mlp_hidden
   square = per_layer(n, xavier_std(d, d))
-  return dict(q=square, k=square.copy(), v=square.copy(), o=square.copy(),
-              ffn1=per_layer(n, xavier_std(d, f)), ffn2=per_layer(n, xavier_std(f, d)))
+  return dict(
+    q=square,
+    k=square.copy(),
+    v=square.copy(),
+    o=square.copy(),
+    ffn1=per_layer(n, xavier_std(d, f)),
+    ffn2=per_layer(n, xavier_std(f, d)),
+  )
 
 
 def unit_scales(depth: int) -> dict[str, np.ndarray]:

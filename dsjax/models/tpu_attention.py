@@ -41,9 +41,15 @@ BLOCK = 128
 INTERPRET: bool | None = None
 
 
-def splash_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, logit_scale: float,
-                     causal: bool, dropout_rate: float = 0.0, dropout_key: jax.Array | None = None
-                     ) -> jax.Array:
+def splash_attention(
+  q_BLHK: jax.Array,
+  k_BLHK: jax.Array,
+  v_BLHK: jax.Array,
+  logit_scale: float,
+  causal: bool,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+) -> jax.Array:
   """softmax(scale·q·kᵀ (causally masked))·v by the splash kernel; (B, L, H, K) in and out. The kernel
   has no attention dropout: a `dropout_rate` above 0 with a key is an error."""
   if dropout_key is not None and dropout_rate > 0:
@@ -89,11 +95,23 @@ def _kernel(num_heads: int, length: int, causal: bool, interpret: bool, segmente
 
 def _make_kernel(num_heads: int, length: int, causal: bool, interpret: bool):
   mask = splash_mask.CausalMask((length, length)) if causal else splash_mask.FullMask((length, length))
-  blocks = splash.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK, block_q_dkv=BLOCK,
-                             block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK, block_q_dq=BLOCK,
-                             block_kv_dq=BLOCK)
-  return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * num_heads), block_sizes=blocks,
-                                head_shards=1, q_seq_shards=1, interpret=interpret)
+  blocks = splash.BlockSizes(
+    block_q=BLOCK,
+    block_kv=BLOCK,
+    block_kv_compute=BLOCK,
+    block_q_dkv=BLOCK,
+    block_kv_dkv=BLOCK,
+    block_kv_dkv_compute=BLOCK,
+    block_q_dq=BLOCK,
+    block_kv_dq=BLOCK,
+  )
+  return splash.make_splash_mha(
+    splash_mask.MultiHeadMask([mask] * num_heads),
+    block_sizes=blocks,
+    head_shards=1,
+    q_seq_shards=1,
+    interpret=interpret,
+  )
 
 
 def _shard_spec(shape_BHPK: tuple[int, ...]) -> P | None:
@@ -110,8 +128,10 @@ def _shard_spec(shape_BHPK: tuple[int, ...]) -> P | None:
     return None
   rules = dict(spmd.get_logical_axis_rules())
   if 'batch' not in rules:
-    raise ValueError(f'splash attention on a mesh of {mesh.size} devices needs logical axis rules for '
-                     "'batch' (and 'heads'): set them with flax.core.spmd.logical_axis_rules")
+    raise ValueError(
+      f'splash attention on a mesh of {mesh.size} devices needs logical axis rules for '
+      "'batch' (and 'heads'): set them with flax.core.spmd.logical_axis_rules"
+    )
 
   def axes_dividing(logical: str, size: int):
     names = rules.get(logical)

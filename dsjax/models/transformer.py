@@ -45,8 +45,14 @@ from dsjax.models import layers
 from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import LAYER_INIT_KEYS, NormLayout, ResidualScale
 
-REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
-                  'nothing_saveable', 'everything_saveable')
+REMAT_POLICIES = (
+  'none',
+  'full',
+  'dots_saveable',
+  'dots_with_no_batch_dims_saveable',
+  'nothing_saveable',
+  'everything_saveable',
+)
 
 # A probe sees every instrumented tensor on its way: probe(site, x, layer) -> x. The default does
 # nothing; `dsjax.instrument` passes one that records statistics (forward and, through a custom VJP,
@@ -62,13 +68,14 @@ def no_probe(site: str, x: jax.Array, layer: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Static description of the stack (everything that shapes the graph; no array values)."""
+
   depth: int
   width: int
   num_heads: int
   mlp_hidden: int
   activation: str = 'gelu'
-  dropout: float = 0.0          # embedding and branch outputs
-  attn_dropout: float = 0.0     # attention probabilities
+  dropout: float = 0.0  # embedding and branch outputs
+  attn_dropout: float = 0.0  # attention probabilities
   norm: str = 'layernorm'
   norm_eps: float = 1e-6
   layout: NormLayout = NormLayout()
@@ -81,10 +88,10 @@ class TransformerConfig:
   attn_identity: bool = False
   lr_scale: tuple[tuple[str, float], ...] = ()  # (weight type, learning-rate multiplier) pairs
   remat: str = 'none'
-  scan_layers: bool = True      # False: a Python loop over the layers (per-layer values can leave it)
-  scan_unroll: int = 1          # layers per scan iteration (jax.lax.scan's `unroll`)
-  dtype: str = 'float32'        # compute dtype of the branches (the residual stream stays float32)
-  attention: str = 'xla'        # attention implementation: 'xla' | 'cudnn' | 'splash' (layers.Attention)
+  scan_layers: bool = True  # False: a Python loop over the layers (per-layer values can leave it)
+  scan_unroll: int = 1  # layers per scan iteration (jax.lax.scan's `unroll`)
+  dtype: str = 'float32'  # compute dtype of the branches (the residual stream stays float32)
+  attention: str = 'xla'  # attention implementation: 'xla' | 'cudnn' | 'splash' (layers.Attention)
 
 
 def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
@@ -108,13 +115,32 @@ class Block(nnx.Module):
     self.post_ffn_norm = norm(lay.post)
     lr_scale = dict(cfg.lr_scale)
     self.attn = layers.Attention(
-        cfg.width, cfg.num_heads, stds=layer_init, distribution=cfg.distribution,
-        use_bias=cfg.use_bias, qk_norm=lay.qk_norm, norm_kind=cfg.norm, norm_eps=cfg.norm_eps,
-        causal=cfg.causal, attn_dropout=cfg.attn_dropout, logit_scale=cfg.attn_logit_scale,
-        identity_mix=cfg.attn_identity, lr_scale=lr_scale, implementation=cfg.attention, rngs=rngs)
-    self.ffn = layers.FFN(cfg.width, cfg.mlp_hidden, activation=cfg.activation, stds=layer_init,
-                          distribution=cfg.distribution, use_bias=cfg.use_bias, lr_scale=lr_scale,
-                          rngs=rngs)
+      cfg.width,
+      cfg.num_heads,
+      stds=layer_init,
+      distribution=cfg.distribution,
+      use_bias=cfg.use_bias,
+      qk_norm=lay.qk_norm,
+      norm_kind=cfg.norm,
+      norm_eps=cfg.norm_eps,
+      causal=cfg.causal,
+      attn_dropout=cfg.attn_dropout,
+      logit_scale=cfg.attn_logit_scale,
+      identity_mix=cfg.attn_identity,
+      lr_scale=lr_scale,
+      implementation=cfg.attention,
+      rngs=rngs,
+    )
+    self.ffn = layers.FFN(
+      cfg.width,
+      cfg.mlp_hidden,
+      activation=cfg.activation,
+      stds=layer_init,
+      distribution=cfg.distribution,
+      use_bias=cfg.use_bias,
+      lr_scale=lr_scale,
+      rngs=rngs,
+    )
     # λ (skip) and β (branch) of both adds; a shared scale is one variable used at both adds.
     skip, branch = cfg.skip_scale, cfg.branch_scale
     self.skip_attn = _residual_scale(layer_init['skip_attn'], skip, cfg.width)
@@ -126,11 +152,16 @@ class Block(nnx.Module):
     """The four residual scales λ_attn, β_attn, λ_ffn, β_ffn (a shared one appears twice)."""
     skip_ffn = self.skip_attn if self.skip_ffn is None else self.skip_ffn
     branch_ffn = self.branch_attn if self.branch_ffn is None else self.branch_ffn
-    return {'skip_attn': self.skip_attn[...], 'branch_attn': self.branch_attn[...],
-            'skip_ffn': skip_ffn[...], 'branch_ffn': branch_ffn[...]}
+    return {
+      'skip_attn': self.skip_attn[...],
+      'branch_attn': self.branch_attn[...],
+      'skip_ffn': skip_ffn[...],
+      'branch_ffn': branch_ffn[...],
+    }
 
-  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, *, layer: jax.Array,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(
+    self, x_BLD: jax.Array, dropout_key: jax.Array | None, *, layer: jax.Array, probe: Probe = no_probe
+  ) -> jax.Array:
     p = self.cfg.dropout
     keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
     scale = self.scales()
@@ -173,8 +204,7 @@ class LayerStack(nnx.Module):
 
     self.layers = create_layers(rngs, {k: jnp.asarray(layer_init[k], jnp.float32) for k in LAYER_INIT_KEYS})
 
-  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, probe: Probe = no_probe) -> jax.Array:
     graphdef, stacked_state = nnx.split(self.layers)
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, self.depth)
 
@@ -188,8 +218,12 @@ class LayerStack(nnx.Module):
         layer_xs = jax.tree.map(lambda a: a[n], (stacked_state, layer_keys, jnp.arange(self.depth)))
         x_BLD, _ = layer_fn(x_BLD, layer_xs)
       return x_BLD
-    x_BLD, _ = jax.lax.scan(layer_fn, x_BLD, (stacked_state, layer_keys, jnp.arange(self.depth)),
-                            unroll=min(self.scan_unroll, self.depth))
+    x_BLD, _ = jax.lax.scan(
+      layer_fn,
+      x_BLD,
+      (stacked_state, layer_keys, jnp.arange(self.depth)),
+      unroll=min(self.scan_unroll, self.depth),
+    )
     return x_BLD
 
 
@@ -200,16 +234,16 @@ class Trunk(nnx.Module):
   §3.5).
   """
 
-  def __init__(self, cfg: TransformerConfig, layer_init: dict[str, Any], *, output_scale: float,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, cfg: TransformerConfig, layer_init: dict[str, Any], *, output_scale: float, rngs: nnx.Rngs
+  ):
     self.dropout = cfg.dropout
     self.input_norm = layers.make_norm(cfg.layout.input_norm, cfg.width, cfg.norm, cfg.norm_eps)
     self.stack = LayerStack(cfg, layer_init, rngs=rngs)
     self.final_norm = layers.make_norm(cfg.layout.final_norm, cfg.width, cfg.norm, cfg.norm_eps)
     self.output_scale = layers.constant(jnp.asarray(output_scale, jnp.float32), ())
 
-  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, probe: Probe = no_probe) -> jax.Array:
     embed_key, stack_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     # The stream is float32 from here on, whatever the embedding tables are stored in (param_dtype):
     # the scan's carry keeps the type it enters with.

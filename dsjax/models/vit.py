@@ -21,7 +21,7 @@ POS_EMBEDDINGS = ('sincos2d', 'learned')
 POOLINGS = ('gap', 'cls')
 
 
-def sincos_2d(height: int, width: int, dim: int, temperature: float = 10_000.) -> np.ndarray:
+def sincos_2d(height: int, width: int, dim: int, temperature: float = 10_000.0) -> np.ndarray:
   """Fixed 2-D sine-cosine position embedding (MoCo v3 / big_vision), shape (height·width, dim)."""
   if dim % 4:
     raise ValueError(f'model.width must be divisible by 4 for sincos2d position embeddings, got {dim}')
@@ -40,28 +40,53 @@ def patchify(images_BHWC: jax.Array, patch: int) -> jax.Array:
 
 
 class ViT(nnx.Module):
-
-  def __init__(self, cfg: TransformerConfig, plan: InitPlan, *, image_shape: tuple[int, int, int],
-               patch_size: int, num_classes: int, pos_embedding: str, pooling: str, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: TransformerConfig,
+    plan: InitPlan,
+    *,
+    image_shape: tuple[int, int, int],
+    patch_size: int,
+    num_classes: int,
+    pos_embedding: str,
+    pooling: str,
+    rngs: nnx.Rngs,
+  ):
     h, w, c = image_shape
     self.patch_size, self.pooling, self.dtype = patch_size, pooling, cfg.dtype
     grid_h, grid_w = h // patch_size, w // patch_size
     d, head_width = embedding_and_head_widths(cfg, plan)
     lr = plan.lr_scale
-    self.patch_embed = layers.Dense(patch_size * patch_size * c, d, std=plan.input_std,
-                                    distribution=plan.distribution, use_bias=True, axes=('patch', 'embed'),
-                                    lr_scale=lr.get('input', 1.0), rngs=rngs)
+    self.patch_embed = layers.Dense(
+      patch_size * patch_size * c,
+      d,
+      std=plan.input_std,
+      distribution=plan.distribution,
+      use_bias=True,
+      axes=('patch', 'embed'),
+      lr_scale=lr.get('input', 1.0),
+      rngs=rngs,
+    )
     if pos_embedding == 'learned':
-      self.pos_embedding = layers.param(layers.init_weight(rngs.params(), (grid_h * grid_w, d), plan.pos_std,
-                                                           plan.distribution), (None, 'embed'),
-                                        lr.get('pos', 1.0))
+      self.pos_embedding = layers.param(
+        layers.init_weight(rngs.params(), (grid_h * grid_w, d), plan.pos_std, plan.distribution),
+        (None, 'embed'),
+        lr.get('pos', 1.0),
+      )
     else:  # Fixed, so not a Param: no gradient, no weight decay.
       self.pos_embedding = layers.constant(jnp.asarray(sincos_2d(grid_h, grid_w, d)), (None, 'embed'))
     self.cls_token = layers.param(jnp.zeros((1, 1, d)), (None, None, 'embed')) if pooling == 'cls' else None
     self.trunk = make_trunk(cfg, plan, rngs=rngs)
-    self.head = layers.Dense(head_width, num_classes, std=0.0 if plan.zero_head else plan.head_std,
-                             distribution=plan.distribution, use_bias=True, axes=('embed', 'vocab'),
-                             lr_scale=lr.get('head', 1.0), rngs=rngs)
+    self.head = layers.Dense(
+      head_width,
+      num_classes,
+      std=0.0 if plan.zero_head else plan.head_std,
+      distribution=plan.distribution,
+      use_bias=True,
+      axes=('embed', 'vocab'),
+      lr_scale=lr.get('head', 1.0),
+      rngs=rngs,
+    )
 
   def embed(self, images_BHWC: jax.Array) -> jax.Array:
     patches_BLP = patchify(images_BHWC, self.patch_size).astype(self.dtype)
@@ -71,8 +96,9 @@ class ViT(nnx.Module):
       x_BLD = jnp.concatenate([cls_B1D, x_BLD], axis=1)
     return x_BLD
 
-  def __call__(self, images_BHWC: jax.Array, *, dropout_key: jax.Array | None = None,
-               probe: Probe = no_probe) -> jax.Array:
+  def __call__(
+    self, images_BHWC: jax.Array, *, dropout_key: jax.Array | None = None, probe: Probe = no_probe
+  ) -> jax.Array:
     """Class logits (B, num_classes), float32 (the head's matmul writes float32, as GPT's does)."""
     x_BLD = self.trunk(self.embed(images_BHWC), dropout_key, probe)
     pooled_BD = x_BLD[:, 0] if self.pooling == 'cls' else x_BLD.mean(axis=1)

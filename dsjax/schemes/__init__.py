@@ -73,8 +73,9 @@ def build_model(config, data_info, rngs: nnx.Rngs, prepared: Prepared | None = N
   return models.build_model(config.model, data_info, plan, rngs, seq_len=seq_len)
 
 
-def preparation_for_run(config, data_info, input_batches: Callable[[], Iterable[Any]],
-                        workdir: str | None = None) -> Prepared | None:
+def preparation_for_run(
+  config, data_info, input_batches: Callable[[], Iterable[Any]], workdir: str | None = None
+) -> Prepared | None:
   """The method's preparation result for a run, or None when its method has no such step.
 
   Read from `workdir/scheme_preparation.json` when it exists (a resumed run, `dsjax.export`,
@@ -104,5 +105,6 @@ def save_preparation(config, workdir: str, result: Prepared) -> None:
 
 def table() -> list[dict[str, Any]]:
   """name, paper, summary and blocks of every registered method (for docs and tests)."""
-  return [{'name': s.name, 'paper': s.paper, 'summary': s.summary, 'blocks': s.blocks}
-          for s in SCHEMES.values()]
+  return [
+    {'name': s.name, 'paper': s.paper, 'summary': s.summary, 'blocks': s.blocks} for s in SCHEMES.values()
+  ]

@@ -58,8 +58,8 @@ from dsjax.schemes.base import Scheme
 from dsjax.schemes.vanilla import xavier_plan
 
 OMEGA_MODES = ('profile', 'closed_form', 'log')
-PROFILE_BATCHES = 4            # training batches the profile averages over
-INPUT_SITE = 'embedding'       # the probe site of the stack input x_0
+PROFILE_BATCHES = 4  # training batches the profile averages over
+INPUT_SITE = 'embedding'  # the probe site of the stack input x_0
 BRANCH_SITES = ('attn_branch', 'ffn_branch')  # the probe sites of F_k (sub-layer k: BRANCH_SITES[k % 2])
 SKIP = ResidualScale(learnable=True, vector=True)
 
@@ -67,6 +67,7 @@ SKIP = ResidualScale(learnable=True, vector=True)
 # ------------------------------------------------------------------------------------------------
 # ω from variances.
 # ------------------------------------------------------------------------------------------------
+
 
 def omega_sq_from_variances(input_var: float, branch_var) -> np.ndarray:
   """ω_0² = 1 and ω_k² = Var[x_0] + Σ_{j<k} Var[F_j] for k = 1..len(branch_var)−1 (module docstring).
@@ -89,8 +90,10 @@ def log_omega_sq(num_sublayers: int) -> float:
 # 'profile': the preparation step.
 # ------------------------------------------------------------------------------------------------
 
-def profile_variances(apply: Callable[..., Any], params, inputs: Iterable[Any], num_sublayers: int,
-                      seed: int = 0) -> dict[str, Any]:
+
+def profile_variances(
+  apply: Callable[..., Any], params, inputs: Iterable[Any], num_sublayers: int, seed: int = 0
+) -> dict[str, Any]:
   """Var[x_0] and Var[F_k] of a stack, measured by a probe, averaged over the batches of `inputs`.
 
   `apply(params, x, dropout_key, probe)` runs the stack once, calling `probe(site, tensor, layer)` with
@@ -112,21 +115,28 @@ def profile_variances(apply: Callable[..., Any], params, inputs: Iterable[Any], 
     apply(params, x, key, probe)
     sites = [site for site, _ in recorded]
     if sites != expected:
-      raise ValueError(f'the profiling pass saw the probe sites {sites}, expected {expected} (the '
-                       'stack must run as a Python loop over the layers: model.scan_layers=False)')
+      raise ValueError(
+        f'the profiling pass saw the probe sites {sites}, expected {expected} (the '
+        'stack must run as a Python loop over the layers: model.scan_layers=False)'
+      )
     return jnp.stack([v for _, v in recorded])
 
   jitted = jax.jit(variances)
   base_key = jax.random.key(seed)
-  per_batch = [np.asarray(jax.device_get(jitted(params, x, jax.random.fold_in(base_key, i))), np.float64)
-               for i, x in enumerate(inputs)]
+  per_batch = [
+    np.asarray(jax.device_get(jitted(params, x, jax.random.fold_in(base_key, i))), np.float64)
+    for i, x in enumerate(inputs)
+  ]
   if not per_batch:
     raise ValueError('the ADMIN profile needs at least one batch')
   mean = np.mean(per_batch, axis=0)
   input_var, branch_var = float(mean[0]), mean[1:]
-  return {'omega_sq': [float(v) for v in omega_sq_from_variances(input_var, branch_var)],
-          'input_var': input_var, 'branch_var': [float(v) for v in branch_var],
-          'num_batches': len(per_batch)}
+  return {
+    'omega_sq': [float(v) for v in omega_sq_from_variances(input_var, branch_var)],
+    'input_var': input_var,
+    'branch_var': [float(v) for v in branch_var],
+    'num_batches': len(per_batch),
+  }
 
 
 def provisional_plan(m, dims: ModelDims) -> InitPlan:
@@ -140,8 +150,13 @@ def profile(config, data_info, inputs: Iterable[Any]) -> dict[str, Any]:
   with provisional.unlocked():
     provisional.model.scan_layers = False
   dims = models.model_dims(provisional.model, data_info, seq_len=provisional.data.seq_len)
-  model = models.build_model(provisional.model, data_info, provisional_plan(provisional.model, dims),
-                             nnx.Rngs(params=config.seed), seq_len=provisional.data.seq_len)
+  model = models.build_model(
+    provisional.model,
+    data_info,
+    provisional_plan(provisional.model, dims),
+    nnx.Rngs(params=config.seed),
+    seq_len=provisional.data.seq_len,
+  )
   graphdef, state = nnx.split(model)
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 
@@ -155,6 +170,7 @@ def profile(config, data_info, inputs: Iterable[Any]) -> dict[str, Any]:
 # 'closed_form': the expected profile from dsjax.theory.
 # ------------------------------------------------------------------------------------------------
 
+
 def input_stats(m, dims: ModelDims, plan: InitPlan) -> theory.Stats:
   """Variance and token correlation of the embedded input (before its dropout) under `plan`.
 
@@ -163,10 +179,10 @@ def input_stats(m, dims: ModelDims, plan: InitPlan) -> theory.Stats:
   (learned: σ_pos²; sincos2d: 1/2); a CLS token is a zero row among seq_len.
   """
   if dims.kind == 'gpt':
-    var = plan.input_std ** 2 + plan.pos_std ** 2
+    var = plan.input_std**2 + plan.pos_std**2
   else:
-    pos_var = plan.pos_std ** 2 if m.pos_embedding == 'learned' else 0.5
-    var = dims.input_dim * plan.input_std ** 2 + pos_var
+    pos_var = plan.pos_std**2 if m.pos_embedding == 'learned' else 0.5
+    var = dims.input_dim * plan.input_std**2 + pos_var
     if m.pooling == 'cls':
       var *= (dims.seq_len - 1) / dims.seq_len
   corr = m.admin.input_corr
@@ -179,17 +195,27 @@ def theory_variances(m, dims: ModelDims) -> tuple[float, np.ndarray]:
   """(Var[x_0], Var[F_k] for k < 2N) that `dsjax.theory` predicts for the ω = 1 model at initialisation."""
   plan = provisional_plan(m, dims)
   prop = theory.model.propagate(
-      depth=dims.depth, width=dims.width, num_heads=dims.num_heads, seq_len=dims.seq_len,
-      dropout=m.dropout, attn_dropout=m.attn_dropout, activation=m.activation, block='postln',
-      causal=dims.kind == 'gpt', mlp_ratio=dims.mlp_hidden // dims.width,
-      weight_vars={k: np.asarray(plan.layer[k], np.float64) ** 2 for k in WEIGHT_KEYS},
-      input=input_stats(m, dims, plan), embedding_dropout=True)
+    depth=dims.depth,
+    width=dims.width,
+    num_heads=dims.num_heads,
+    seq_len=dims.seq_len,
+    dropout=m.dropout,
+    attn_dropout=m.attn_dropout,
+    activation=m.activation,
+    block='postln',
+    causal=dims.kind == 'gpt',
+    mlp_ratio=dims.mlp_hidden // dims.width,
+    weight_vars={k: np.asarray(plan.layer[k], np.float64) ** 2 for k in WEIGHT_KEYS},
+    input=input_stats(m, dims, plan),
+    embedding_dropout=True,
+  )
   return float(prop.stream_in.var), np.asarray(prop.branch_var, np.float64)
 
 
 # ------------------------------------------------------------------------------------------------
 # The plan.
 # ------------------------------------------------------------------------------------------------
+
 
 def _plan(m, dims: ModelDims, omega_sq) -> InitPlan:
   n = dims.depth
@@ -208,29 +234,37 @@ def omega_sq(m, dims: ModelDims, prepared: dict[str, Any] | None = None) -> np.n
     input_var, branch_var = theory_variances(m, dims)
     return omega_sq_from_variances(input_var, branch_var)
   if prepared is None:
-    raise ValueError("model.admin.omega='profile' needs the profiling result: pass prepared= to "
-                     'dsjax.schemes.build_model (the training loop runs the profile with '
-                     'dsjax.schemes.preparation_for_run and saves it in the workdir)')
+    raise ValueError(
+      "model.admin.omega='profile' needs the profiling result: pass prepared= to "
+      'dsjax.schemes.build_model (the training loop runs the profile with '
+      'dsjax.schemes.preparation_for_run and saves it in the workdir)'
+    )
   values = np.asarray(prepared['omega_sq'], np.float64)
   if values.shape != (num,):
-    raise ValueError(f'the ADMIN profile has {values.size} values of ω², the model has {num} residual '
-                     f'sub-layers (model.depth={dims.depth}); profile this model again')
+    raise ValueError(
+      f'the ADMIN profile has {values.size} values of ω², the model has {num} residual '
+      f'sub-layers (model.depth={dims.depth}); profile this model again'
+    )
   return values
 
 
 class Admin(Scheme):
   name = 'admin'
-  paper = ('Liu et al. 2020, Understanding the Difficulty of Training Transformers (EMNLP 2020, '
-           'arXiv:2004.08249), Admin')
-  summary = ('Post-LN LN(x⊙ω + F(x)), learnable vector ω per add; ω_k² = Var[x_0] + Σ_{j<k} Var[F_j] '
-             '(ω_0 = 1) from a profiling pass (or its closed form)')
+  paper = (
+    'Liu et al. 2020, Understanding the Difficulty of Training Transformers (EMNLP 2020, '
+    'arXiv:2004.08249), Admin'
+  )
+  summary = (
+    'Post-LN LN(x⊙ω + F(x)), learnable vector ω per add; ω_k² = Var[x_0] + Σ_{j<k} Var[F_j] '
+    '(ω_0 = 1) from a profiling pass (or its closed form)'
+  )
   blocks = ('postln',)
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.omega = 'profile'           # 'profile' (the paper's Admin: measured on real batches) | 'closed_form'
-                                  # (dsjax.theory's expected profile) | 'log' (admin-torch's
-                                  # sqrt((n+1)/ln(n+1) − 1), n = 2N)
+    c.omega = 'profile'  # 'profile' (the paper's Admin: measured on real batches) | 'closed_form'
+    # (dsjax.theory's expected profile) | 'log' (admin-torch's
+    # sqrt((n+1)/ln(n+1) − 1), n = 2N)
     # closed_form only: token correlation of the embedded input. 'zipf' (GPT: Kedia et al. 2024,
     # App. A.1) or a number (ViT default 0: patch embeddings of the digits are nearly uncorrelated).
     c.input_corr = config_dict.FieldReference('zipf' if model_name == 'gpt' else 0.0, field_type=object)
@@ -244,8 +278,10 @@ class Admin(Scheme):
     if not (corr == 'zipf' or (is_number(corr) and -1 <= corr <= 1)):
       raise ValueError(f"model.admin.input_corr must be 'zipf' or a number in [-1, 1], got {corr!r}")
     if m.name == 'vit' and corr == 'zipf':
-      raise ValueError("model.admin.input_corr='zipf' estimates the correlation of token lookups (GPT); "
-                       'for ViT give a number')
+      raise ValueError(
+        "model.admin.input_corr='zipf' estimates the correlation of token lookups (GPT); "
+        'for ViT give a number'
+      )
 
   def init_plan(self, m, dims, prepared=None):
     return _plan(m, dims, omega_sq(m, dims, prepared))

@@ -28,8 +28,10 @@ from dsjax.schemes.vanilla import xavier_plan
 
 class Bamboo(Scheme):
   name = 'bamboo'
-  paper = ('Xue et al. 2023, A Study on Transformer Configuration and Training Objective (ICML 2023, '
-           'arXiv:2205.10505)')
+  paper = (
+    'Xue et al. 2023, A Study on Transformer Configuration and Training Objective (ICML 2023, '
+    'arXiv:2205.10505)'
+  )
   summary = 'vanilla Xavier Pre-LN; the method is the deeper-narrower shape (configs/gpt_bamboo.py)'
   blocks = ('preln',)
 

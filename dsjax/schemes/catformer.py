@@ -64,10 +64,10 @@ def _dense_params(m, d_in: int, d_out: int) -> int:
 def _outside_params(m, dims: ModelDims, embed_width: int, head_width: int) -> int:
   """Embeddings and head: the parameters outside the blocks and norms (dsjax.models.gpt / .vit)."""
   if dims.kind == 'gpt':
-    count = (dims.input_dim + dims.seq_len) * embed_width          # token and position tables
+    count = (dims.input_dim + dims.seq_len) * embed_width  # token and position tables
     return count + (0 if m.tie_embeddings else head_width * dims.num_outputs)  # head without bias
   cls = m.pooling == 'cls'
-  count = dims.input_dim * embed_width + embed_width              # patch embedding with bias
+  count = dims.input_dim * embed_width + embed_width  # patch embedding with bias
   if m.pos_embedding == 'learned':
     count += (dims.seq_len - cls) * embed_width
   count += embed_width if cls else 0
@@ -77,8 +77,9 @@ def _outside_params(m, dims: ModelDims, embed_width: int, head_width: int) -> in
 def preln_param_count(m, dims: ModelDims) -> int:
   """Parameters of the Pre-LN model of width w = model.width (the baseline to match)."""
   w, f = dims.width, dims.mlp_hidden
-  layer = (4 * _dense_params(m, w, w) + _dense_params(m, w, f) + _dense_params(m, f, w)
-           + 2 * _norm_params(m, w))
+  layer = (
+    4 * _dense_params(m, w, w) + _dense_params(m, w, f) + _dense_params(m, f, w) + 2 * _norm_params(m, w)
+  )
   return dims.depth * layer + _norm_params(m, w) + _outside_params(m, dims, w, w)
 
 
@@ -90,9 +91,12 @@ def attn_width(m, dims: ModelDims, growth: int) -> int:
 
 def concat_plan(m, dims: ModelDims, growth: int) -> ConcatPlan:
   n = dims.depth
-  return ConcatPlan(growth=growth, attn_width=attn_width(m, dims, growth),
-                    ffn_hidden=m.catformer.ffn_expansion * growth,
-                    stream_widths=tuple((k + 1) * growth for k in range(2 * n + 1)))
+  return ConcatPlan(
+    growth=growth,
+    attn_width=attn_width(m, dims, growth),
+    ffn_hidden=m.catformer.ffn_expansion * growth,
+    stream_widths=tuple((k + 1) * growth for k in range(2 * n + 1)),
+  )
 
 
 def catformer_param_count(m, dims: ModelDims, growth: int) -> int:
@@ -100,14 +104,18 @@ def catformer_param_count(m, dims: ModelDims, growth: int) -> int:
   n, d = dims.depth, growth
   c = concat_plan(m, dims, growth)
   a, f = c.attn_width, c.ffn_hidden
-  attn_in = d * n * n                  # Σ_n (2n+1)·d: the attention modules' input widths
-  ffn_in = d * n * (n + 1)             # Σ_n (2n+2)·d: the FFN modules' input widths
+  attn_in = d * n * n  # Σ_n (2n+1)·d: the attention modules' input widths
+  ffn_in = d * n * (n + 1)  # Σ_n (2n+2)·d: the FFN modules' input widths
   bias = 1 if m.use_bias else 0
   norm = 2 if m.norm == 'layernorm' else 1
   attention = 3 * (a * attn_in + bias * a * n) + n * _dense_params(m, a, d) + norm * attn_in
   ffn = f * ffn_in + bias * f * n + n * _dense_params(m, f, d) + norm * ffn_in
-  return attention + ffn + _norm_params(m, c.stream_widths[-1]) + _outside_params(
-      m, dims, c.stream_widths[0], c.stream_widths[-1])
+  return (
+    attention
+    + ffn
+    + _norm_params(m, c.stream_widths[-1])
+    + _outside_params(m, dims, c.stream_widths[0], c.stream_widths[-1])
+  )
 
 
 def _growth_step(m) -> int:
@@ -126,16 +134,19 @@ def matched_growth(m, dims: ModelDims) -> int:
   if m.catformer.match == 'paper':
     d = paper_growth(m, dims)
     if d < 1:
-      raise ValueError(f"model.catformer.match='paper' gives d = 0 for model.width={dims.width} and "
-                       f"model.depth={dims.depth} (App. D.1 rounded down to a multiple of 8); use 'total'")
+      raise ValueError(
+        f"model.catformer.match='paper' gives d = 0 for model.width={dims.width} and "
+        f"model.depth={dims.depth} (App. D.1 rounded down to a multiple of 8); use 'total'"
+      )
     return d
   target, step = preln_param_count(m, dims), _growth_step(m)
   # The count increases with d: walk up to the first d at or above the target, keep the closer neighbour.
   d = step
   while catformer_param_count(m, dims, d) < target:
     d += step
-  if d > step and (target - catformer_param_count(m, dims, d - step)
-                   <= catformer_param_count(m, dims, d) - target):
+  if d > step and (
+    target - catformer_param_count(m, dims, d - step) <= catformer_param_count(m, dims, d) - target
+  ):
     d -= step
   return d
 
@@ -146,32 +157,39 @@ def init_plan(m, dims: ModelDims) -> InitPlan:
   n = dims.depth
   attn_in = [c.stream_widths[2 * i] for i in range(n)]
   ffn_in = [c.stream_widths[2 * i + 1] for i in range(n)]
-  layer = dict(q=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
-               k=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
-               v=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
-               o=per_layer(n, xavier_std(c.attn_width, d)),
-               ffn1=per_layer(n, [xavier_std(w, c.ffn_hidden) for w in ffn_in]),
-               ffn2=per_layer(n, xavier_std(c.ffn_hidden, d)),
-               **unit_scales(n))  # Not used: there is no addition.
+  layer = dict(
+    q=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
+    k=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
+    v=per_layer(n, [xavier_std(w, c.attn_width) for w in attn_in]),
+    o=per_layer(n, xavier_std(c.attn_width, d)),
+    ffn1=per_layer(n, [xavier_std(w, c.ffn_hidden) for w in ffn_in]),
+    ffn2=per_layer(n, xavier_std(c.ffn_hidden, d)),
+    **unit_scales(n),
+  )  # Not used: there is no addition.
   embed_dims = dataclasses.replace(dims, width=d, mlp_hidden=c.ffn_hidden)
-  return xavier_plan(m, embed_dims, layer=layer,
-                     head_std=xavier_std(c.stream_widths[-1], dims.num_outputs), concat=c)
+  return xavier_plan(
+    m, embed_dims, layer=layer, head_std=xavier_std(c.stream_widths[-1], dims.num_outputs), concat=c
+  )
 
 
 class Catformer(Scheme):
   name = 'catformer'
-  paper = ('Davis et al. 2021, Catformer: Designing Stable Transformers via Sensitivity Analysis '
-           '(ICML 2021), App. D.1')
-  summary = ('residual by concatenation x ← [x, F(LN(x))], the stream growing by d per module; d matches '
-             'the Pre-LN parameter count')
+  paper = (
+    'Davis et al. 2021, Catformer: Designing Stable Transformers via Sensitivity Analysis '
+    '(ICML 2021), App. D.1'
+  )
+  summary = (
+    'residual by concatenation x ← [x, F(LN(x))], the stream growing by d per module; d matches '
+    'the Pre-LN parameter count'
+  )
   blocks = ('preln',)
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.attn_expansion = 2          # a: q/k/v width a·d (App. D.1; a = 2 in all §5.1–5.2 runs, App. E.1)
-    c.ffn_expansion = 4           # e: FFN hidden width e·d (App. D.1; e = 4, as the baseline's ratio)
-    c.match = 'total'             # how d is chosen: 'total' (whole-model parameter count of the Pre-LN
-                                  # model) | 'paper' (App. D.1's block-only closed form, multiple of 8)
+    c.attn_expansion = 2  # a: q/k/v width a·d (App. D.1; a = 2 in all §5.1–5.2 runs, App. E.1)
+    c.ffn_expansion = 4  # e: FFN hidden width e·d (App. D.1; e = 4, as the baseline's ratio)
+    c.match = 'total'  # how d is chosen: 'total' (whole-model parameter count of the Pre-LN
+    # model) | 'paper' (App. D.1's block-only closed form, multiple of 8)
     return c
 
   def validate(self, m):
@@ -180,8 +198,10 @@ class Catformer(Scheme):
     positive_int('model.catformer.ffn_expansion', m.catformer.ffn_expansion)
     one_of('model.catformer.match', m.catformer.match, MATCHES)
     if m.name == 'gpt' and m.tie_embeddings:
-      raise ValueError("model.tie_embeddings must be False with model.scheme='catformer': the head reads "
-                       'the (2·depth+1)·d-wide concatenated stream, the token table has width d')
+      raise ValueError(
+        "model.tie_embeddings must be False with model.scheme='catformer': the head reads "
+        'the (2·depth+1)·d-wide concatenated stream, the token table has width d'
+      )
 
   def init_plan(self, m, dims, prepared=None):
     return init_plan(m, dims)

@@ -47,7 +47,9 @@ def deepnorm_constants(c, depth: int) -> tuple[float, float]:
 
 class DeepNorm(Scheme):
   name = 'deepnorm'
-  paper = 'Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv:2203.00555), Fig. 2, Table 1'
+  paper = (
+    'Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv:2203.00555), Fig. 2, Table 1'
+  )
   summary = 'Post-LN LN(α·x + G(x)), α = (2N)^{1/4}; Xavier with gain β = (8N)^{-1/4} for V, O and FFN'
   blocks = ('postln',)
 

@@ -43,15 +43,17 @@ def depth_scales(depth: int, alpha: float) -> np.ndarray:
 
 class DSInit(Scheme):
   name = 'dsinit'
-  paper = ('Zhang, Titov & Sennrich 2019, Improving Deep Transformer with Depth-Scaled Initialization and '
-           'Merged Attention (EMNLP 2019, arXiv:1908.11365)')
+  paper = (
+    'Zhang, Titov & Sennrich 2019, Improving Deep Transformer with Depth-Scaled Initialization and '
+    'Merged Attention (EMNLP 2019, arXiv:1908.11365)'
+  )
   summary = 'every weight of layer l ~ U(±γ·α/sqrt(l)), γ = sqrt(6/(d_in+d_out)) (Xavier-uniform / sqrt(l))'
   blocks = ('postln', 'preln')
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.alpha = 1.0                 # α of U(±γ·α/sqrt(l)), α ∈ [0, 1] (Zhang et al. 2019, DS-Init); 0, which
-                                  # zeroes every weight, is rejected
+    c.alpha = 1.0  # α of U(±γ·α/sqrt(l)), α ∈ [0, 1] (Zhang et al. 2019, DS-Init); 0, which
+    # zeroes every weight, is rejected
     return c
 
   def validate(self, m):

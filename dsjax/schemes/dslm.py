@@ -65,24 +65,24 @@ MEASURE_BATCHES = 4  # training batches the input correlation is measured on
 def config(model_name: str) -> ml_collections.ConfigDict:
   """`model.dslm`: the method's constants with the paper's defaults (§3.5, Appendix M)."""
   d = ml_collections.ConfigDict()
-  d.init = 'simple'               # 'simple': V/O like the FFN (all of the paper's §4 runs) | 'full': V/O per
-                                  # layer from the correlation recurrence (paper §3.5 item 3, Fig. 15)
-  d.attention_var = 'table2'      # full init only. 'table2': the paper's V/O, C1·r_n = 1 (Table 2;
-                                  # assumes bidirectional attention over long sequences) | 'exact': V/O
-                                  # give attention-block output variance 1 by dsjax.theory's attention
-                                  # moments (causal mask, L, heads); 4.3× smaller V·O at layer 0 of a
-                                  # causal byte-level GPT (theory.model.dslm_weight_vars,
-                                  # experiments/dslm_results.md for the measured trade-off)
-  d.k = 2.0                       # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)
-  d.alpha = 1.0                   # α = 1: gradient change and sensitivity independent of depth (Appendix G)
-  d.learnable_beta = False        # paper Table 13: a learnable β is worse than the fixed one
-  d.output_scale = 'sqrt_d'       # final hidden state × 1/sqrt(d) (paper) | 'sqrt_embed_var_d':
-                                  # × 1/sqrt(σe²·d) (reference code: 1/sqrt(0.3·d), σe² = 0.3 for BERT)
+  d.init = 'simple'  # 'simple': V/O like the FFN (all of the paper's §4 runs) | 'full': V/O per
+  # layer from the correlation recurrence (paper §3.5 item 3, Fig. 15)
+  d.attention_var = 'table2'  # full init only. 'table2': the paper's V/O, C1·r_n = 1 (Table 2;
+  # assumes bidirectional attention over long sequences) | 'exact': V/O
+  # give attention-block output variance 1 by dsjax.theory's attention
+  # moments (causal mask, L, heads); 4.3× smaller V·O at layer 0 of a
+  # causal byte-level GPT (theory.model.dslm_weight_vars,
+  # experiments/dslm_results.md for the measured trade-off)
+  d.k = 2.0  # β² = k/N^alpha, λ² = 1 − β² at both adds of every layer (paper: k = 2)
+  d.alpha = 1.0  # α = 1: gradient change and sensitivity independent of depth (Appendix G)
+  d.learnable_beta = False  # paper Table 13: a learnable β is worse than the fixed one
+  d.output_scale = 'sqrt_d'  # final hidden state × 1/sqrt(d) (paper) | 'sqrt_embed_var_d':
+  # × 1/sqrt(σe²·d) (reference code: 1/sqrt(0.3·d), σe² = 0.3 for BERT)
   # Token correlation of the embedded input, start of the recurrence: 'zipf' (paper's estimate for
   # text, Appendix A.1), 'measure' (on real batches, the paper's way for vision/speech, Appendix H) or
   # a number. A FieldReference of type object so that both a string and a number can be set.
   d.input_corr = config_dict.FieldReference('measure' if model_name == 'vit' else 'zipf', field_type=object)
-  d.input_var = 1.0               # variance of the model input after the embedding dropout (paper: 1)
+  d.input_var = 1.0  # variance of the model input after the embedding dropout (paper: 1)
   return d
 
 
@@ -90,12 +90,15 @@ def config(model_name: str) -> ml_collections.ConfigDict:
 # Config checks (run by dsjax.schemes.validate before anything is built).
 # ------------------------------------------------------------------------------------------------
 
+
 def validate_config(model_config) -> None:
   """One-line ValueErrors for the `model.dslm` keys and the model settings DSLM cannot work with."""
   m, c = model_config, model_config.dslm
   if m.block not in theory.model.BLOCKS:
-    raise ValueError(f"model.block must be one of {list(theory.model.BLOCKS)} with model.scheme='dslm' "
-                     f'(DSLM scales the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}')
+    raise ValueError(
+      f"model.block must be one of {list(theory.model.BLOCKS)} with model.scheme='dslm' "
+      f'(DSLM scales the residual adds of a Pre-LN or Post-LN stack), got {m.block!r}'
+    )
   one_of('model.dslm.init', c.init, INITS)
   one_of('model.dslm.attention_var', c.attention_var, theory.model.ATTENTION_VARS)
   one_of('model.dslm.output_scale', c.output_scale, OUTPUT_SCALES)
@@ -105,23 +108,31 @@ def validate_config(model_config) -> None:
   number('model.dslm.input_var', c.input_var, low=0, low_open=True)
   corr = c.input_corr
   if not (corr in INPUT_CORR_MODES or (is_number(corr) and 0 < corr <= 1)):
-    raise ValueError(f'model.dslm.input_corr must be one of {list(INPUT_CORR_MODES)} or a number in '
-                     f'(0, 1], got {corr!r}')
+    raise ValueError(
+      f'model.dslm.input_corr must be one of {list(INPUT_CORR_MODES)} or a number in (0, 1], got {corr!r}'
+    )
   if m.name == 'vit' and corr == 'zipf':
-    raise ValueError("model.dslm.input_corr='zipf' estimates the correlation of token lookups (GPT); "
-                     "for ViT use 'measure' (the paper's way for images, Appendix H) or a number")
+    raise ValueError(
+      "model.dslm.input_corr='zipf' estimates the correlation of token lookups (GPT); "
+      "for ViT use 'measure' (the paper's way for images, Appendix H) or a number"
+    )
   if m.name == 'vit' and m.pos_embedding != 'learned':
-    raise ValueError(f"model.pos_embedding must be 'learned' with model.scheme='dslm' (DSLM sets the "
-                     f'position table variance; sincos2d has a fixed variance of 1/2), got {m.pos_embedding!r}')
+    raise ValueError(
+      f"model.pos_embedding must be 'learned' with model.scheme='dslm' (DSLM sets the "
+      f'position table variance; sincos2d has a fixed variance of 1/2), got {m.pos_embedding!r}'
+    )
   beta2 = theory.model.dslm_beta2(m.depth, c.k, c.alpha)
   if not beta2 < 1:
-    raise ValueError(f'model.dslm.k / model.depth**model.dslm.alpha must be < 1 (β² = k/N^α, λ² = 1 − β²), '
-                     f'got {beta2:.4g} with k={c.k}, alpha={c.alpha}, depth={m.depth}')
+    raise ValueError(
+      f'model.dslm.k / model.depth**model.dslm.alpha must be < 1 (β² = k/N^α, λ² = 1 − β²), '
+      f'got {beta2:.4g} with k={c.k}, alpha={c.alpha}, depth={m.depth}'
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # The plan.
 # ------------------------------------------------------------------------------------------------
+
 
 def embedding_table_var(model_config, dims: ModelDims) -> float:
   """σe² = input_var·(1−p)/K: K equal tables, then the embedding dropout (×1/(1−p)) → input_var."""
@@ -137,9 +148,11 @@ def input_corr(model_config, dims: ModelDims, input_moments: dict[str, float] | 
   c = model_config.dslm
   if c.input_corr == 'measure':
     if input_moments is None:
-      raise ValueError("model.dslm.input_corr='measure' needs the measured input moments: pass "
-                       'prepared= to dsjax.schemes.build_model (the training loop measures them with '
-                       'dsjax.schemes.preparation_for_run and saves them in the workdir)')
+      raise ValueError(
+        "model.dslm.input_corr='measure' needs the measured input moments: pass "
+        'prepared= to dsjax.schemes.build_model (the training loop measures them with '
+        'dsjax.schemes.preparation_for_run and saves them in the workdir)'
+      )
     return float(input_moments['corr_seq'])
   if c.input_corr == 'zipf':
     # Word table with Zipf-distributed tokens, position table uncorrelated; the sum averages (App. A.1).
@@ -166,14 +179,27 @@ def init_plan(model_config, dims: ModelDims, input_moments: dict[str, float] | N
   corr = 0.0 if simple else input_corr(model_config, dims, input_moments)
   if not simple and corr <= 0:
     # σv² = σo² ∝ 1/sqrt(r_0): the recipe's attention variance C1·r·s2 assumes correlated tokens.
-    raise ValueError(f"model.dslm.init='full' needs a positive token correlation of the embedded input, "
-                     f'got {corr:.4g} (model.dslm.input_corr={c.input_corr!r}); use '
-                     f"model.dslm.init='simple' or give model.dslm.input_corr as a positive number")
+    raise ValueError(
+      f"model.dslm.init='full' needs a positive token correlation of the embedded input, "
+      f'got {corr:.4g} (model.dslm.input_corr={c.input_corr!r}); use '
+      f"model.dslm.init='simple' or give model.dslm.input_corr as a positive number"
+    )
   weight_vars = theory.model.dslm_weight_vars(
-      n, d, p, corr, k=c.k, alpha=c.alpha, activation=model_config.activation,
-      mlp_ratio=dims.mlp_hidden // d, simple=simple, attention_var=c.attention_var,
-      num_heads=dims.num_heads, seq_len=dims.seq_len, causal=dims.kind == 'gpt',
-      attn_dropout=model_config.attn_dropout)
+    n,
+    d,
+    p,
+    corr,
+    k=c.k,
+    alpha=c.alpha,
+    activation=model_config.activation,
+    mlp_ratio=dims.mlp_hidden // d,
+    simple=simple,
+    attention_var=c.attention_var,
+    num_heads=dims.num_heads,
+    seq_len=dims.seq_len,
+    causal=dims.kind == 'gpt',
+    attn_dropout=model_config.attn_dropout,
+  )
 
   if c.output_scale == 'sqrt_d':
     output_scale = 1.0 / math.sqrt(d)
@@ -182,17 +208,21 @@ def init_plan(model_config, dims: ModelDims, input_moments: dict[str, float] | N
 
   layer = {name: per_layer(n, np.sqrt(var)) for name, var in weight_vars.items()}
   layer.update(skip_attn=skip, branch_attn=branch, skip_ffn=skip, branch_ffn=branch)
-  return InitPlan(distribution=model_config.init_distribution, layer=layer,
-                  input_std=math.sqrt(input_var), pos_std=math.sqrt(table_var),
-                  head_std=math.sqrt(table_var), output_scale=output_scale,
-                  branch=ResidualScale(learnable=c.learnable_beta))
-
-
+  return InitPlan(
+    distribution=model_config.init_distribution,
+    layer=layer,
+    input_std=math.sqrt(input_var),
+    pos_std=math.sqrt(table_var),
+    head_std=math.sqrt(table_var),
+    output_scale=output_scale,
+    branch=ResidualScale(learnable=c.learnable_beta),
+  )
 
 
 # ------------------------------------------------------------------------------------------------
 # input_corr='measure': moments of the embedded input on real batches (the preparation step).
 # ------------------------------------------------------------------------------------------------
+
 
 def needs_measured_input(model_config) -> bool:
   return model_config.dslm.input_corr == 'measure'
@@ -204,8 +234,8 @@ def embedding_moments(x_BLD: jax.Array) -> dict[str, jax.Array]:
   Σ_{t≠t'} c_t·c_t' = (Σ_t c_t)² − Σ_t c_t² for centred values c, so no L×L matrix is formed."""
   x_BLD = x_BLD.astype(jnp.float32)
   c_BLD = x_BLD - x_BLD.mean()
-  var = (c_BLD ** 2).mean()
-  pair_sum = (c_BLD.sum(1) ** 2).sum() - (c_BLD ** 2).sum()
+  var = (c_BLD**2).mean()
+  pair_sum = (c_BLD.sum(1) ** 2).sum() - (c_BLD**2).sum()
   corr_seq = pair_sum / (c_BLD.size * (x_BLD.shape[1] - 1)) / jnp.maximum(var, 1e-30)
   return {'mean': x_BLD.mean(), 'var': var, 'corr_seq': corr_seq}
 
@@ -226,22 +256,29 @@ def measure_input_moments(config, data_info, inputs) -> dict[str, float]:
     provisional.model.dslm.input_corr = 0.5
   seq_len = provisional.data.seq_len
   plan = init_plan(provisional.model, models.model_dims(provisional.model, data_info, seq_len=seq_len))
-  model = models.build_model(provisional.model, data_info, plan, nnx.Rngs(params=config.seed),
-                             seq_len=seq_len)
+  model = models.build_model(
+    provisional.model, data_info, plan, nnx.Rngs(params=config.seed), seq_len=seq_len
+  )
   embed_stats = jax.jit(lambda x: embedding_moments(model.embed(x)))
   per_batch = [jax.device_get(embed_stats(x)) for x in inputs]
   if not per_batch:
     raise ValueError('measure_input_moments needs at least one batch')
   mean = lambda key: float(np.mean([s[key] for s in per_batch]))
-  return {'var': mean('var'), 'corr_seq': mean('corr_seq'), 'mean': mean('mean'),
-          'num_batches': len(per_batch)}
+  return {
+    'var': mean('var'),
+    'corr_seq': mean('corr_seq'),
+    'mean': mean('mean'),
+    'num_batches': len(per_batch),
+  }
 
 
 class DSLM(Scheme):
   name = 'dslm'
   paper = 'Kedia et al. 2024, Transformers Get Stable (ICML 2024, arXiv:2403.09635), §3.5, App. E, M'
-  summary = ('theory-derived weight variances (embeddings, FFN, V/O per layer); λ² = 1 − k/N, β² = k/N at '
-             'both adds; output × 1/sqrt(d)')
+  summary = (
+    'theory-derived weight variances (embeddings, FFN, V/O per layer); λ² = 1 − k/N, β² = k/N at '
+    'both adds; output × 1/sqrt(d)'
+  )
   blocks = theory.model.BLOCKS
 
   def config(self, model_name):

@@ -54,10 +54,14 @@ def initial_scale(m, depth: int) -> float:
 
 class LayerScale(Scheme):
   name = 'layerscale'
-  paper = ('Touvron et al. 2021, Going Deeper with Image Transformers (CaiT, ICCV 2021, arXiv:2103.17239), '
-           'LayerScale')
-  summary = ('Pre-LN; x + diag(λ)·f(LN(x)), learnable λ ∈ R^d per add, init 0.1 (N ≤ 18), 1e-5 (N ≤ 24), '
-             '1e-6 (deeper); Xavier weights')
+  paper = (
+    'Touvron et al. 2021, Going Deeper with Image Transformers (CaiT, ICCV 2021, arXiv:2103.17239), '
+    'LayerScale'
+  )
+  summary = (
+    'Pre-LN; x + diag(λ)·f(LN(x)), learnable λ ∈ R^d per add, init 0.1 (N ≤ 18), 1e-5 (N ≤ 24), '
+    '1e-6 (deeper); Xavier weights'
+  )
   blocks = ('preln',)
 
   def config(self, model_name):

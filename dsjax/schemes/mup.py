@@ -37,17 +37,21 @@ def width_mult(m, dims: ModelDims) -> float:
 
 class MuP(Scheme):
   name = 'mup'
-  paper = ('Yang et al. 2021, Tensor Programs V: Tuning Large Neural Networks via Zero-Shot Hyperparameter '
-           'Transfer (arXiv:2203.03466), Table 3 (Adam)')
-  summary = ("Xavier at base width; hidden matrices' Adam lr × 1/width_mult, readout × 1/width_mult "
-             '(optionally zero-init), attention logits × 1/d_head')
+  paper = (
+    'Yang et al. 2021, Tensor Programs V: Tuning Large Neural Networks via Zero-Shot Hyperparameter '
+    'Transfer (arXiv:2203.03466), Table 3 (Adam)'
+  )
+  summary = (
+    "Xavier at base width; hidden matrices' Adam lr × 1/width_mult, readout × 1/width_mult "
+    '(optionally zero-init), attention logits × 1/d_head'
+  )
   blocks = ('preln', 'postln')
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.base_width = 128            # width of the base model (width_mult = model.width / base_width); the
-                                  # paper tunes a small base model and transfers its hyperparameters
-    c.zero_readout = False        # readout (head) kernel initialised to zero (paper's option; mup README)
+    c.base_width = 128  # width of the base model (width_mult = model.width / base_width); the
+    # paper tunes a small base model and transfers its hyperparameters
+    c.zero_readout = False  # readout (head) kernel initialised to zero (paper's option; mup README)
     return c
 
   def validate(self, m):
@@ -55,19 +59,26 @@ class MuP(Scheme):
     positive_int('model.mup.base_width', m.mup.base_width)
     boolean('model.mup.zero_readout', m.mup.zero_readout)
     if m.name == 'gpt' and m.tie_embeddings and m.mup.zero_readout:
-      raise ValueError('model.mup.zero_readout=True needs an untied head (model.tie_embeddings=False): a '
-                       'tied head is the token table, which cannot start at zero')
+      raise ValueError(
+        'model.mup.zero_readout=True needs an untied head (model.tie_embeddings=False): a '
+        'tied head is the token table, which cannot start at zero'
+      )
 
   def init_plan(self, m, dims, prepared=None):
     base = m.mup.base_width
     mult = width_mult(m, dims)
     input_std = xavier_std(dims.input_dim, base)
     return xavier_plan(
-        m, dims,
-        input_std=input_std, pos_std=input_std if dims.kind == 'gpt' else 0.02,
-        head_std=xavier_std(base, dims.num_outputs), output_scale=1.0 / mult,
-        zero_head=m.mup.zero_readout, attn_logit_scale=1.0 / dims.head_dim,
-        lr_scale={key: 1.0 / mult for key in WEIGHT_KEYS})
+      m,
+      dims,
+      input_std=input_std,
+      pos_std=input_std if dims.kind == 'gpt' else 0.02,
+      head_std=xavier_std(base, dims.num_outputs),
+      output_scale=1.0 / mult,
+      zero_head=m.mup.zero_readout,
+      attn_logit_scale=1.0 / dims.head_dim,
+      lr_scale={key: 1.0 / mult for key in WEIGHT_KEYS},
+    )
 
 
 SCHEME = MuP()

@@ -57,7 +57,7 @@ def tau_formula(d: int, n: int, rho: float, sigma_x2: float = 1.0) -> float:
   """τ of Noci et al. 2022, Appendix C.2, Eq. 47: τ² = d·n(1+ρ(n−1)) / (σx⁴(1−ρ)²(n+d)(n−1))."""
   if n < 2:
     raise ValueError(f'the temperature formula needs a sequence length n >= 2, got {n}')
-  tau2 = d * n * (1 + rho * (n - 1)) / (sigma_x2 ** 2 * (1 - rho) ** 2 * (n + d) * (n - 1))
+  tau2 = d * n * (1 + rho * (n - 1)) / (sigma_x2**2 * (1 - rho) ** 2 * (n + d) * (n - 1))
   return math.sqrt(tau2)
 
 
@@ -70,19 +70,21 @@ def tau(c, dims: ModelDims) -> float:
 
 class Noci(Scheme):
   name = 'noci'
-  paper = ('Noci et al. 2022, Signal Propagation in Transformers: Theoretical Perspectives and the Role '
-           'of Rank Collapse (NeurIPS 2022, arXiv:2206.03126), Thm. 3.3, App. C.2')
+  paper = (
+    'Noci et al. 2022, Signal Propagation in Transformers: Theoretical Perspectives and the Role '
+    'of Rank Collapse (NeurIPS 2022, arXiv:2206.03126), Thm. 3.3, App. C.2'
+  )
   summary = 'branch scales α = sqrt(α̃/N) at both adds (skip 1); attention logits × τ/sqrt(d_head)'
   blocks = ('preln', 'postln')
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.alpha_tilde = 1.0           # α² = α̃/L at both adds (paper Lemma 3.2: α̃1, α̃2 ∈ R, depth-independent)
-    c.learnable_alpha = False     # the paper's translation runs train α1, α2 (App. C.3)
+    c.alpha_tilde = 1.0  # α² = α̃/L at both adds (paper Lemma 3.2: α̃1, α̃2 ∈ R, depth-independent)
+    c.learnable_alpha = False  # the paper's translation runs train α1, α2 (App. C.3)
     # Softmax inverse temperature: a number (1 = plain softmax) or 'formula' (App. C.2, Eq. 47). A
     # FieldReference of type object so that both a string and a number can be set.
     c.tau = config_dict.FieldReference(1.0, field_type=object)
-    c.rho = 0.0                   # token correlation ρ in Eq. 47 (paper: "a constant small correlation")
+    c.rho = 0.0  # token correlation ρ in Eq. 47 (paper: "a constant small correlation")
     return c
 
   def validate(self, m):
@@ -99,8 +101,13 @@ class Noci(Scheme):
     alpha = per_layer(n, math.sqrt(c.alpha_tilde / n))
     base = xavier_plan(m, dims)
     layer = {**base.layer, 'branch_attn': alpha, 'branch_ffn': alpha.copy()}
-    return xavier_plan(m, dims, layer=layer, branch=ResidualScale(learnable=c.learnable_alpha),
-                       attn_logit_scale=tau(c, dims) / math.sqrt(dims.head_dim))
+    return xavier_plan(
+      m,
+      dims,
+      layer=layer,
+      branch=ResidualScale(learnable=c.learnable_alpha),
+      attn_logit_scale=tau(c, dims) / math.sqrt(dims.head_dim),
+    )
 
 
 SCHEME = Noci()

@@ -33,14 +33,16 @@ from dsjax.schemes.vanilla import xavier_plan
 
 class ReZero(Scheme):
   name = 'rezero'
-  paper = ('Bachlechner et al. 2021, ReZero is All You Need: Fast Convergence at Large Depth (UAI 2021, '
-           'arXiv:2003.04887)')
+  paper = (
+    'Bachlechner et al. 2021, ReZero is All You Need: Fast Convergence at Large Depth (UAI 2021, '
+    'arXiv:2003.04887)'
+  )
   summary = 'no norm; x + α·f(x) with one learnable α per layer shared by both adds, init 0; Xavier weights'
   blocks = ('nonorm',)
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.init = 0.0                  # initial α of every layer: zero (Bachlechner et al. 2021)
+    c.init = 0.0  # initial α of every layer: zero (Bachlechner et al. 2021)
     return c
 
   def validate(self, m):

@@ -34,14 +34,16 @@ from dsjax.schemes.vanilla import xavier_plan
 
 class SkipInit(Scheme):
   name = 'skipinit'
-  paper = ('De & Smith 2020, Batch Normalization Biases Residual Blocks Towards the Identity Function in '
-           'Deep Networks (NeurIPS 2020, arXiv:2002.10444)')
+  paper = (
+    'De & Smith 2020, Batch Normalization Biases Residual Blocks Towards the Identity Function in '
+    'Deep Networks (NeurIPS 2020, arXiv:2002.10444)'
+  )
   summary = 'no norm; x + α·f(x) with a learnable scalar α per residual add, init 0; Xavier weights'
   blocks = ('nonorm',)
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.init = 0.0                  # initial α of every add: zero (De & Smith 2020, SkipInit)
+    c.init = 0.0  # initial α of every add: zero (De & Smith 2020, SkipInit)
     return c
 
   def validate(self, m):

@@ -45,8 +45,10 @@ SCALED = ('v', 'o', 'ffn1', 'ffn2')
 def check_no_norm(m, scheme_name: str) -> None:
   """A 'nonorm' method keeps the model free of every norm, including a final one set by model.final_norm."""
   if m.get('final_norm', None):
-    raise ValueError(f"model.final_norm must be unset or False with model.scheme='{scheme_name}' (the method "
-                     f'has no norm anywhere), got {m.final_norm!r}')
+    raise ValueError(
+      f"model.final_norm must be unset or False with model.scheme='{scheme_name}' (the method "
+      f'has no norm anywhere), got {m.final_norm!r}'
+    )
 
 
 def layer_scale(m, dims: ModelDims) -> float:
@@ -54,7 +56,7 @@ def layer_scale(m, dims: ModelDims) -> float:
   c, n = m.tfixup, dims.depth
   if dims.kind == 'gpt':
     return (c.decoder_factor * n) ** -0.25
-  return c.encoder_scale * n ** -0.25
+  return c.encoder_scale * n**-0.25
 
 
 def embedding_scale(m, dims: ModelDims) -> float:
@@ -65,17 +67,21 @@ def embedding_scale(m, dims: ModelDims) -> float:
 
 class TFixup(Scheme):
   name = 'tfixup'
-  paper = ('Huang, Perez, Ba & Volkovs 2020, Improving Transformer Optimization Through Better '
-           'Initialization (ICML 2020)')
-  summary = ('no LayerNorm; Xavier, embeddings N(0, d^{-1/2}); V, O, FFN × (9N)^{-1/4} (GPT) or '
-             '0.67·N^{-1/4} (ViT), embeddings × (9N)^{-1/4}; meant to train without warmup')
+  paper = (
+    'Huang, Perez, Ba & Volkovs 2020, Improving Transformer Optimization Through Better '
+    'Initialization (ICML 2020)'
+  )
+  summary = (
+    'no LayerNorm; Xavier, embeddings N(0, d^{-1/2}); V, O, FFN × (9N)^{-1/4} (GPT) or '
+    '0.67·N^{-1/4} (ViT), embeddings × (9N)^{-1/4}; meant to train without warmup'
+  )
   blocks = ('nonorm',)
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.encoder_scale = 0.67        # encoder V, O, FFN × 0.67·N^{-1/4} (Huang et al. 2020, T-Fixup step 3)
-    c.decoder_factor = 9.0        # decoder V, O, FFN and the embeddings × (9N)^{-1/4} (T-Fixup step 2)
-    c.scale_embeddings = True     # input embeddings × (9N)^{-1/4} in encoder and decoder (T-Fixup step 2)
+    c.encoder_scale = 0.67  # encoder V, O, FFN × 0.67·N^{-1/4} (Huang et al. 2020, T-Fixup step 3)
+    c.decoder_factor = 9.0  # decoder V, O, FFN and the embeddings × (9N)^{-1/4} (T-Fixup step 2)
+    c.scale_embeddings = True  # input embeddings × (9N)^{-1/4} in encoder and decoder (T-Fixup step 2)
     return c
 
   def validate(self, m):
@@ -90,11 +96,12 @@ class TFixup(Scheme):
     layer = xavier_layer_stds(dims)
     for name in SCALED:
       layer[name] = layer[name] * scale
-    table_std = dims.width ** -0.25 * embedding_scale(m, dims)
+    table_std = dims.width**-0.25 * embedding_scale(m, dims)
     # ViT: a Linear of unit-variance pixels whose outputs get a table row's variance (docstring).
     input_std = table_std / math.sqrt(dims.input_dim) if dims.kind == 'vit' else table_std
-    return xavier_plan(m, dims, layer={**layer, **unit_scales(dims.depth)}, input_std=input_std,
-                       pos_std=table_std)
+    return xavier_plan(
+      m, dims, layer={**layer, **unit_scales(dims.depth)}, input_std=input_std, pos_std=table_std
+    )
 
 
 SCHEME = TFixup()

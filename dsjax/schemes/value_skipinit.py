@@ -33,8 +33,10 @@ from dsjax.schemes.vanilla import xavier_plan
 
 class ValueSkipInit(Scheme):
   name = 'value_skipinit'
-  paper = ('He et al. 2023, Deep Transformers without Shortcuts: Modifying Self-attention for Faithful '
-           'Signal Propagation (ICLR 2023, arXiv:2302.10322)')
+  paper = (
+    'He et al. 2023, Deep Transformers without Shortcuts: Modifying Self-attention for Faithful '
+    'Signal Propagation (ICLR 2023, arXiv:2302.10322)'
+  )
   summary = 'attention skip removed; attention matrix α·I + β·A(X), learnable α = 1, β = 0 at init'
   blocks = ('preln', 'postln', 'nonorm')
 

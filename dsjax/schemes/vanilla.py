@@ -15,7 +15,15 @@ import ml_collections
 import numpy as np
 
 from dsjax.models.config import one_of
-from dsjax.models.plan import BLOCKS, InitPlan, ModelDims, per_layer, unit_scales, xavier_layer_stds, xavier_std
+from dsjax.models.plan import (
+  BLOCKS,
+  InitPlan,
+  ModelDims,
+  per_layer,
+  unit_scales,
+  xavier_layer_stds,
+  xavier_std,
+)
 from dsjax.schemes.base import Scheme
 
 INITS = ('xavier', 'gpt2')
@@ -24,10 +32,13 @@ INITS = ('xavier', 'gpt2')
 def xavier_plan(m, dims: ModelDims, **overrides) -> InitPlan:
   """Xavier everywhere, λ = β = 1; `overrides` replace InitPlan fields (the base of several methods)."""
   input_std = xavier_std(dims.input_dim, dims.width)
-  fields = dict(distribution=m.init_distribution,
-                layer={**xavier_layer_stds(dims), **unit_scales(dims.depth)},
-                input_std=input_std, pos_std=input_std if dims.kind == 'gpt' else 0.02,
-                head_std=xavier_std(dims.width, dims.num_outputs))
+  fields = dict(
+    distribution=m.init_distribution,
+    layer={**xavier_layer_stds(dims), **unit_scales(dims.depth)},
+    input_std=input_std,
+    pos_std=input_std if dims.kind == 'gpt' else 0.02,
+    head_std=xavier_std(dims.width, dims.num_outputs),
+  )
   fields.update(overrides)
   return InitPlan(**fields)
 
@@ -40,7 +51,7 @@ class Vanilla(Scheme):
 
   def config(self, model_name):
     c = ml_collections.ConfigDict()
-    c.init = 'xavier'             # 'xavier' | 'gpt2'
+    c.init = 'xavier'  # 'xavier' | 'gpt2'
     return c
 
   def validate(self, m):
@@ -52,10 +63,21 @@ class Vanilla(Scheme):
       return xavier_plan(m, dims)
     n = dims.depth
     residual_std = 0.02 / np.sqrt(2.0 * n)
-    layer = dict(q=per_layer(n, 0.02), k=per_layer(n, 0.02), v=per_layer(n, 0.02),
-                 o=per_layer(n, residual_std), ffn1=per_layer(n, 0.02), ffn2=per_layer(n, residual_std))
-    return InitPlan(distribution=m.init_distribution, layer={**layer, **unit_scales(n)},
-                    input_std=0.02, pos_std=0.02, head_std=0.02)
+    layer = dict(
+      q=per_layer(n, 0.02),
+      k=per_layer(n, 0.02),
+      v=per_layer(n, 0.02),
+      o=per_layer(n, residual_std),
+      ffn1=per_layer(n, 0.02),
+      ffn2=per_layer(n, residual_std),
+    )
+    return InitPlan(
+      distribution=m.init_distribution,
+      layer={**layer, **unit_scales(n)},
+      input_std=0.02,
+      pos_std=0.02,
+      head_std=0.02,
+    )
 
 
 SCHEME = Vanilla()

@@ -8,8 +8,7 @@ checks the component formulas against Monte Carlo simulation (the paper's Table 
 Pure NumPy/SciPy: importing this package does not import JAX or Flax.
 """
 
-from dsjax.theory import components
-from dsjax.theory import model
+from dsjax.theory import components, model
 from dsjax.theory.components import GradStats, Stats
 
 __all__ = ['Stats', 'GradStats', 'components', 'model']

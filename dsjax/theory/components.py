@@ -49,9 +49,22 @@ from typing import Callable, Sequence
 import numpy as np
 
 __all__ = [
-    'Stats', 'GradStats', 'linear', 'dropout', 'relu', 'gelu', 'layernorm', 'softmax',
-    'attention_head', 'attention_block', 'ffn_block', 'embedding_corr', 'embedding',
-    'relu_corr', 'softmax_moments', 'ATTENTION_FORMS',
+  'Stats',
+  'GradStats',
+  'linear',
+  'dropout',
+  'relu',
+  'gelu',
+  'layernorm',
+  'softmax',
+  'attention_head',
+  'attention_block',
+  'ffn_block',
+  'embedding_corr',
+  'embedding',
+  'relu_corr',
+  'softmax_moments',
+  'ATTENTION_FORMS',
 ]
 
 ATTENTION_FORMS = ('exact', 'paper', 'simple')
@@ -118,6 +131,7 @@ class Stats:
   mean, var: of one element. corr_seq: correlation of two elements with the same hidden index and
   different tokens (r^l in the paper). corr_hidden: same token, different hidden indices (r^d).
   """
+
   mean: float = 0.0
   var: float = 1.0
   corr_seq: float = 0.0
@@ -145,6 +159,7 @@ class Stats:
 @dataclasses.dataclass(frozen=True)
 class GradStats:
   """Statistics of one element of the gradient w.r.t. a tensor (mean 0): variance, token correlation."""
+
   var: float = 1.0
   corr_seq: float = 0.0
 
@@ -233,8 +248,10 @@ def relu_corr(r, exact: bool = True):
 
 def _require_zero_mean(x: Stats, name: str):
   if x.mean != 0.0:
-    raise ValueError(f'x.mean must be 0 for {name} (the paper\'s formulas assume a zero-mean input, '
-                     f'Appendices A.4/A.5); got {x.mean}')
+    raise ValueError(
+      f"x.mean must be 0 for {name} (the paper's formulas assume a zero-mean input, "
+      f'Appendices A.4/A.5); got {x.mean}'
+    )
 
 
 def relu(x: Stats, g: GradStats, *, exact: bool = True) -> tuple[Stats, GradStats]:
@@ -247,9 +264,12 @@ def relu(x: Stats, g: GradStats, *, exact: bool = True) -> tuple[Stats, GradStat
   _check_inputs(x, g)
   _require_zero_mean(x, 'relu')
   s2 = x.var
-  out = Stats(mean=math.sqrt(s2 / (2 * math.pi)), var=s2 * (math.pi - 1) / (2 * math.pi),
-              corr_seq=float(relu_corr(x.corr_seq, exact)),
-              corr_hidden=float(relu_corr(x.corr_hidden, exact)))
+  out = Stats(
+    mean=math.sqrt(s2 / (2 * math.pi)),
+    var=s2 * (math.pi - 1) / (2 * math.pi),
+    corr_seq=float(relu_corr(x.corr_seq, exact)),
+    corr_hidden=float(relu_corr(x.corr_hidden, exact)),
+  )
   grad_corr = (0.5 + math.asin(x.corr_seq) / math.pi) * g.corr_seq
   return out, GradStats(var=g.var / 2, corr_seq=grad_corr)
 
@@ -258,9 +278,12 @@ def _gelu_cov(s2: float, r: float) -> float:
   """Cov(GeLU(x), GeLU(y)) for zero-mean Gaussians of variance s2 and correlation r (Appendix A.5)."""
   mean = s2 / math.sqrt(2 * math.pi * (s2 + 1))
   a = s2 / (1 + s2)
-  root = math.sqrt((s2 + 1)**2 - (r * s2)**2)
-  second = (s2 / 4) * (r + (2 / math.pi) * r * math.asin(r * a)
-                       + (2 / math.pi) * s2 * (s2 * (1 - r**2) + 1 + r**2) / ((s2 + 1) * root))
+  root = math.sqrt((s2 + 1) ** 2 - (r * s2) ** 2)
+  second = (s2 / 4) * (
+    r
+    + (2 / math.pi) * r * math.asin(r * a)
+    + (2 / math.pi) * s2 * (s2 * (1 - r**2) + 1 + r**2) / ((s2 + 1) * root)
+  )
   return second - mean**2
 
 
@@ -268,9 +291,14 @@ def _gelu_grad_factor(s2: float, r: float) -> float:
   """E[GeLU'(x)·GeLU'(y)] for zero-mean Gaussians of variance s2 and correlation r (Appendix A.5)."""
   a = s2 / (1 + s2)
   rs = r * s2
-  return (0.25 + math.asin(r * a) / (2 * math.pi)
-          + r * s2 * ((s2 + 1) * (2 * s2 + 3) - 2 * rs**2)
-          / (2 * math.pi * (s2 + 1) * ((s2 + 1)**2 - rs**2)**1.5))
+  return (
+    0.25
+    + math.asin(r * a) / (2 * math.pi)
+    + r
+    * s2
+    * ((s2 + 1) * (2 * s2 + 3) - 2 * rs**2)
+    / (2 * math.pi * (s2 + 1) * ((s2 + 1) ** 2 - rs**2) ** 1.5)
+  )
 
 
 def gelu(x: Stats, g: GradStats) -> tuple[Stats, GradStats]:
@@ -296,8 +324,9 @@ def gelu_second_moment(s2: float) -> float:
   return _gelu_cov(s2, 1.0) + s2**2 / (2 * math.pi * (s2 + 1))
 
 
-def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
-              random_fraction: float | None = None) -> tuple[Stats, GradStats]:
+def layernorm(
+  x: Stats, g: GradStats, *, d: int, exact: bool = True, random_fraction: float | None = None
+) -> tuple[Stats, GradStats]:
   """LayerNorm over d hidden units, gain 1, bias 0 (Appendix A.6); hidden units assumed independent.
 
   Output: mean 0, var 1, hidden correlation −1/(d−1) (the d outputs sum to zero). The input mean is
@@ -335,8 +364,9 @@ def layernorm(x: Stats, g: GradStats, *, d: int, exact: bool = True,
   out = Stats(mean=0.0, var=1.0, corr_seq=r * (1 - (1 - r**2) / (2 * n)), corr_hidden=-1 / n)
   if random_fraction is not None:  # Post-LN add (docstring).
     rho = _check_fraction('random_fraction', random_fraction)
-    return out, _grad(g.var / s2 * (1 + (4 * rho - 2 * rho**2) / d),
-                      g.cov_seq / s2 * (1 + (3 * rho - 2 * rho**2) / d))
+    return out, _grad(
+      g.var / s2 * (1 + (4 * rho - 2 * rho**2) / d), g.cov_seq / s2 * (1 + (3 * rho - 2 * rho**2) / d)
+    )
   grad_var = g.var * (d - 2) / (s2 * (d - 3))
   mean_cos2 = r**2 + (1 - r**2) * (1 - 2 * r**2) / n
   grad_cov = g.cov_seq / s2 * (d - 3 + mean_cos2) / n * (1 + (3 + r**2) / (2 * n))
@@ -354,7 +384,7 @@ _GH_LOGW = np.log(_GH_W / np.sqrt(np.pi))
 def _logsumexp(a: np.ndarray, axis: int = -1) -> np.ndarray:
   peak = np.max(a, axis=axis, keepdims=True)
   peak = np.where(np.isfinite(peak), peak, 0.0)
-  with np.errstate(divide='ignore'):   # all terms −inf: the sum is 0, its log −inf
+  with np.errstate(divide='ignore'):  # all terms −inf: the sum is 0, its log −inf
     return np.log(np.sum(np.exp(a - peak), axis=axis)) + np.squeeze(peak, axis)
 
 
@@ -365,11 +395,10 @@ def _log_psi(k: int, t: np.ndarray, sigma: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...], full: bool
-                            ) -> tuple[np.ndarray, ...]:
+def _softmax_moments_cached(sigma2: float, n_values: tuple[int, ...], full: bool) -> tuple[np.ndarray, ...]:
   n = np.asarray(n_values, np.float64)
   if sigma2 == 0.0:
-    return 1 / n**2, 1 / n**4, (1 / n**2) * (1 - 1 / n)**2
+    return 1 / n**2, 1 / n**4, (1 / n**2) * (1 - 1 / n) ** 2
   sigma = math.sqrt(sigma2)
   # Laplace representation: 1/Z^k = ∫_0^∞ t^{k−1} e^{−tZ} dt/(k−1)!, Z = Σ_j e^{δ_j}; the keys are i.i.d.,
   # so E[e^{2δ_1}·e^{−tZ}] = ψ2(t)·φ(t)^{n−1} with ψk(t) = E[e^{kδ} e^{−t e^δ}], φ = ψ0. Integrate over
@@ -428,10 +457,12 @@ def _softmax_e2(sigma2: float, n) -> np.ndarray:
   n = np.asarray(n)
   unique = np.unique(n)
   if unique.size <= 48:
-    e2 = unique.astype(np.float64)**2 * _softmax_moments_raw(sigma2, unique, full=False)[0]
+    e2 = unique.astype(np.float64) ** 2 * _softmax_moments_raw(sigma2, unique, full=False)[0]
     return e2[np.searchsorted(unique, n)]
-  nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(int)
-  e2 = nodes.astype(np.float64)**2 * _softmax_moments_raw(sigma2, nodes, full=False)[0]
+  nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(
+    int
+  )
+  e2 = nodes.astype(np.float64) ** 2 * _softmax_moments_raw(sigma2, nodes, full=False)[0]
   # np.interp needs increasing abscissae: 1/n decreases with n, so reverse.
   return np.interp(1.0 / n, (1.0 / nodes)[::-1], e2[::-1])
 
@@ -439,8 +470,9 @@ def _softmax_e2(sigma2: float, n) -> np.ndarray:
 SOFTMAX_FORMS = ('quadrature', 'lognormal', 'simple')
 
 
-def softmax(x: Stats, g: GradStats, *, length: int, exact: bool = True,
-            form: str | None = None) -> tuple[Stats, GradStats]:
+def softmax(
+  x: Stats, g: GradStats, *, length: int, exact: bool = True, form: str | None = None
+) -> tuple[Stats, GradStats]:
   """Softmax over `length` entries, each N(mean, s2) with pairwise correlation x.corr_seq (Appendix A.7).
 
   Here "tokens" are the entries along the softmax axis; g.corr_seq is the correlation of the incoming
@@ -485,9 +517,19 @@ def softmax(x: Stats, g: GradStats, *, length: int, exact: bool = True,
 # Attention (Appendices A.8, B.1) and its causal variant.
 
 
-def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length: int, p: float,
-                       qk_prod: float, v_var: float, causal: bool, form: str
-                       ) -> tuple[float, float, float, float]:
+def _attention_moments(
+  x: Stats,
+  g: GradStats,
+  *,
+  d_in: int,
+  d_head: int,
+  length: int,
+  p: float,
+  qk_prod: float,
+  v_var: float,
+  causal: bool,
+  form: str,
+) -> tuple[float, float, float, float]:
   """(var_out, cov_out, var_gin, cov_gin) of one head O = Drop_p(softmax(X Wq Wkᵀ Xᵀ/sqrt(d_head))) X Wv.
 
   Notation. Tokens x_t = m + δ_t: m is shared by all tokens (per hidden unit: the input mean plus a
@@ -547,14 +589,16 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
   kappa = sd2 * Uc
   tau2 = sd2**2 * U / d_in
   tauc2 = sd2**2 * Uc / d_in
-  proj_f = d_in * v_var            # forward value projection
-  unit_b = d_head * v_var * g2     # backward value projection and the incoming gradient
+  proj_f = d_in * v_var  # forward value projection
+  unit_b = d_head * v_var * g2  # backward value projection and the incoming gradient
 
   if form == 'simple':
     # Table 1: attention averages the tokens; softmax ≈ 1/L for the gradient.
     if c2 <= 0:
-      raise ValueError("form='simple' needs correlated tokens (x.corr_seq > 0 or x.mean != 0): the "
-                       'simplified attention output is r·s2')
+      raise ValueError(
+        "form='simple' needs correlated tokens (x.corr_seq > 0 or x.mean != 0): the "
+        'simplified attention output is r·s2'
+      )
     var_out = proj_f * c2
     var_g = unit_b * (rg + 1 / (L * (1 - p)))
     cov_g = unit_b * (rg + 1 / L)
@@ -565,12 +609,14 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     b = sl2 / d_head
     rho = c2 / q2 if q2 > 0 else 0.0
     if 2 * b >= 1:
-      raise ValueError(f'attention logits too large for the moment formulas (logit variance {sl2:.3g} '
-                       f'>= d_head/2 = {d_head / 2}): the softmax is saturated')
+      raise ValueError(
+        f'attention logits too large for the moment formulas (logit variance {sl2:.3g} '
+        f'>= d_head/2 = {d_head / 2}): the softmax is saturated'
+      )
     # E[e^{σℓ²X}] over X ~ χ²_{d_head}/d_head equals e^{σ_eff²}: the softmax moments are evaluated at
     # σ_eff² (exact for n = 1 and for n → ∞, smooth in between).
     sl2_eff = -0.5 * d_head * math.log1p(-2 * b)
-    e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho)**2 - b**2))
+    e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho) ** 2 - b**2))
     e2_of = lambda n: _softmax_e2(sl2_eff, n)
   else:
     # Appendix A.8: e^{σℓ²} in the forward; the backward treats the softmax as the constant 1/L.
@@ -599,8 +645,7 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     q_path = qk_prod * d_in * sd2 * (sd2 * c_n**2 + c_n * e2 * d_in * (p * c2 + sd2) / (n * (1 - p)))
     k_path = U * (p * c2 + sd2) * s1 / (1 - p) + rg * kappa * e_kappa * s2_pairs
     q_cov = rg * qk_prod * d_in * sd2**2 * (c_n**2 + e_kappa * d_in / n)
-    return (proj_f * var_pre, proj_f * cov_pre, unit_b * (v_path + q_path + k_path),
-            unit_b * (v_cov + q_cov))
+    return (proj_f * var_pre, proj_f * cov_pre, unit_b * (v_path + q_path + k_path), unit_b * (v_cov + q_cov))
 
   # Causal: position t = 0..L−1 sees n_t = t+1 keys.
   pos = np.arange(L)
@@ -613,7 +658,7 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
     return 2 * np.sum(f * pos) / pairs
 
   def mean_over_pairs_of_product(f):
-    return (np.sum(f)**2 - np.sum(f**2)) / pairs
+    return (np.sum(f) ** 2 - np.sum(f**2)) / pairs
 
   if exact:
     var_pre = c2 * (1 + p * e2 / (n * (1 - p))) + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
@@ -633,15 +678,21 @@ def _attention_moments(x: Stats, g: GradStats, *, d_in: int, d_head: int, length
   v_path = s1 / (1 - p) + rg * e_kappa * s2_pairs
   # Covariance of keys u ≠ u': queries t ≥ max(u, u') see both keys.
   shared = suffix(np.where(n > 1, (n - e2_backward(e2)) / (n**2 * np.maximum(n - 1, 1)), 0.0))
-  v_cov = (mean_over_pairs_of_max(shared)
-           + rg * (mean_over_pairs_of_product(sum_inv) - mean_over_pairs_of_max(suffix(inv_n**2))))
+  v_cov = mean_over_pairs_of_max(shared) + rg * (
+    mean_over_pairs_of_product(sum_inv) - mean_over_pairs_of_max(suffix(inv_n**2))
+  )
   if not exact:
     return var_out, cov_out, unit_b * float(np.mean(v_path)), unit_b * float(v_cov)
   c_n = 1 - e2 / n
   q_path = qk_prod * d_in * sd2 * (sd2 * c_n**2 + c_n * e2 * d_in * (p * c2 + sd2) / (n * (1 - p)))
   k_path = U * (p * c2 + sd2) * s1 / (1 - p) + rg * kappa * e_kappa * s2_pairs
-  q_cov = rg * qk_prod * d_in * sd2**2 * (mean_over_pairs_of_product(c_n)
-                                          + e_kappa * d_in * mean_over_pairs_of_max(inv_n))
+  q_cov = (
+    rg
+    * qk_prod
+    * d_in
+    * sd2**2
+    * (mean_over_pairs_of_product(c_n) + e_kappa * d_in * mean_over_pairs_of_max(inv_n))
+  )
   var_g = unit_b * float(np.mean(v_path + q_path + k_path))
   cov_g = unit_b * float(v_cov + q_cov)
   return var_out, cov_out, var_g, cov_g
@@ -655,14 +706,24 @@ def _check_form(form: str) -> str:
 
 def _head(x: Stats, g: GradStats, *, d_in, d_head, length, p, qk_prod, v_var, causal, form):
   var_out, cov_out, var_g, cov_g = _attention_moments(
-      x, g, d_in=d_in, d_head=d_head, length=length, p=p, qk_prod=qk_prod, v_var=v_var,
-      causal=causal, form=form)
+    x, g, d_in=d_in, d_head=d_head, length=length, p=p, qk_prod=qk_prod, v_var=v_var, causal=causal, form=form
+  )
   return _stats(0.0, var_out, cov_out), _grad(var_g, cov_g)
 
 
-def attention_head(x: Stats, g: GradStats, *, d_in: int, d_head: int, length: int, p: float,
-                   qk_var: float, v_var: float, causal: bool = False, form: str = 'exact'
-                   ) -> tuple[Stats, GradStats]:
+def attention_head(
+  x: Stats,
+  g: GradStats,
+  *,
+  d_in: int,
+  d_head: int,
+  length: int,
+  p: float,
+  qk_var: float,
+  v_var: float,
+  causal: bool = False,
+  form: str = 'exact',
+) -> tuple[Stats, GradStats]:
   """One attention head with value projection, O = Drop_p(softmax(X Wq Wkᵀ Xᵀ/sqrt(d_head)))·X Wv.
 
   X: (length, d_in) with the statistics `x`; Wq, Wk, Wv: (d_in, d_head); dropout p on the attention
@@ -681,13 +742,36 @@ def attention_head(x: Stats, g: GradStats, *, d_in: int, d_head: int, length: in
   length = _check_size('length', length, minimum=2)
   p = _check_prob('p', p)
   qk_var, v_var = _check_positive('qk_var', qk_var), _check_positive('v_var', v_var)
-  return _head(x, g, d_in=d_in, d_head=d_head, length=length, p=p, qk_prod=qk_var**2, v_var=v_var,
-               causal=bool(causal), form=_check_form(form))
+  return _head(
+    x,
+    g,
+    d_in=d_in,
+    d_head=d_head,
+    length=length,
+    p=p,
+    qk_prod=qk_var**2,
+    v_var=v_var,
+    causal=bool(causal),
+    form=_check_form(form),
+  )
 
 
-def attention_block(x: Stats, g: GradStats, *, d: int, num_heads: int, length: int, p: float,
-                    q_var: float, k_var: float, v_var: float, o_var: float, attn_p: float | None = None,
-                    causal: bool = False, form: str = 'exact') -> tuple[Stats, GradStats]:
+def attention_block(
+  x: Stats,
+  g: GradStats,
+  *,
+  d: int,
+  num_heads: int,
+  length: int,
+  p: float,
+  q_var: float,
+  k_var: float,
+  v_var: float,
+  o_var: float,
+  attn_p: float | None = None,
+  causal: bool = False,
+  form: str = 'exact',
+) -> tuple[Stats, GradStats]:
   """Multi-head attention → output projection (d→d, o_var) → Dropout(p) (Appendix B.1, Table 2).
 
   `num_heads` heads of width d/num_heads, each reading all d inputs; `attn_p` is the dropout on the
@@ -710,21 +794,47 @@ def attention_block(x: Stats, g: GradStats, *, d: int, num_heads: int, length: i
   d_head = d // num_heads
 
   def heads(h: Stats, gh: GradStats):
-    out, g_in = _head(h, gh, d_in=d, d_head=d_head, length=length, p=attn_p, qk_prod=q_var * k_var,
-                      v_var=v_var, causal=bool(causal), form=form)
+    out, g_in = _head(
+      h,
+      gh,
+      d_in=d,
+      d_head=d_head,
+      length=length,
+      p=attn_p,
+      qk_prod=q_var * k_var,
+      v_var=v_var,
+      causal=bool(causal),
+      form=form,
+    )
     # Concatenated heads are uncorrelated across hidden units; their input gradients add up.
-    return (dataclasses.replace(out, corr_hidden=0.0),
-            GradStats(var=num_heads * g_in.var, corr_seq=g_in.corr_seq))
+    return (
+      dataclasses.replace(out, corr_hidden=0.0),
+      GradStats(var=num_heads * g_in.var, corr_seq=g_in.corr_seq),
+    )
 
-  return _chain(x, g, [
+  return _chain(
+    x,
+    g,
+    [
       heads,
       functools.partial(linear, d_in=d, d_out=d, w_var=o_var),
       functools.partial(dropout, p=p),
-  ])
+    ],
+  )
 
 
-def ffn_block(x: Stats, g: GradStats, *, d: int, hidden: int, p: float, w1_var: float, w2_var: float,
-              activation: str = 'relu', exact: bool = True) -> tuple[Stats, GradStats]:
+def ffn_block(
+  x: Stats,
+  g: GradStats,
+  *,
+  d: int,
+  hidden: int,
+  p: float,
+  w1_var: float,
+  w2_var: float,
+  activation: str = 'relu',
+  exact: bool = True,
+) -> tuple[Stats, GradStats]:
   """Linear (d→hidden, w1_var) → ReLU|GeLU → Linear (hidden→d, w2_var) → Dropout(p) (Appendix B.2).
 
   The block's LayerNorm is not included. With ReLU: var_out = d·hidden·w1_var·w2_var·s2/(2(1−p)), which
@@ -742,20 +852,30 @@ def ffn_block(x: Stats, g: GradStats, *, d: int, hidden: int, p: float, w1_var: 
     act = gelu
   else:
     raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
-  return _chain(x, g, [
+  return _chain(
+    x,
+    g,
+    [
       functools.partial(linear, d_in=d, d_out=hidden, w_var=w1_var),
       act,
       functools.partial(linear, d_in=hidden, d_out=d, w_var=w2_var),
       functools.partial(dropout, p=p),
-  ])
+    ],
+  )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Embeddings (Appendix A.1).
 
 
-def embedding_corr(*, vocab_size: int, num_tables: int, segment_table: bool | None = None,
-                   seq_len: int | None = None, exact: bool = False) -> float:
+def embedding_corr(
+  *,
+  vocab_size: int,
+  num_tables: int,
+  segment_table: bool | None = None,
+  seq_len: int | None = None,
+  exact: bool = False,
+) -> float:
   """Token correlation of the sum of `num_tables` equal-variance embedding lookups (Appendix A.1).
 
   Tables, in order: word (Zipf-distributed tokens), position (unique per token: correlation 0), then a
@@ -777,21 +897,29 @@ def embedding_corr(*, vocab_size: int, num_tables: int, segment_table: bool | No
     raise ValueError('num_tables must be >= 2 when there is a segment table (word + segment)')
   if exact:
     ranks = np.arange(1, vocab_size + 1, dtype=np.float64)
-    r_word = float(np.sum(ranks**-2) / np.sum(1 / ranks)**2)
+    r_word = float(np.sum(ranks**-2) / np.sum(1 / ranks) ** 2)
   else:
-    r_word = math.pi**2 / (6 * math.log(vocab_size)**2)
+    r_word = math.pi**2 / (6 * math.log(vocab_size) ** 2)
   r_segment = 0.0
   if segment_table:
     r_segment = 2 / 3 if seq_len is None else (2 * seq_len / 3 - 1) / (seq_len - 1)
   return (r_word + r_segment) / num_tables
 
 
-def embedding(*, vocab_size: int, num_tables: int, table_var: float, p: float = 0.0,
-              segment_table: bool | None = None, seq_len: int | None = None,
-              exact: bool = False) -> Stats:
+def embedding(
+  *,
+  vocab_size: int,
+  num_tables: int,
+  table_var: float,
+  p: float = 0.0,
+  segment_table: bool | None = None,
+  seq_len: int | None = None,
+  exact: bool = False,
+) -> Stats:
   """Statistics of the summed embeddings after the embedding dropout: var K·table_var/(1−p), r·(1−p)."""
   table_var = _check_positive('table_var', table_var)
-  r = embedding_corr(vocab_size=vocab_size, num_tables=num_tables, segment_table=segment_table,
-                     seq_len=seq_len, exact=exact)
+  r = embedding_corr(
+    vocab_size=vocab_size, num_tables=num_tables, segment_table=segment_table, seq_len=seq_len, exact=exact
+  )
   out, _ = dropout(Stats(var=num_tables * table_var, corr_seq=r), GradStats(), p=p)
   return out

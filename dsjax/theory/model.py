@@ -46,6 +46,7 @@ class Propagation:
   sites 'attn_branch'/'ffn_branch' (Drop(f(·)) before the β scale). `grad_*` is the gradient w.r.t.
   the stream at the site, propagated down from `output_grad` at the top of the stack.
   """
+
   var: np.ndarray
   mean: np.ndarray
   corr_seq: np.ndarray
@@ -53,11 +54,11 @@ class Propagation:
   grad_corr_seq: np.ndarray
   branch_var: np.ndarray
   branch_corr_seq: np.ndarray
-  pre_norm_var: np.ndarray        # Post-LN: λ·x + β·h before its LayerNorm (= var for Pre-LN)
-  stream_in: Stats                # stream entering layer 0 (embedding after its dropout)
-  stream_in_grad: GradStats       # gradient w.r.t. stream_in
-  embedding_grad: GradStats       # gradient w.r.t. the embedding before its dropout
-  output: Stats                   # top of the stack (after the final norm, if any)
+  pre_norm_var: np.ndarray  # Post-LN: λ·x + β·h before its LayerNorm (= var for Pre-LN)
+  stream_in: Stats  # stream entering layer 0 (embedding after its dropout)
+  stream_in_grad: GradStats  # gradient w.r.t. stream_in
+  embedding_grad: GradStats  # gradient w.r.t. the embedding before its dropout
+  output: Stats  # top of the stack (after the final norm, if any)
   output_grad: GradStats
 
   @property
@@ -115,13 +116,29 @@ def _add_grads(skip: float, g: GradStats, g_branch: GradStats | None) -> GradSta
   return C._grad(var, cov)  # pylint: disable=protected-access
 
 
-def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: float = 0.0,
-              attn_dropout: float | None = None, activation: str = 'relu', block: str = 'preln',
-              causal: bool = False, skip_scale_attn=1.0, branch_scale_attn=1.0, skip_scale_ffn=1.0,
-              branch_scale_ffn=1.0, weight_vars: Mapping[str, object] | None = None, mlp_ratio: int = 4,
-              final_norm: bool | None = None, input: Stats = Stats(),  # pylint: disable=redefined-builtin
-              output_grad: GradStats = GradStats(), embedding_dropout: bool = True,
-              form: str = 'exact') -> Propagation:
+def propagate(
+  *,
+  depth: int,
+  width: int,
+  num_heads: int,
+  seq_len: int,
+  dropout: float = 0.0,
+  attn_dropout: float | None = None,
+  activation: str = 'relu',
+  block: str = 'preln',
+  causal: bool = False,
+  skip_scale_attn=1.0,
+  branch_scale_attn=1.0,
+  skip_scale_ffn=1.0,
+  branch_scale_ffn=1.0,
+  weight_vars: Mapping[str, object] | None = None,
+  mlp_ratio: int = 4,
+  final_norm: bool | None = None,
+  input: Stats = Stats(),  # pylint: disable=redefined-builtin
+  output_grad: GradStats = GradStats(),
+  embedding_dropout: bool = True,
+  form: str = 'exact',
+) -> Propagation:
   """Predicted moments of the residual stream and its gradient after every residual add.
 
   Args:
@@ -189,15 +206,38 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
 
   def attention(n):
     def f(x, g):
-      return C.attention_block(x, g, d=d, num_heads=heads, length=L, p=p, q_var=w['q'][n],
-                               k_var=w['k'][n], v_var=w['v'][n], o_var=w['o'][n], attn_p=attn_p,
-                               causal=causal, form=form)
+      return C.attention_block(
+        x,
+        g,
+        d=d,
+        num_heads=heads,
+        length=L,
+        p=p,
+        q_var=w['q'][n],
+        k_var=w['k'][n],
+        v_var=w['v'][n],
+        o_var=w['o'][n],
+        attn_p=attn_p,
+        causal=causal,
+        form=form,
+      )
+
     return f
 
   def ffn(n):
     def f(x, g):
-      return C.ffn_block(x, g, d=d, hidden=hidden, p=p, w1_var=w['ffn1'][n], w2_var=w['ffn2'][n],
-                         activation=activation, exact=exact_relu)
+      return C.ffn_block(
+        x,
+        g,
+        d=d,
+        hidden=hidden,
+        p=p,
+        w1_var=w['ffn1'][n],
+        w2_var=w['ffn2'][n],
+        activation=activation,
+        exact=exact_relu,
+      )
+
     return f
 
   # Each residual add: (branch function, λ, β). Pre-LN: the branch includes its LayerNorm.
@@ -247,12 +287,20 @@ def propagate(*, depth: int, width: int, num_heads: int, seq_len: int, dropout: 
 
   arr = lambda values: np.asarray(values, np.float64)
   return Propagation(
-      var=arr([s.var for s in stream]), mean=arr([s.mean for s in stream]),
-      corr_seq=arr([s.corr_seq for s in stream]), grad_var=arr([g.var for g in grads]),
-      grad_corr_seq=arr([g.corr_seq for g in grads]), branch_var=arr([h.var for h in branch_out]),
-      branch_corr_seq=arr([h.corr_seq for h in branch_out]),
-      pre_norm_var=arr([s.var for s in site_sum]), stream_in=stream_in, stream_in_grad=stream_in_grad,
-      embedding_grad=embedding_grad, output=output, output_grad=output_grad)
+    var=arr([s.var for s in stream]),
+    mean=arr([s.mean for s in stream]),
+    corr_seq=arr([s.corr_seq for s in stream]),
+    grad_var=arr([g.var for g in grads]),
+    grad_corr_seq=arr([g.corr_seq for g in grads]),
+    branch_var=arr([h.var for h in branch_out]),
+    branch_corr_seq=arr([h.corr_seq for h in branch_out]),
+    pre_norm_var=arr([s.var for s in site_sum]),
+    stream_in=stream_in,
+    stream_in_grad=stream_in_grad,
+    embedding_grad=embedding_grad,
+    output=output,
+    output_grad=output_grad,
+  )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -282,15 +330,17 @@ def _pre_activation_var(activation: str, p: float, mlp_ratio: float, input_var: 
   # Output var = hidden·w_var·E[act(z)²]/(1−p) with z ~ N(0, s1) and hidden·w_var = mlp_ratio·s1/input_var.
   target = (1 - p) * input_var / mlp_ratio
   if activation == 'relu':
-    return math.sqrt(2 * target)                       # s1·(s1/2) = target
+    return math.sqrt(2 * target)  # s1·(s1/2) = target
   if activation == 'gelu':
-    return optimize.brentq(lambda s1: s1 * C.gelu_second_moment(s1) - target, 1e-12, 1e6, xtol=1e-15,
-                           rtol=1e-14)
+    return optimize.brentq(
+      lambda s1: s1 * C.gelu_second_moment(s1) - target, 1e-12, 1e6, xtol=1e-15, rtol=1e-14
+    )
   raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
 
 
-def ffn_unit_weight_var(d: int, hidden: int, p: float, activation: str = 'relu',
-                        input_var: float = 1.0) -> float:
+def ffn_unit_weight_var(
+  d: int, hidden: int, p: float, activation: str = 'relu', input_var: float = 1.0
+) -> float:
   """Variance of both FFN matrices that makes the FFN block output variance 1 (§3.5, Appendix M).
 
   The block is Linear(d→hidden) → act → Linear(hidden→d) → Dropout(p) applied to an input of variance
@@ -312,9 +362,18 @@ def _ffn_output_corr(r: float, s1: float, p: float, activation: str, exact: bool
   return (1 - p) * (act.cov_seq + act.mean**2) / act.second_moment
 
 
-def dslm_layer_correlations(depth: int, dropout: float, input_corr: float, *, k: float = 2.0,
-                            alpha: float = 1.0, activation: str = 'relu', mlp_ratio: int = 4,
-                            exact: bool = True, embedding_dropout: bool = True) -> np.ndarray:
+def dslm_layer_correlations(
+  depth: int,
+  dropout: float,
+  input_corr: float,
+  *,
+  k: float = 2.0,
+  alpha: float = 1.0,
+  activation: str = 'relu',
+  mlp_ratio: int = 4,
+  exact: bool = True,
+  embedding_dropout: bool = True,
+) -> np.ndarray:
   """r_n: token correlation of the stream entering layer n (n = 0..depth−1) in a DSLM model (Appendix M).
 
   Every block output has variance 1 and the stream keeps variance 1 (λ² + β² = 1). The attention block
@@ -350,12 +409,24 @@ def dslm_layer_correlations(depth: int, dropout: float, input_corr: float, *, k:
 ATTENTION_VARS = ('table2', 'exact')
 
 
-def dslm_weight_vars(depth: int, width: int, dropout: float, input_corr: float, *, k: float = 2.0,
-                     alpha: float = 1.0, activation: str = 'relu', mlp_ratio: int = 4,
-                     simple: bool = False, embedding_dropout: bool = True,
-                     attention_var: str = 'table2', num_heads: int | None = None,
-                     seq_len: int | None = None, causal: bool = False,
-                     attn_dropout: float | None = None) -> dict[str, np.ndarray]:
+def dslm_weight_vars(
+  depth: int,
+  width: int,
+  dropout: float,
+  input_corr: float,
+  *,
+  k: float = 2.0,
+  alpha: float = 1.0,
+  activation: str = 'relu',
+  mlp_ratio: int = 4,
+  simple: bool = False,
+  embedding_dropout: bool = True,
+  attention_var: str = 'table2',
+  num_heads: int | None = None,
+  seq_len: int | None = None,
+  causal: bool = False,
+  attn_dropout: float | None = None,
+) -> dict[str, np.ndarray]:
   """DSLM weight variances per layer (§3.5, App. M): q = k = 1/d; ffn1 = ffn2 = `ffn_unit_weight_var`;
   v = o per layer for a unit attention-block output (full init) or the FFN variance (simple init).
 
@@ -378,18 +449,40 @@ def dslm_weight_vars(depth: int, width: int, dropout: float, input_corr: float, 
   if simple:
     vo = np.full(depth, ffn_var)
   else:
-    r_n = dslm_layer_correlations(depth, p, input_corr, k=k, alpha=alpha, activation=activation,
-                                  mlp_ratio=mlp_ratio, embedding_dropout=embedding_dropout)
+    r_n = dslm_layer_correlations(
+      depth,
+      p,
+      input_corr,
+      k=k,
+      alpha=alpha,
+      activation=activation,
+      mlp_ratio=mlp_ratio,
+      embedding_dropout=embedding_dropout,
+    )
     if attention_var == 'table2':
       vo = np.sqrt((1 - p) / r_n) / d
     else:
       if num_heads is None or seq_len is None:
         raise ValueError("attention_var='exact' needs num_heads and seq_len")
-      unit_var = np.array([
-          C.attention_block(Stats(var=1.0, corr_seq=float(r)), GradStats(), d=d, num_heads=num_heads,
-                            length=seq_len, p=p, q_var=1 / d, k_var=1 / d, v_var=1 / d, o_var=1 / d,
-                            attn_p=attn_dropout, causal=causal)[0].var
-          for r in r_n])
+      unit_var = np.array(
+        [
+          C.attention_block(
+            Stats(var=1.0, corr_seq=float(r)),
+            GradStats(),
+            d=d,
+            num_heads=num_heads,
+            length=seq_len,
+            p=p,
+            q_var=1 / d,
+            k_var=1 / d,
+            v_var=1 / d,
+            o_var=1 / d,
+            attn_p=attn_dropout,
+            causal=causal,
+          )[0].var
+          for r in r_n
+        ]
+      )
       vo = 1 / (d * np.sqrt(unit_var))
   ones = np.ones(depth)
   return dict(q=ones / d, k=ones / d, v=vo, o=vo.copy(), ffn1=ffn_var * ones, ffn2=ffn_var * ones)
@@ -399,8 +492,9 @@ def dslm_weight_vars(depth: int, width: int, dropout: float, input_corr: float, 
 # Rank collapse (Appendix F).
 
 
-def block_constants(width: int, dropout: float, v_var: float, o_var: float, ffn1_var: float,
-                    ffn2_var: float, mlp_ratio: int = 4) -> tuple[float, float]:
+def block_constants(
+  width: int, dropout: float, v_var: float, o_var: float, ffn1_var: float, ffn2_var: float, mlp_ratio: int = 4
+) -> tuple[float, float]:
   """(C1, C2) of Appendix E/F: attention var_out = C1·r·s2, ReLU FFN var_out = C2·s2.
 
   C1 = d²·v_var·o_var/(1−p); C2 = d·hidden·ffn1_var·ffn2_var/(2(1−p)) (= 2d²·…/(1−p) for hidden 4d).
@@ -413,8 +507,9 @@ def block_constants(width: int, dropout: float, v_var: float, o_var: float, ffn1
   return d * d * v_var * o_var / (1 - p), d * hidden * ffn1_var * ffn2_var / (2 * (1 - p))
 
 
-def stable_correlation(c1: float = 2.2, c2: float = 0.4, dropout: float = 0.1,
-                       exact: bool = False) -> tuple[float, float]:
+def stable_correlation(
+  c1: float = 2.2, c2: float = 0.4, dropout: float = 0.1, exact: bool = False
+) -> tuple[float, float]:
   """Fixed points (r_max, rg_max) of the token correlation of the stream and of its gradient (App. F).
 
   After many layers the stream correlation is the variance-weighted average of the attention output

@@ -44,8 +44,7 @@ import warnings
 from typing import Any, Callable
 
 import numpy as np
-from scipy import special
-from scipy import stats
+from scipy import special, stats
 from scipy.stats import qmc
 
 from dsjax.theory import components as C
@@ -55,24 +54,54 @@ STATISTICS = ('mean', 'var', 'grad_var', 'cov_seq', 'grad_cov_seq', 'cov_hidden'
 # Table 21 of the paper (and, for the LayerNorm hidden-dimension covariance, the released simulation
 # output). "FFN" in the paper is the Linear layer.
 PAPER_TABLE21 = {
-    'linear': {'mean': [0.0, 0.4, 1.3], 'var': [0.4, 1.4, 2.8], 'grad_var': [0.2, 1.0, 2.2],
-               'cov_seq': [0.4, 1.4, 2.8], 'grad_cov_seq': [0.2, 1.0, 2.2]},
-    'relu': {'mean': [0.3, 1.3, 2.3], 'var': [0.5, 1.9, 3.4], 'grad_var': [0.6, 1.5, 2.6],
-             'cov_seq': [0.3, 1.6, 3.1], 'grad_cov_seq': [0.2, 1.1, 2.3]},
-    'gelu': {'mean': [0.1, 1.0, 2.4], 'var': [0.2, 0.6, 1.3], 'grad_var': [0.2, 0.6, 1.1],
-             'cov_seq': [0.1, 0.5, 1.2], 'grad_cov_seq': [0.1, 0.4, 0.9]},
-    'layernorm': {'mean': [0.0, 0.0, 0.0], 'var': [0.0, 0.0, 0.0], 'grad_var': [0.4, 1.5, 3.2],
-                  'cov_seq': [0.1, 0.5, 1.0], 'grad_cov_seq': [0.2, 0.9, 2.2],
-                  'cov_hidden': [0.0, 0.0, 0.0]},
-    'dropout': {'mean': [0.0, 0.1, 0.5], 'var': [0.1, 0.5, 1.5], 'grad_var': [0.1, 0.7, 1.5],
-                'cov_seq': [0.0, 0.4, 1.3], 'grad_cov_seq': [0.1, 0.5, 1.2]},
-    'softmax': {'mean': [0.0, 0.0, 0.0], 'var': [0.2, 0.9, 4.0], 'grad_var': [0.1, 0.6, 4.5]},
-    'attention_head': {'mean': [0.2, 1.0, 2.5], 'var': [1.4, 4.1, 7.8], 'grad_var': [2.2, 13.3, 44.5],
-                       'cov_seq': [1.3, 3.9, 7.4], 'grad_cov_seq': [1.6, 4.5, 8.2]},
+  'linear': {
+    'mean': [0.0, 0.4, 1.3],
+    'var': [0.4, 1.4, 2.8],
+    'grad_var': [0.2, 1.0, 2.2],
+    'cov_seq': [0.4, 1.4, 2.8],
+    'grad_cov_seq': [0.2, 1.0, 2.2],
+  },
+  'relu': {
+    'mean': [0.3, 1.3, 2.3],
+    'var': [0.5, 1.9, 3.4],
+    'grad_var': [0.6, 1.5, 2.6],
+    'cov_seq': [0.3, 1.6, 3.1],
+    'grad_cov_seq': [0.2, 1.1, 2.3],
+  },
+  'gelu': {
+    'mean': [0.1, 1.0, 2.4],
+    'var': [0.2, 0.6, 1.3],
+    'grad_var': [0.2, 0.6, 1.1],
+    'cov_seq': [0.1, 0.5, 1.2],
+    'grad_cov_seq': [0.1, 0.4, 0.9],
+  },
+  'layernorm': {
+    'mean': [0.0, 0.0, 0.0],
+    'var': [0.0, 0.0, 0.0],
+    'grad_var': [0.4, 1.5, 3.2],
+    'cov_seq': [0.1, 0.5, 1.0],
+    'grad_cov_seq': [0.2, 0.9, 2.2],
+    'cov_hidden': [0.0, 0.0, 0.0],
+  },
+  'dropout': {
+    'mean': [0.0, 0.1, 0.5],
+    'var': [0.1, 0.5, 1.5],
+    'grad_var': [0.1, 0.7, 1.5],
+    'cov_seq': [0.0, 0.4, 1.3],
+    'grad_cov_seq': [0.1, 0.5, 1.2],
+  },
+  'softmax': {'mean': [0.0, 0.0, 0.0], 'var': [0.2, 0.9, 4.0], 'grad_var': [0.1, 0.6, 4.5]},
+  'attention_head': {
+    'mean': [0.2, 1.0, 2.5],
+    'var': [1.4, 4.1, 7.8],
+    'grad_var': [2.2, 13.3, 44.5],
+    'cov_seq': [1.3, 3.9, 7.4],
+    'grad_cov_seq': [1.6, 4.5, 8.2],
+  },
 }
 
-_CHUNK_FLOATS = 1 << 23   # elements of the largest array of one simulation chunk (32 MB in float32)
-_P_BITS = 65536           # dropout masks compare uint16 random bits with round(p·65536)
+_CHUNK_FLOATS = 1 << 23  # elements of the largest array of one simulation chunk (32 MB in float32)
+_P_BITS = 65536  # dropout masks compare uint16 random bits with round(p·65536)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -105,6 +134,7 @@ def percentiles(errors) -> list[float]:
 def _jax():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   return jax, jnp
 
 
@@ -164,13 +194,21 @@ def _kernels():
     s0 = jnp.einsum('wik,wi->wk', zb, a)
     zeta = az - jnp.einsum('wk,wko->wo', s0, bs)
     eta = zb - s0[:, None, :] * a[:, :, None]
-    z_perp = (z - a[:, :, None] * az[:, None, :] - jnp.einsum('wik,wko->wio', zb, bs)
-              + a[:, :, None] * jnp.einsum('wk,wko->wo', s0, bs)[:, None, :])
+    z_perp = (
+      z
+      - a[:, :, None] * az[:, None, :]
+      - jnp.einsum('wik,wko->wio', zb, bs)
+      + a[:, :, None] * jnp.einsum('wk,wko->wo', s0, bs)[:, None, :]
+    )
     zeta = zeta * (strata[:, 0] / jnp.maximum(jnp.linalg.norm(zeta, axis=-1), 1e-30))[:, None]
-    eta = eta * (strata[:, 1:1 + 2 * k:2] / jnp.maximum(jnp.linalg.norm(eta, axis=1), 1e-30))[:, None, :]
-    s_new = strata[:, 2:2 + 2 * k:2]
-    return (z_perp + a[:, :, None] * zeta[:, None, :] + jnp.einsum('wik,wko->wio', eta, bs)
-            + a[:, :, None] * jnp.einsum('wk,wko->wo', s_new, bs)[:, None, :])
+    eta = eta * (strata[:, 1 : 1 + 2 * k : 2] / jnp.maximum(jnp.linalg.norm(eta, axis=1), 1e-30))[:, None, :]
+    s_new = strata[:, 2 : 2 + 2 * k : 2]
+    return (
+      z_perp
+      + a[:, :, None] * zeta[:, None, :]
+      + jnp.einsum('wik,wko->wio', eta, bs)
+      + a[:, :, None] * jnp.einsum('wk,wko->wo', s_new, bs)[:, None, :]
+    )
 
   def out_directions(cg, bw, n_out):
     """Orthonormal output directions: all-ones (the output mean) and the shared gradient part."""
@@ -181,9 +219,11 @@ def _kernels():
   def per_weight(fn, x, g, ws, n_grad):
     """Outputs of fn(x, w) for every weight draw w and input gradients (vjp with cotangent g) for the
     first n_grad draws (the gradient moments need fewer draws than the output mean)."""
+
     def both(w):
       y, vjp = jax.vjp(lambda z: fn(z, w), x)
       return y, vjp(g)[0]
+
     head = jax.tree.map(lambda t: t[:n_grad], ws)
     tail = jax.tree.map(lambda t: t[n_grad:], ws)
     y, gin = jax.vmap(both)(head)
@@ -209,8 +249,9 @@ def _kernels():
     kx, kg, kw = jax.random.split(key, 3)
     x = draw(kx, c, (1, L, d_in), mean, s2, r)[0]
     g = draw(kg, cg, (1, L, d_out), 0.0, g2, rg)[0]
-    w = w_std * gaussian_matrices(kw, (bw, d_in, d_out), in_direction(x, bw),
-                                  out_directions(cg, bw, d_out), strata)
+    w = w_std * gaussian_matrices(
+      kw, (bw, d_in, d_out), in_direction(x, bw), out_directions(cg, bw, d_out), strata
+    )
     y, gin = per_weight(lambda z, wb: z @ wb, x, g, w, n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
@@ -226,6 +267,7 @@ def _kernels():
     elif kind == 'gelu':
       fn = lambda z: jax.nn.gelu(z, approximate=False)
     elif kind == 'layernorm':
+
       def fn(z):
         centred = z - jnp.mean(z, axis=-1, keepdims=True)
         return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + 1e-6)
@@ -269,8 +311,9 @@ def _kernels():
     g = draw(kg, cg, (1, L, d_head), 0.0, g2, rg)[0]
     keep, scale = keep_mask(km, (1, L, L), threshold)
     wqk = qk_std * jax.random.normal(kq, (bw, 2, d_in, 1, d_head), jnp.float32)
-    wv = v_std * gaussian_matrices(kv, (bw, d_in, d_head), in_direction(x, bw),
-                                   out_directions(cg, bw, d_head), strata)
+    wv = v_std * gaussian_matrices(
+      kv, (bw, d_in, d_head), in_direction(x, bw), out_directions(cg, bw, d_head), strata
+    )
     fn = lambda z, wb: attention(z, keep, scale, wb[0][0], wb[0][1], wb[1][:, None, :], causal)[:, 0]
     y, gin = per_weight(fn, x, g, (wqk, wv), n_grad)
     return jnp.stack([moments(y), moments(gin)])
@@ -310,8 +353,9 @@ def _kernels():
     g = draw(kg, cg, (1, L, d), 0.0, g2, rg)[0]
     keep, scale = keep_mask(km, (L, d), threshold)
     act = jax.nn.relu if activation == 'relu' else (lambda z: jax.nn.gelu(z, approximate=False))
-    w1 = w1_std * gaussian_matrices(k1, (bw, d, hidden), in_direction(x, bw),
-                                    jnp.zeros((bw, 0, hidden)), strata[:, :1])
+    w1 = w1_std * gaussian_matrices(
+      k1, (bw, d, hidden), in_direction(x, bw), jnp.zeros((bw, 0, hidden)), strata[:, :1]
+    )
     # The second matrix sees the token average of the activations (which carries the activation
     # mean): stratify along it, and along the output mean and the shared gradient.
     a2 = unit(jnp.mean(act(jnp.einsum('ld,wdh->wlh', x, w1)), axis=1))
@@ -320,8 +364,14 @@ def _kernels():
     y, gin = per_weight(fn, x, g, (w1, w2), n_grad)
     return jnp.stack([moments(y), moments(gin)])
 
-  return dict(linear=linear, elementwise=elementwise, softmax=softmax, attention_head=attention_head,
-              attention_block=attention_block, ffn_block=ffn_block)
+  return dict(
+    linear=linear,
+    elementwise=elementwise,
+    softmax=softmax,
+    attention_head=attention_head,
+    attention_block=attention_block,
+    ffn_block=ffn_block,
+  )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -363,19 +413,24 @@ def _pool(chunks: np.ndarray) -> dict[str, float]:
   """Pools per-chunk [mean, var, token cov, hidden cov] (equal sizes) into overall moments."""
   chunks = np.asarray(chunks, np.float64)
   mean = chunks[:, 0].mean()
-  between = np.mean((chunks[:, 0] - mean)**2)
-  return {'mean': mean, 'var': chunks[:, 1].mean() + between,
-          'cov_seq': chunks[:, 2].mean() + between, 'cov_hidden': chunks[:, 3].mean() + between}
+  between = np.mean((chunks[:, 0] - mean) ** 2)
+  return {
+    'mean': mean,
+    'var': chunks[:, 1].mean() + between,
+    'cov_seq': chunks[:, 2].mean() + between,
+    'cov_hidden': chunks[:, 3].mean() + between,
+  }
 
 
 def _run_chunks(kernel, shape, theta, key, c_all, cg_all, strata_all=None) -> dict[str, float]:
   jax, jnp = _jax()
   theta = jnp.asarray(theta, jnp.float32)
   extra = [] if strata_all is None else [strata_all]
-  results = [kernel(jax.random.fold_in(key, i), c_all[i], cg_all[i], *[e[i] for e in extra], theta,
-                    shape=shape)
-             for i in range(len(c_all))]
-  results = np.asarray(jax.device_get(results), np.float64)   # (chunks, 2, 4)
+  results = [
+    kernel(jax.random.fold_in(key, i), c_all[i], cg_all[i], *[e[i] for e in extra], theta, shape=shape)
+    for i in range(len(c_all))
+  ]
+  results = np.asarray(jax.device_get(results), np.float64)  # (chunks, 2, 4)
   out, grad = _pool(results[:, 0]), _pool(results[:, 1])
   measured = dict(out)
   measured['grad_var'] = grad['var']
@@ -383,16 +438,28 @@ def _run_chunks(kernel, shape, theta, key, c_all, cg_all, strata_all=None) -> di
   return measured
 
 
-def _simulate_weighted(kernel: str, shape_tail: tuple, theta, key, rng, *, d_in: int, d_grad: int,
-                       matrices: list[tuple[int, int, int]], columns: int,
-                       floats_per_draw: int, input_draws: int, grad_every: int) -> dict[str, float]:
+def _simulate_weighted(
+  kernel: str,
+  shape_tail: tuple,
+  theta,
+  key,
+  rng,
+  *,
+  d_in: int,
+  d_grad: int,
+  matrices: list[tuple[int, int, int]],
+  columns: int,
+  floats_per_draw: int,
+  input_draws: int,
+  grad_every: int,
+) -> dict[str, float]:
   """Chunked simulation of a component with weights: each chunk is one input draw (with its injected
   gradient and dropout masks) pushed through `bw` weight draws.
 
   columns: output columns wanted in all (weight draws × d_grad, the output width; what the output
   mean's noise averages over); input_draws: at least this many chunks; grad_every: input gradients
-  are computed for one weight draw in `grad_every` (at least one per chunk). `matrices`: (n_in, n_out, number of stratified
-  output directions) of each stratified matrix, in the kernel's order.
+  are computed for one weight draw in `grad_every` (at least one per chunk). `matrices`: (n_in, n_out,
+  number of stratified output directions) of each stratified matrix, in the kernel's order.
   """
   draws = math.ceil(columns / d_grad)
   capacity = max(1, _CHUNK_FLOATS // floats_per_draw)
@@ -401,12 +468,14 @@ def _simulate_weighted(kernel: str, shape_tail: tuple, theta, key, rng, *, d_in:
   n_grad = max(1, bw // grad_every)
   c = _lhs_normals(rng, (chunks, 1, d_in))
   cg = _lhs_normals(rng, (chunks, 1, d_grad))
+
   # The draws that also give gradients (the first n_grad of each chunk) are stratified on their own,
   # and so are the others.
   def uniforms():
     head = _lhs_uniforms(rng, chunks * n_grad).reshape(chunks, n_grad)
     tail = _lhs_uniforms(rng, chunks * (bw - n_grad)).reshape(chunks, bw - n_grad)
     return np.concatenate([head, tail], axis=1)
+
   strata = []
   for n_in, n_out, k in matrices:
     strata.append(np.sqrt(stats.chi2.ppf(uniforms(), n_out - k)))
@@ -423,53 +492,82 @@ def _simulate_weighted(kernel: str, shape_tail: tuple, theta, key, rng, *, d_in:
 @dataclasses.dataclass(frozen=True)
 class Component:
   """One row block of Table 21."""
+
   name: str
-  shapes: tuple            # static shape parameters (full run)
+  shapes: tuple  # static shape parameters (full run)
   quick_shapes: tuple
-  grid: dict               # scalar parameter -> values
+  grid: dict  # scalar parameter -> values
   configs_per_shape: int
   quick_configs_per_shape: int
-  simulate: Callable       # (shape, params, key, rng, quick) -> measured dict
-  predict: Callable        # (shape, params) -> predicted dict
+  simulate: Callable  # (shape, params, key, rng, quick) -> measured dict
+  predict: Callable  # (shape, params) -> predicted dict
   statistics: tuple
-  scales: dict             # statistic -> None (relative error) | name of the predicted statistic
-  alternatives: dict = dataclasses.field(default_factory=dict)   # label -> predict
+  scales: dict  # statistic -> None (relative error) | name of the predicted statistic
+  alternatives: dict = dataclasses.field(default_factory=dict)  # label -> predict
 
 
 def _stats_dict(out: C.Stats, gin: C.GradStats, hidden: bool = False) -> dict[str, float]:
-  result = {'mean': out.mean, 'var': out.var, 'grad_var': gin.var, 'cov_seq': out.cov_seq,
-            'grad_cov_seq': gin.cov_seq}
+  result = {
+    'mean': out.mean,
+    'var': out.var,
+    'grad_var': gin.var,
+    'cov_seq': out.cov_seq,
+    'grad_cov_seq': gin.cov_seq,
+  }
   if hidden:
     result['cov_hidden'] = out.cov_hidden
   return result
 
 
-_SCALES = {'mean': 'var', 'var': None, 'grad_var': None, 'cov_seq': 'var', 'grad_cov_seq': 'grad_var',
-           'cov_hidden': 'var'}
-_LOG3 = (0.1, 1.0, 10.0)          # logspace(-1, 1, 3): the paper's variances
-_THIRDS = (0.0, 1 / 3, 2 / 3)     # linspace(0, 1, 3, endpoint=False)
+_SCALES = {
+  'mean': 'var',
+  'var': None,
+  'grad_var': None,
+  'cov_seq': 'var',
+  'grad_cov_seq': 'grad_var',
+  'cov_hidden': 'var',
+}
+_LOG3 = (0.1, 1.0, 10.0)  # logspace(-1, 1, 3): the paper's variances
+_THIRDS = (0.0, 1 / 3, 2 / 3)  # linspace(0, 1, 3, endpoint=False)
 _FIFTHS = (0.0, 0.2, 0.4, 0.6, 0.8)
 
 
 # Linear ---------------------------------------------------------------------------------------------
 
+
 def _simulate_linear(shape, prm, key, rng, quick):
   L, d_in, d_out = shape
   theta = [prm['mean'], prm['s2'], prm['r'], math.sqrt(prm['w_var'] / d_in), prm['g2'], prm['rg']]
   return _simulate_weighted(
-      'linear', (L, d_in, d_out), theta, key, rng, d_in=d_in, d_grad=d_out,
-      matrices=[(d_in, d_out, 2)], columns=(1 << 12) if quick else (1 << 13),
-      floats_per_draw=L * max(d_in, d_out), input_draws=4 if quick else 16, grad_every=4)
+    'linear',
+    (L, d_in, d_out),
+    theta,
+    key,
+    rng,
+    d_in=d_in,
+    d_grad=d_out,
+    matrices=[(d_in, d_out, 2)],
+    columns=(1 << 12) if quick else (1 << 13),
+    floats_per_draw=L * max(d_in, d_out),
+    input_draws=4 if quick else 16,
+    grad_every=4,
+  )
 
 
 def _predict_linear(shape, prm):
   L, d_in, d_out = shape
-  out, gin = C.linear(C.Stats(prm['mean'], prm['s2'], prm['r']), C.GradStats(prm['g2'], prm['rg']),
-                      d_in=d_in, d_out=d_out, w_var=prm['w_var'] / d_in)
+  out, gin = C.linear(
+    C.Stats(prm['mean'], prm['s2'], prm['r']),
+    C.GradStats(prm['g2'], prm['rg']),
+    d_in=d_in,
+    d_out=d_out,
+    w_var=prm['w_var'] / d_in,
+  )
   return _stats_dict(out, gin, hidden=True)
 
 
 # Elementwise: ReLU, GeLU, LayerNorm, Dropout ---------------------------------------------------------
+
 
 def _simulate_elementwise(kind):
   def simulate(shape, prm, key, rng, quick):
@@ -484,6 +582,7 @@ def _simulate_elementwise(kind):
     p_eff, threshold = _quantise_p(prm.get('p', 0.0))
     theta = [prm.get('mean', 0.0), prm['s2'], prm['r'], prm['g2'], prm['rg'], threshold]
     return _run_chunks(_kernels()['elementwise'], (b, L, d, kind), theta, key, c, cg)
+
   return simulate
 
 
@@ -509,6 +608,7 @@ def _predict_dropout(shape, prm):
 
 # Softmax --------------------------------------------------------------------------------------------
 
+
 def _simulate_softmax(shape, prm, key, rng, quick):
   (L,) = shape
   elements = (1 << 20) if quick else (1 << 21)
@@ -525,10 +625,12 @@ def _predict_softmax(form):
   def predict(shape, prm):
     out, gin = C.softmax(*_inputs(prm), length=shape[0], form=form)
     return _stats_dict(out, gin)
+
   return predict
 
 
 # Single-head attention --------------------------------------------------------------------------------
+
 
 def _attention_input_draws(causal: bool, quick: bool) -> int:
   # Causal outputs and gradients lean on the first few tokens (position 0 sees only itself), whose
@@ -540,40 +642,86 @@ def _simulate_head(causal):
   def simulate(shape, prm, key, rng, quick):
     L, d_in, d_head = shape
     _, threshold = _quantise_p(prm['p'])
-    theta = [prm['s2'], prm['r'], math.sqrt(prm['qk_var'] / d_in), math.sqrt(prm['v_var'] / d_in),
-             threshold, prm['g2'], prm['rg']]
+    theta = [
+      prm['s2'],
+      prm['r'],
+      math.sqrt(prm['qk_var'] / d_in),
+      math.sqrt(prm['v_var'] / d_in),
+      threshold,
+      prm['g2'],
+      prm['rg'],
+    ]
     return _simulate_weighted(
-        'attention_head', (L, d_in, d_head, causal), theta, key, rng, d_in=d_in, d_grad=d_head,
-        matrices=[(d_in, d_head, 2)], columns=(1 << 10) if quick else (1 << 11),
-        floats_per_draw=L * max(L, d_in), input_draws=_attention_input_draws(causal, quick),
-        grad_every=2)
+      'attention_head',
+      (L, d_in, d_head, causal),
+      theta,
+      key,
+      rng,
+      d_in=d_in,
+      d_grad=d_head,
+      matrices=[(d_in, d_head, 2)],
+      columns=(1 << 10) if quick else (1 << 11),
+      floats_per_draw=L * max(L, d_in),
+      input_draws=_attention_input_draws(causal, quick),
+      grad_every=2,
+    )
+
   return simulate
 
 
 def _predict_head(causal, form):
   def predict(shape, prm):
     L, d_in, d_head = shape
-    out, gin = C.attention_head(*_inputs(prm), d_in=d_in, d_head=d_head, length=L,
-                                p=_quantise_p(prm['p'])[0], qk_var=prm['qk_var'] / d_in,
-                                v_var=prm['v_var'] / d_in, causal=causal, form=form)
+    out, gin = C.attention_head(
+      *_inputs(prm),
+      d_in=d_in,
+      d_head=d_head,
+      length=L,
+      p=_quantise_p(prm['p'])[0],
+      qk_var=prm['qk_var'] / d_in,
+      v_var=prm['v_var'] / d_in,
+      causal=causal,
+      form=form,
+    )
     return _stats_dict(out, gin)
+
   return predict
 
 
 # Attention block ------------------------------------------------------------------------------------
+
 
 def _simulate_attention_block(causal):
   def simulate(shape, prm, key, rng, quick):
     L, d, heads = shape
     _, threshold = _quantise_p(prm['p'])
     std = lambda name: math.sqrt(prm[name] / d)
-    theta = [prm['s2'], prm['r'], std('qk_var'), std('v_var'), std('o_var'), threshold, threshold,
-             prm['g2'], prm['rg']]
+    theta = [
+      prm['s2'],
+      prm['r'],
+      std('qk_var'),
+      std('v_var'),
+      std('o_var'),
+      threshold,
+      threshold,
+      prm['g2'],
+      prm['rg'],
+    ]
     return _simulate_weighted(
-        'attention_block', (L, d, heads, causal), theta, key, rng, d_in=d, d_grad=d,
-        matrices=[(d, d, 0), (d, d, 2)], columns=(1 << 10) if quick else (1 << 12),
-        floats_per_draw=max(heads * L * L, 4 * L * d),
-        input_draws=_attention_input_draws(causal, quick), grad_every=2)
+      'attention_block',
+      (L, d, heads, causal),
+      theta,
+      key,
+      rng,
+      d_in=d,
+      d_grad=d,
+      matrices=[(d, d, 0), (d, d, 2)],
+      columns=(1 << 10) if quick else (1 << 12),
+      floats_per_draw=max(heads * L * L, 4 * L * d),
+      input_draws=_attention_input_draws(causal, quick),
+      grad_every=2,
+    )
+
   return simulate
 
 
@@ -581,127 +729,287 @@ def _predict_attention_block(causal, form):
   def predict(shape, prm):
     L, d, heads = shape
     p = _quantise_p(prm['p'])[0]
-    out, gin = C.attention_block(*_inputs(prm), d=d, num_heads=heads, length=L, p=p,
-                                 q_var=prm['qk_var'] / d, k_var=prm['qk_var'] / d,
-                                 v_var=prm['v_var'] / d, o_var=prm['o_var'] / d, causal=causal,
-                                 form=form)
+    out, gin = C.attention_block(
+      *_inputs(prm),
+      d=d,
+      num_heads=heads,
+      length=L,
+      p=p,
+      q_var=prm['qk_var'] / d,
+      k_var=prm['qk_var'] / d,
+      v_var=prm['v_var'] / d,
+      o_var=prm['o_var'] / d,
+      causal=causal,
+      form=form,
+    )
     return _stats_dict(out, gin)
+
   return predict
 
 
 # FFN block ------------------------------------------------------------------------------------------
 
+
 def _simulate_ffn_block(shape, prm, key, rng, quick):
   L, d, activation = shape
   hidden = 4 * d
   _, threshold = _quantise_p(prm['p'])
-  theta = [prm['s2'], prm['r'], math.sqrt(prm['w1_var'] / d), math.sqrt(prm['w2_var'] / hidden),
-           threshold, prm['g2'], prm['rg']]
+  theta = [
+    prm['s2'],
+    prm['r'],
+    math.sqrt(prm['w1_var'] / d),
+    math.sqrt(prm['w2_var'] / hidden),
+    threshold,
+    prm['g2'],
+    prm['rg'],
+  ]
   return _simulate_weighted(
-      'ffn_block', (L, d, hidden, activation), theta, key, rng, d_in=d, d_grad=d,
-      matrices=[(d, hidden, 0), (hidden, d, 2)], columns=(1 << 11) if quick else (1 << 13),
-      floats_per_draw=2 * L * hidden, input_draws=4 if quick else 16, grad_every=4)
+    'ffn_block',
+    (L, d, hidden, activation),
+    theta,
+    key,
+    rng,
+    d_in=d,
+    d_grad=d,
+    matrices=[(d, hidden, 0), (hidden, d, 2)],
+    columns=(1 << 11) if quick else (1 << 13),
+    floats_per_draw=2 * L * hidden,
+    input_draws=4 if quick else 16,
+    grad_every=4,
+  )
 
 
 def _predict_ffn_block(exact):
   def predict(shape, prm):
     L, d, activation = shape
-    out, gin = C.ffn_block(*_inputs(prm), d=d, hidden=4 * d, p=_quantise_p(prm['p'])[0],
-                           w1_var=prm['w1_var'] / d, w2_var=prm['w2_var'] / (4 * d),
-                           activation=activation, exact=exact)
+    out, gin = C.ffn_block(
+      *_inputs(prm),
+      d=d,
+      hidden=4 * d,
+      p=_quantise_p(prm['p'])[0],
+      w1_var=prm['w1_var'] / d,
+      w2_var=prm['w2_var'] / (4 * d),
+      activation=activation,
+      exact=exact,
+    )
     return _stats_dict(out, gin)
+
   return predict
 
 
 _FIVE = ('mean', 'var', 'grad_var', 'cov_seq', 'grad_cov_seq')
-_HEAD_SCALES = dict(_SCALES, grad_cov_seq=None)   # the paper's SHA script: relative gradient covariance
-_SOFTMAX_SCALES = dict(_SCALES, mean=None)        # the paper's softmax script: relative mean error
+_HEAD_SCALES = dict(_SCALES, grad_cov_seq=None)  # the paper's SHA script: relative gradient covariance
+_SOFTMAX_SCALES = dict(_SCALES, mean=None)  # the paper's softmax script: relative mean error
 
-_HEAD_GRID = dict(s2=(1.0,), r=_THIRDS, v_var=_LOG3, qk_var=(0.01, 0.06, 0.36), p=_THIRDS, g2=_LOG3,
-                  rg=_THIRDS)
+_HEAD_GRID = dict(
+  s2=(1.0,), r=_THIRDS, v_var=_LOG3, qk_var=(0.01, 0.06, 0.36), p=_THIRDS, g2=_LOG3, rg=_THIRDS
+)
 # (L, d_in, d_head): every value of the paper's grid (L ∈ {300, 547, 1000}, d_in ∈ {100, 316, 1000},
 # d_head ∈ {32, 64, 128, 256}) appears, in 12 of the 36 combinations (each shape compiles once).
-_HEAD_SHAPES = ((300, 100, 32), (300, 316, 64), (300, 1000, 128), (300, 100, 256),
-                (547, 316, 32), (547, 1000, 64), (547, 100, 128), (547, 316, 256),
-                (1000, 1000, 32), (1000, 100, 64), (1000, 316, 128), (1000, 1000, 256))
+_HEAD_SHAPES = (
+  (300, 100, 32),
+  (300, 316, 64),
+  (300, 1000, 128),
+  (300, 100, 256),
+  (547, 316, 32),
+  (547, 1000, 64),
+  (547, 100, 128),
+  (547, 316, 256),
+  (1000, 1000, 32),
+  (1000, 100, 64),
+  (1000, 316, 128),
+  (1000, 1000, 256),
+)
 # Causal attention needs many input draws (see `_simulate_head`); its grid stops at L = 547.
-_CAUSAL_HEAD_SHAPES = ((300, 100, 32), (300, 316, 64), (300, 1000, 128), (547, 100, 256),
-                       (547, 316, 32), (547, 1000, 64))
-_BLOCK_GRID = dict(s2=(0.5, 1.0), r=_FIFTHS, qk_var=(0.25, 1.0), v_var=(0.3, 1.0, 3.0),
-                   o_var=(0.3, 1.0, 3.0), p=(0.0, 0.1, 0.3), g2=_LOG3, rg=_FIFTHS)
+_CAUSAL_HEAD_SHAPES = (
+  (300, 100, 32),
+  (300, 316, 64),
+  (300, 1000, 128),
+  (547, 100, 256),
+  (547, 316, 32),
+  (547, 1000, 64),
+)
+_BLOCK_GRID = dict(
+  s2=(0.5, 1.0),
+  r=_FIFTHS,
+  qk_var=(0.25, 1.0),
+  v_var=(0.3, 1.0, 3.0),
+  o_var=(0.3, 1.0, 3.0),
+  p=(0.0, 0.1, 0.3),
+  g2=_LOG3,
+  rg=_FIFTHS,
+)
 
-COMPONENTS = {c.name: c for c in [
+COMPONENTS = {
+  c.name: c
+  for c in [
     Component(
-        'linear', shapes=((100, 100, 316), (100, 316, 1000), (100, 1000, 100), (1000, 100, 1000),
-                          (1000, 316, 100), (1000, 1000, 316), (100, 316, 316), (1000, 100, 100),
-                          (100, 1000, 1000)),
-        quick_shapes=((100, 100, 316),),
-        grid=dict(mean=(-10.0, -1.0, 0.0, 1.0, 10.0), s2=_LOG3, r=_THIRDS, w_var=(0.01, 1.0, 100.0),
-                  g2=_LOG3, rg=_THIRDS),
-        configs_per_shape=9, quick_configs_per_shape=6, simulate=_simulate_linear,
-        predict=_predict_linear, statistics=STATISTICS, scales=_SCALES),
+      'linear',
+      shapes=(
+        (100, 100, 316),
+        (100, 316, 1000),
+        (100, 1000, 100),
+        (1000, 100, 1000),
+        (1000, 316, 100),
+        (1000, 1000, 316),
+        (100, 316, 316),
+        (1000, 100, 100),
+        (100, 1000, 1000),
+      ),
+      quick_shapes=((100, 100, 316),),
+      grid=dict(
+        mean=(-10.0, -1.0, 0.0, 1.0, 10.0),
+        s2=_LOG3,
+        r=_THIRDS,
+        w_var=(0.01, 1.0, 100.0),
+        g2=_LOG3,
+        rg=_THIRDS,
+      ),
+      configs_per_shape=9,
+      quick_configs_per_shape=6,
+      simulate=_simulate_linear,
+      predict=_predict_linear,
+      statistics=STATISTICS,
+      scales=_SCALES,
+    ),
     Component(
-        'relu', shapes=((100, 1), (1000, 1)), quick_shapes=((100, 1),),
-        grid=dict(s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
-        configs_per_shape=40, quick_configs_per_shape=6, simulate=_simulate_elementwise('relu'),
-        predict=_predict_relu(True), statistics=_FIVE, scales=_SCALES,
-        alternatives={'fit': _predict_relu(False)}),
+      'relu',
+      shapes=((100, 1), (1000, 1)),
+      quick_shapes=((100, 1),),
+      grid=dict(s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
+      configs_per_shape=40,
+      quick_configs_per_shape=6,
+      simulate=_simulate_elementwise('relu'),
+      predict=_predict_relu(True),
+      statistics=_FIVE,
+      scales=_SCALES,
+      alternatives={'fit': _predict_relu(False)},
+    ),
     Component(
-        'gelu', shapes=((100, 1), (1000, 1)), quick_shapes=((100, 1),),
-        grid=dict(s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
-        configs_per_shape=40, quick_configs_per_shape=6, simulate=_simulate_elementwise('gelu'),
-        predict=_predict_gelu, statistics=_FIVE, scales=_SCALES),
+      'gelu',
+      shapes=((100, 1), (1000, 1)),
+      quick_shapes=((100, 1),),
+      grid=dict(s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
+      configs_per_shape=40,
+      quick_configs_per_shape=6,
+      simulate=_simulate_elementwise('gelu'),
+      predict=_predict_gelu,
+      statistics=_FIVE,
+      scales=_SCALES,
+    ),
     Component(
-        'layernorm', shapes=((100, 100), (100, 316), (100, 1000), (1000, 100), (1000, 316), (1000, 1000)),
-        quick_shapes=((100, 100),),
-        grid=dict(mean=(-10.0, -1.0, 0.0, 1.0, 10.0), s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
-        configs_per_shape=14, quick_configs_per_shape=6, simulate=_simulate_elementwise('layernorm'),
-        predict=_predict_layernorm(True), statistics=STATISTICS, scales=_SCALES,
-        alternatives={'paper': _predict_layernorm(False)}),
+      'layernorm',
+      shapes=((100, 100), (100, 316), (100, 1000), (1000, 100), (1000, 316), (1000, 1000)),
+      quick_shapes=((100, 100),),
+      grid=dict(mean=(-10.0, -1.0, 0.0, 1.0, 10.0), s2=_LOG3, r=_FIFTHS, g2=_LOG3, rg=_FIFTHS),
+      configs_per_shape=14,
+      quick_configs_per_shape=6,
+      simulate=_simulate_elementwise('layernorm'),
+      predict=_predict_layernorm(True),
+      statistics=STATISTICS,
+      scales=_SCALES,
+      alternatives={'paper': _predict_layernorm(False)},
+    ),
     Component(
-        'dropout', shapes=((100, 100), (100, 316), (100, 1000), (1000, 100), (1000, 316), (1000, 1000)),
-        quick_shapes=((100, 100),),
-        grid=dict(mean=(-10.0, 0.0, 10.0), s2=_LOG3, r=_THIRDS, g2=_LOG3, rg=_THIRDS, p=_THIRDS),
-        configs_per_shape=14, quick_configs_per_shape=6, simulate=_simulate_elementwise('dropout'),
-        predict=_predict_dropout, statistics=STATISTICS, scales=_SCALES),
+      'dropout',
+      shapes=((100, 100), (100, 316), (100, 1000), (1000, 100), (1000, 316), (1000, 1000)),
+      quick_shapes=((100, 100),),
+      grid=dict(mean=(-10.0, 0.0, 10.0), s2=_LOG3, r=_THIRDS, g2=_LOG3, rg=_THIRDS, p=_THIRDS),
+      configs_per_shape=14,
+      quick_configs_per_shape=6,
+      simulate=_simulate_elementwise('dropout'),
+      predict=_predict_dropout,
+      statistics=STATISTICS,
+      scales=_SCALES,
+    ),
     Component(
-        'softmax', shapes=((300,), (722,), (1732,), (4162,), (10000,)), quick_shapes=((300,),),
-        grid=dict(s2=tuple(np.logspace(-4, 0, 5)), r=_FIFTHS, g2=tuple(np.logspace(-1, 1, 5)),
-                  rg=(0.0, 0.5)),
-        configs_per_shape=16, quick_configs_per_shape=6, simulate=_simulate_softmax,
-        predict=_predict_softmax('quadrature'), statistics=_FIVE, scales=_SOFTMAX_SCALES,
-        alternatives={'lognormal': _predict_softmax('lognormal'), 'simple': _predict_softmax('simple')}),
+      'softmax',
+      shapes=((300,), (722,), (1732,), (4162,), (10000,)),
+      quick_shapes=((300,),),
+      grid=dict(s2=tuple(np.logspace(-4, 0, 5)), r=_FIFTHS, g2=tuple(np.logspace(-1, 1, 5)), rg=(0.0, 0.5)),
+      configs_per_shape=16,
+      quick_configs_per_shape=6,
+      simulate=_simulate_softmax,
+      predict=_predict_softmax('quadrature'),
+      statistics=_FIVE,
+      scales=_SOFTMAX_SCALES,
+      alternatives={'lognormal': _predict_softmax('lognormal'), 'simple': _predict_softmax('simple')},
+    ),
     Component(
-        'attention_head', shapes=_HEAD_SHAPES, quick_shapes=((300, 100, 32),), grid=_HEAD_GRID,
-        configs_per_shape=8, quick_configs_per_shape=6, simulate=_simulate_head(False),
-        predict=_predict_head(False, 'exact'), statistics=_FIVE, scales=_HEAD_SCALES,
-        alternatives={'paper': _predict_head(False, 'paper')}),
+      'attention_head',
+      shapes=_HEAD_SHAPES,
+      quick_shapes=((300, 100, 32),),
+      grid=_HEAD_GRID,
+      configs_per_shape=8,
+      quick_configs_per_shape=6,
+      simulate=_simulate_head(False),
+      predict=_predict_head(False, 'exact'),
+      statistics=_FIVE,
+      scales=_HEAD_SCALES,
+      alternatives={'paper': _predict_head(False, 'paper')},
+    ),
     Component(
-        'attention_head_causal', shapes=_CAUSAL_HEAD_SHAPES, quick_shapes=((300, 100, 32),),
-        grid=_HEAD_GRID, configs_per_shape=6, quick_configs_per_shape=4, simulate=_simulate_head(True),
-        predict=_predict_head(True, 'exact'), statistics=_FIVE, scales=_HEAD_SCALES,
-        alternatives={'paper': _predict_head(True, 'paper')}),
+      'attention_head_causal',
+      shapes=_CAUSAL_HEAD_SHAPES,
+      quick_shapes=((300, 100, 32),),
+      grid=_HEAD_GRID,
+      configs_per_shape=6,
+      quick_configs_per_shape=4,
+      simulate=_simulate_head(True),
+      predict=_predict_head(True, 'exact'),
+      statistics=_FIVE,
+      scales=_HEAD_SCALES,
+      alternatives={'paper': _predict_head(True, 'paper')},
+    ),
     Component(
-        'attention_block', shapes=((128, 128, 2), (512, 128, 4), (128, 256, 4), (512, 256, 8)),
-        quick_shapes=((128, 128, 2),), grid=_BLOCK_GRID, configs_per_shape=8,
-        quick_configs_per_shape=4, simulate=_simulate_attention_block(False),
-        predict=_predict_attention_block(False, 'exact'), statistics=_FIVE, scales=_SCALES,
-        alternatives={'paper': _predict_attention_block(False, 'paper')}),
+      'attention_block',
+      shapes=((128, 128, 2), (512, 128, 4), (128, 256, 4), (512, 256, 8)),
+      quick_shapes=((128, 128, 2),),
+      grid=_BLOCK_GRID,
+      configs_per_shape=8,
+      quick_configs_per_shape=4,
+      simulate=_simulate_attention_block(False),
+      predict=_predict_attention_block(False, 'exact'),
+      statistics=_FIVE,
+      scales=_SCALES,
+      alternatives={'paper': _predict_attention_block(False, 'paper')},
+    ),
     Component(
-        'attention_block_causal', shapes=((128, 128, 2), (256, 256, 8)), quick_shapes=((128, 128, 2),),
-        grid=_BLOCK_GRID, configs_per_shape=8, quick_configs_per_shape=4,
-        simulate=_simulate_attention_block(True), predict=_predict_attention_block(True, 'exact'),
-        statistics=_FIVE, scales=_SCALES,
-        alternatives={'paper': _predict_attention_block(True, 'paper')}),
+      'attention_block_causal',
+      shapes=((128, 128, 2), (256, 256, 8)),
+      quick_shapes=((128, 128, 2),),
+      grid=_BLOCK_GRID,
+      configs_per_shape=8,
+      quick_configs_per_shape=4,
+      simulate=_simulate_attention_block(True),
+      predict=_predict_attention_block(True, 'exact'),
+      statistics=_FIVE,
+      scales=_SCALES,
+      alternatives={'paper': _predict_attention_block(True, 'paper')},
+    ),
     Component(
-        'ffn_block', shapes=((64, 64, 'gelu'), (256, 64, 'relu'), (64, 256, 'relu'), (256, 256, 'gelu')),
-        quick_shapes=((64, 64, 'relu'),),
-        grid=dict(s2=(0.5, 1.0, 2.0), r=_FIFTHS, w1_var=(0.5, 1.0, 2.0), w2_var=(0.5, 1.0, 2.0),
-                  p=(0.0, 0.1, 0.3), g2=_LOG3, rg=_FIFTHS),
-        configs_per_shape=8, quick_configs_per_shape=4, simulate=_simulate_ffn_block,
-        predict=_predict_ffn_block(True), statistics=_FIVE, scales=_SCALES,
-        alternatives={'fit': _predict_ffn_block(False)}),
-]}
+      'ffn_block',
+      shapes=((64, 64, 'gelu'), (256, 64, 'relu'), (64, 256, 'relu'), (256, 256, 'gelu')),
+      quick_shapes=((64, 64, 'relu'),),
+      grid=dict(
+        s2=(0.5, 1.0, 2.0),
+        r=_FIFTHS,
+        w1_var=(0.5, 1.0, 2.0),
+        w2_var=(0.5, 1.0, 2.0),
+        p=(0.0, 0.1, 0.3),
+        g2=_LOG3,
+        rg=_FIFTHS,
+      ),
+      configs_per_shape=8,
+      quick_configs_per_shape=4,
+      simulate=_simulate_ffn_block,
+      predict=_predict_ffn_block(True),
+      statistics=_FIVE,
+      scales=_SCALES,
+      alternatives={'fit': _predict_ffn_block(False)},
+    ),
+  ]
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -739,16 +1047,24 @@ def run_component(component: Component, quick: bool, seed: int, log=print) -> di
   for i, (shape, prm) in enumerate(_configs(component, quick, rng)):
     measured = component.simulate(shape, prm, jax.random.fold_in(key, i), rng, quick)
     predicted = component.predict(shape, prm)
-    record = {'shape': list(shape), 'params': prm, 'measured': measured, 'predicted': predicted,
-              'errors': _errors(component, predicted, measured), 'alternatives': {}}
+    record = {
+      'shape': list(shape),
+      'params': prm,
+      'measured': measured,
+      'predicted': predicted,
+      'errors': _errors(component, predicted, measured),
+      'alternatives': {},
+    }
     for label, predict in component.alternatives.items():
       record['alternatives'][label] = _errors(component, predict(shape, prm), measured)
     records.append(record)
   table = {stat: percentiles([r['errors'][stat] for r in records]) for stat in component.statistics}
   alternatives = {
-      label: {stat: percentiles([r['alternatives'][label][stat] for r in records])
-              for stat in component.statistics}
-      for label in component.alternatives}
+    label: {
+      stat: percentiles([r['alternatives'][label][stat] for r in records]) for stat in component.statistics
+    }
+    for label in component.alternatives
+  }
   log(f'  {component.name}: {len(records)} configurations in {time.time() - start:.0f}s')
   return {'table': table, 'alternatives': alternatives, 'records': records}
 
@@ -782,12 +1098,12 @@ def main(argv=None) -> dict[str, dict]:
     parser.error(f'unknown components {unknown}; choose from {list(COMPONENTS)}')
 
   start = time.time()
-  print(f'dsjax.theory.verify: {"quick" if args.quick else "full"} run of {len(names)} components',
-        flush=True)
+  print(
+    f'dsjax.theory.verify: {"quick" if args.quick else "full"} run of {len(names)} components', flush=True
+  )
   results = {}
   for name in names:
-    results[name] = run_component(COMPONENTS[name], args.quick, args.seed,
-                                  log=lambda s: print(s, flush=True))
+    results[name] = run_component(COMPONENTS[name], args.quick, args.seed, log=lambda s: print(s, flush=True))
   print(format_table(results))
   print(f'total {time.time() - start:.0f}s')
 

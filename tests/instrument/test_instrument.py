@@ -29,19 +29,23 @@ from tests.helpers import TEXT_INFO, tiny_config
 def _numpy_pair_corr(x_BLD, axis):
   """Brute force: mean over all pairs i ≠ j along `axis` of centred products, over the variance."""
   c = x_BLD - x_BLD.mean()
-  c = np.moveaxis(c, axis, -1)                       # (..., n)
+  c = np.moveaxis(c, axis, -1)  # (..., n)
   n = c.shape[-1]
-  outer = c[..., :, None] * c[..., None, :]          # (..., n, n)
+  outer = c[..., :, None] * c[..., None, :]  # (..., n, n)
   off_diagonal = outer[..., ~np.eye(n, dtype=bool)]  # (..., n·(n−1))
-  return off_diagonal.mean() / (c ** 2).mean()
+  return off_diagonal.mean() / (c**2).mean()
 
 
 def _correlated_activations(key, shape, mean, seq_std, hidden_std, noise_std):
   """x = mean + a_{b,i} (shared by all tokens) + e_{b,t} (shared by all hidden units) + noise."""
   b, l, d = shape
   k1, k2, k3 = jax.random.split(key, 3)
-  return (mean + seq_std * jax.random.normal(k1, (b, 1, d)) + hidden_std * jax.random.normal(k2, (b, l, 1))
-          + noise_std * jax.random.normal(k3, shape))
+  return (
+    mean
+    + seq_std * jax.random.normal(k1, (b, 1, d))
+    + hidden_std * jax.random.normal(k2, (b, l, 1))
+    + noise_std * jax.random.normal(k3, shape)
+  )
 
 
 def test_forward_stats_match_numpy_brute_force():
@@ -83,16 +87,20 @@ def test_layernorm_output_has_hidden_correlation_minus_one_over_d_minus_one():
 def test_weight_grad_stats():
   depth = 3
   keys = jax.random.split(jax.random.key(4), 4)
-  grads = {'attn': {'q': {'kernel': jax.random.normal(keys[0], (depth, 8, 8)), 'bias': jnp.ones((depth, 8))}},
-           'ffn': {'ffn1': {'kernel': jax.random.laplace(keys[1], (depth, 8, 32))}},
-           'pre_attn_norm': {'scale': jax.random.normal(keys[2], (depth, 8)),
-                             'bias': jax.random.normal(keys[3], (depth, 8))}}
+  grads = {
+    'attn': {'q': {'kernel': jax.random.normal(keys[0], (depth, 8, 8)), 'bias': jnp.ones((depth, 8))}},
+    'ffn': {'ffn1': {'kernel': jax.random.laplace(keys[1], (depth, 8, 32))}},
+    'pre_attn_norm': {
+      'scale': jax.random.normal(keys[2], (depth, 8)),
+      'bias': jax.random.normal(keys[3], (depth, 8)),
+    },
+  }
   got = jax.jit(stats_lib.weight_grad_stats)(grads)
   assert set(got) == {'q', 'ffn1', 'norms'}  # Dense biases are not a weight type.
   q = np.asarray(grads['attn']['q']['kernel'])
-  np.testing.assert_allclose(got['q']['grad_norm'], np.sqrt((q ** 2).sum((1, 2))), rtol=1e-5)
+  np.testing.assert_allclose(got['q']['grad_norm'], np.sqrt((q**2).sum((1, 2))), rtol=1e-5)
   norm = np.concatenate([np.asarray(grads['pre_attn_norm'][k]) for k in ('scale', 'bias')], 1)
-  np.testing.assert_allclose(got['norms']['grad_norm'], np.sqrt((norm ** 2).sum(1)), rtol=1e-5)
+  np.testing.assert_allclose(got['norms']['grad_norm'], np.sqrt((norm**2).sum(1)), rtol=1e-5)
   np.testing.assert_allclose(got['q']['grad_abs_p90'], np.quantile(np.abs(q), 0.9), rtol=0.02)
   # Gaussian: kurtosis 3; Laplace: 6 (heavier tail), and a larger p99.9/median ratio.
   assert got['ffn1']['grad_kurtosis'] > got['q']['grad_kurtosis']
@@ -109,7 +117,7 @@ def test_abs_quantiles_match_numpy(distribution):
 
 def test_distribution_stats_of_a_gaussian():
   got = stats_lib.distribution_stats(jax.random.normal(jax.random.key(6), (400_000,)))
-  np.testing.assert_allclose(got['grad_abs_p50'], 0.6745, rtol=0.01)   # median of |N(0,1)|
+  np.testing.assert_allclose(got['grad_abs_p50'], 0.6745, rtol=0.01)  # median of |N(0,1)|
   np.testing.assert_allclose(got['grad_kurtosis'], 3.0, rtol=0.03)
   np.testing.assert_allclose(got['grad_tail_ratio'], 3.2905 / 0.6745, rtol=0.03)
   assert float(stats_lib.abs_quantiles(jnp.zeros(10), (0.5,))[0]) == 0.0
@@ -120,7 +128,7 @@ def test_distribution_stats_of_a_gaussian():
 # traces with these shapes without allocating anything.
 _GPT_SMALL_BLD = (16, 1024, 768)
 _HUGE_BLD = (32, 8192, 16384)
-_HUGE_N = 3 * 2 ** 30
+_HUGE_N = 3 * 2**30
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
@@ -143,6 +151,7 @@ def test_statistics_trace_past_int32_element_counts(dtype):
 def test_histogram_counts_cannot_wrap():
   """|g| histogram of 3·2^30 entries: every int32 count (bincount) is over at most 2^30 entries, and
   the counts are added and cumulated in float32, so no count wraps at 2^31."""
+
   def eqns(jaxpr):  # all equations, those of nested jaxprs (jit, custom rules) included
     for e in jaxpr.eqns:
       yield e
@@ -151,8 +160,13 @@ def test_histogram_counts_cannot_wrap():
           if hasattr(sub, 'eqns') or hasattr(sub, 'jaxpr'):
             yield from eqns(getattr(sub, 'jaxpr', sub))
 
-  all_eqns = list(eqns(jax.make_jaxpr(lambda g: stats_lib.abs_quantiles(g, (0.5,)))(
-      jax.ShapeDtypeStruct((_HUGE_N,), jnp.float32)).jaxpr))
+  all_eqns = list(
+    eqns(
+      jax.make_jaxpr(lambda g: stats_lib.abs_quantiles(g, (0.5,)))(
+        jax.ShapeDtypeStruct((_HUGE_N,), jnp.float32)
+      ).jaxpr
+    )
+  )
   scatters = [e for e in all_eqns if e.primitive.name == 'scatter-add']
   sizes = [int(np.prod(e.invars[2].aval.shape)) for e in scatters]
   # Three chunks of 2^30, each counted by a CPU and an accelerator variant (`lax.platform_dependent`).
@@ -166,14 +180,15 @@ def test_histogram_chunks_and_leaves_add_up(monkeypatch):
   """The quantiles do not depend on how the entries are cut into chunks or leaves."""
   g = jax.random.laplace(jax.random.key(9), (200_001,))
   whole = jax.jit(stats_lib.distribution_stats)(g)
-  monkeypatch.setattr(stats_lib, '_MAX_CHUNK', 40_000)   # 2 + 4 chunks, the last of each leaf partial
+  monkeypatch.setattr(stats_lib, '_MAX_CHUNK', 40_000)  # 2 + 4 chunks, the last of each leaf partial
   pieces = jax.jit(stats_lib.distribution_stats)([g[:50_000].reshape(5, 10_000), g[50_000:]])
   for name in whole:
     np.testing.assert_allclose(pieces[name], whole[name], rtol=1e-5, err_msg=name)
   # The interleaved copies of the accelerator variant count the same.
   index = jax.random.randint(jax.random.key(10), (100_003,), 0, 1281)
-  interleaved, single = jax.jit(lambda i: (stats_lib._bin_counts(i, copies=24),
-                                           stats_lib._bin_counts(i, copies=1)))(index)
+  interleaved, single = jax.jit(
+    lambda i: (stats_lib._bin_counts(i, copies=24), stats_lib._bin_counts(i, copies=1))
+  )(index)
   np.testing.assert_array_equal(interleaved, single)
 
 
@@ -188,14 +203,18 @@ def test_bf16_inputs_give_float32_statistics():
   the statistics of the same values cast to float32 (bf16 arithmetic would be ~1e-3 off at this size)
   and within bf16 rounding of those of the unrounded float32 tensor."""
   import chex
+
   x32, x16 = _bf16_pair(jax.random.key(10), (8, 64, 96), 1.0)
   g32, g16 = _bf16_pair(jax.random.key(11), (8, 64, 96), 1e-4)
 
   @jax.jit
   def all_stats(x, g):  # one compilation per input dtype
-    return {**stats_lib.forward_stats(x), **stats_lib.grad_stats(g),
-            **{f'dist/{k}': v for k, v in stats_lib.distribution_stats(g.reshape(-1)).items()},
-            **{f'weight/{k}': v for k, v in stats_lib.weight_grad_stats({'q': {'kernel': g}})['q'].items()}}
+    return {
+      **stats_lib.forward_stats(x),
+      **stats_lib.grad_stats(g),
+      **{f'dist/{k}': v for k, v in stats_lib.distribution_stats(g.reshape(-1)).items()},
+      **{f'weight/{k}': v for k, v in stats_lib.weight_grad_stats({'q': {'kernel': g}})['q'].items()},
+    }
 
   got = all_stats(x16, g16)
   chex.assert_trees_all_equal_dtypes(got, jax.tree.map(lambda _: jnp.zeros((), jnp.float32), got))
@@ -216,25 +235,28 @@ def test_probe_keeps_the_cotangent_dtype_and_reports_float32():
   import chex
 
   from dsjax.instrument import probe as probe_lib
+
   x32, x16 = _bf16_pair(jax.random.key(12), (2, 16, 32), 1.0)
   g32, g16 = _bf16_pair(jax.random.key(13), (2, 16, 32), 1e-3)
   sink = jnp.zeros((3, len(SITES), len(probe_lib.ACTIVATION_STATS)), jnp.float32)
   site = SITES.index('ffn_residual')
+
   @jax.jit
   def sink_tap(x, sink, g):
-    y, vjp = jax.vjp(lambda x, sink: probe_lib._stats_tap(site, sink.shape, x, sink, jnp.int32(1)),
-                     x, sink)
+    y, vjp = jax.vjp(lambda x, sink: probe_lib._stats_tap(site, sink.shape, x, sink, jnp.int32(1)), x, sink)
     return (y, *vjp(g))
 
   y, dx, dsink = sink_tap(x16, sink, g16)
   chex.assert_type([y, dx, dsink], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
   chex.assert_trees_all_equal((y, dx), (x16, g16))
-  expected = {**stats_lib.forward_stats(x16.astype(jnp.float32)),
-              **stats_lib.grad_stats(g16.astype(jnp.float32))}
-  np.testing.assert_allclose(dsink[2, site], [expected[k] for k in probe_lib.ACTIVATION_STATS],
-                             rtol=1e-5)
+  expected = {
+    **stats_lib.forward_stats(x16.astype(jnp.float32)),
+    **stats_lib.grad_stats(g16.astype(jnp.float32)),
+  }
+  np.testing.assert_allclose(dsink[2, site], [expected[k] for k in probe_lib.ACTIVATION_STATS], rtol=1e-5)
   received = []
   receiver = types.SimpleNamespace(receive=lambda *args: received.append(args))
+
   @jax.jit
   def callback_tap(x, g):
     y, vjp = jax.vjp(lambda x: probe_lib._callback_tap(site, receiver, x, jnp.int32(5), jnp.int32(1)), x)
@@ -244,8 +266,7 @@ def test_probe_keeps_the_cotangent_dtype_and_reports_float32():
   jax.effects_barrier()
   chex.assert_type([y, dx], [jnp.bfloat16, jnp.bfloat16])
   assert [np.asarray(r[-1]).dtype for r in received] == [np.float32]  # one callback, from the backward
-  np.testing.assert_allclose(received[0][-1],
-                             [expected[k] for k in probe_lib.ACTIVATION_STATS], rtol=1e-5)
+  np.testing.assert_allclose(received[0][-1], [expected[k] for k in probe_lib.ACTIVATION_STATS], rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,19 +283,29 @@ def _fake_moments(depth, offset=0.0):
 def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
   collector = instrument_lib.Collector(str(tmp_path), tensorboard=False)
   collector.add(3, _fake_moments(depth=2))
-  collector.add(3, _fake_moments(depth=2, offset=100.0))   # same step again: every record a duplicate
+  collector.add(3, _fake_moments(depth=2, offset=100.0))  # same step again: every record a duplicate
   collector.add(4, _fake_moments(depth=2))
   assert collector.flush(before_step=4) and len(collector.records) == 7 * (1 + 4 * 2) + 2 + 1
-  collector.close()                                          # writes step 4
+  collector.close()  # writes step 4
   assert collector.num_duplicates == len(collector.records) // 2
   rows = instrument_lib.read_jsonl(os.path.join(tmp_path, 'moments.jsonl'))
   assert rows == collector.records and {r['step'] for r in rows} == {3, 4}
   table = _fake_moments(depth=2)['activations']
   k = list(stats_lib.FORWARD_STATS).index('corr_seq')
-  assert {'step': 3, 'layer': 1, 'site': 'attn_residual', 'stat': 'corr_seq',
-          'value': float(table[2, SITES.index('attn_residual'), k])} in rows
-  assert {'step': 3, 'layer': -1, 'site': 'embedding', 'stat': 'grad_var',
-          'value': float(table[0, 0, 5])} in rows
+  assert {
+    'step': 3,
+    'layer': 1,
+    'site': 'attn_residual',
+    'stat': 'corr_seq',
+    'value': float(table[2, SITES.index('attn_residual'), k]),
+  } in rows
+  assert {
+    'step': 3,
+    'layer': -1,
+    'site': 'embedding',
+    'stat': 'grad_var',
+    'value': float(table[0, 0, 5]),
+  } in rows
   assert {'step': 4, 'layer': 1, 'site': 'weight/q', 'stat': 'grad_norm', 'value': 1.0} in rows
   assert {'step': 4, 'layer': -1, 'site': 'weight/q', 'stat': 'grad_kurtosis', 'value': 3.0} in rows
 
@@ -285,14 +316,15 @@ def _tensorboard_scalars(directory):
   import struct
 
   from tensorboardX.proto.event_pb2 import Event
+
   scalars = {}
   for name in os.listdir(directory):
     with open(os.path.join(directory, name), 'rb') as f:
       data = f.read()
     pos = 0
     while pos < len(data):
-      (length,) = struct.unpack('<Q', data[pos:pos + 8])
-      event = Event.FromString(data[pos + 12:pos + 12 + length])
+      (length,) = struct.unpack('<Q', data[pos : pos + 8])
+      event = Event.FromString(data[pos + 12 : pos + 12 + length])
       pos += 12 + length + 4
       scalars.update({(event.step, v.tag): v.simple_value for v in event.summary.value})
   return scalars
@@ -301,14 +333,17 @@ def _tensorboard_scalars(directory):
 def test_collector_writes_every_finite_record_to_tensorboard(tmp_path):
   collector = instrument_lib.Collector(str(tmp_path))
   moments = _fake_moments(depth=2)
-  moments['activations'][1, 1, 0] = np.nan                # layer 0, attn_branch, mean: not written
+  moments['activations'][1, 1, 0] = np.nan  # layer 0, attn_branch, mean: not written
   collector.add(3, moments)
   collector.add(5, _fake_moments(depth=2, offset=0.5))
   collector.close()
   scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
   where = lambda r: 'all' if r['layer'] == -1 else f'layer_{r["layer"]:03d}'  # noqa: E731
-  expected = {(r['step'], f'moments/{r["site"]}/{r["stat"]}/{where(r)}'): r['value']
-              for r in collector.records if np.isfinite(r['value'])}
+  expected = {
+    (r['step'], f'moments/{r["site"]}/{r["stat"]}/{where(r)}'): r['value']
+    for r in collector.records
+    if np.isfinite(r['value'])
+  }
   assert len(expected) == len(collector.records) - 1
   assert scalars.keys() == expected.keys()
   np.testing.assert_allclose([scalars[k] for k in expected], list(expected.values()), rtol=1e-6)
@@ -317,6 +352,7 @@ def test_collector_writes_every_finite_record_to_tensorboard(tmp_path):
 def test_is_instrumented_step():
   assert [s for s in range(1, 11) if instrument_lib.is_instrumented_step(s, 4)] == [1, 4, 8]
   assert not any(instrument_lib.is_instrumented_step(s, 0) for s in range(1, 11))
+
 
 # ------------------------------------------------------------------------------------------------
 # The instrumented train step: exactly once, on one device and on a mesh; off means off.
@@ -331,11 +367,24 @@ def _train_setup(remat, instrument=False, moments_receiver=None, moments_per_sit
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
   tx = optax.sgd(0.1)
-  state = {'params': params, 'rest': rest, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32),
-           'nonfinite_steps': jnp.zeros((), jnp.int32)}
-  step_fn = step_lib.make_train_step(graphdef, tx, step_lib.lm_loss, 0, optax.constant_schedule(0.1),
-                                     use_dropout=True, instrument=instrument,
-                                     moments_receiver=moments_receiver, moments_per_site=moments_per_site)
+  state = {
+    'params': params,
+    'rest': rest,
+    'opt_state': tx.init(params),
+    'step': jnp.zeros((), jnp.int32),
+    'nonfinite_steps': jnp.zeros((), jnp.int32),
+  }
+  step_fn = step_lib.make_train_step(
+    graphdef,
+    tx,
+    step_lib.lm_loss,
+    0,
+    optax.constant_schedule(0.1),
+    use_dropout=True,
+    instrument=instrument,
+    moments_receiver=moments_receiver,
+    moments_per_site=moments_per_site,
+  )
   tokens = jax.random.randint(jax.random.key(7), (8, 17), 0, 256)
   _AXES[remat] = sharding_lib.logical_axes(model)
   return step_fn, state, {'tokens': tokens}
@@ -363,15 +412,19 @@ def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
   the whole table once per step)."""
   collector = instrument_lib.Collector()
   receiver = collector if delivery == 'callback' else None
-  step_fn, state, batch = _train_setup(remat, instrument=True, moments_receiver=receiver,
-                                       moments_per_site=per_site)
+  step_fn, state, batch = _train_setup(
+    remat, instrument=True, moments_receiver=receiver, moments_per_site=per_site
+  )
   if num_devices == 1:
     jitted, mesh_context = jax.jit(step_fn), contextlib.nullcontext()
   else:  # data × fsdp × tensor = 2 × 2 × 2: batch, model width and heads all sharded.
     mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:num_devices])
     state_sh = sharding_lib.state_shardings(state, _AXES[remat], mesh)
-    jitted = jax.jit(step_fn, in_shardings=(state_sh, sharding_lib.batch_sharding(mesh)),
-                     out_shardings=(state_sh, sharding_lib.replicated(mesh)))
+    jitted = jax.jit(
+      step_fn,
+      in_shardings=(state_sh, sharding_lib.batch_sharding(mesh)),
+      out_shardings=(state_sh, sharding_lib.replicated(mesh)),
+    )
     state, mesh_context = jax.device_put(state, state_sh), jax.set_mesh(mesh)
   with mesh_context:
     for step in (1, 2):
@@ -382,21 +435,35 @@ def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
   return collector
 
 
-@pytest.mark.parametrize('remat,num_devices', [
-    ('none', 1), ('full', 8),
-    pytest.param('full', 1, marks=pytest.mark.slow), pytest.param('none', 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  'remat,num_devices',
+  [
+    ('none', 1),
+    ('full', 8),
+    pytest.param('full', 1, marks=pytest.mark.slow),
+    pytest.param('none', 8, marks=pytest.mark.slow),
+  ],
+)
 def test_every_statistic_arrives_exactly_once(remat, num_devices):
   assert len(jax.devices()) >= num_devices
   collector = _run_instrumented(remat, num_devices)
   keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in collector.records]
-  assert set(keys) == _expected_keys(steps=(1, 2))     # nothing missing, nothing extra
-  assert len(keys) == len(set(keys)) and collector.num_duplicates == 0   # exactly once
+  assert set(keys) == _expected_keys(steps=(1, 2))  # nothing missing, nothing extra
+  assert len(keys) == len(set(keys)) and collector.num_duplicates == 0  # exactly once
   assert all(np.isfinite(r['value']) for r in collector.records)
 
 
-@pytest.mark.parametrize('remat,num_devices,per_site', [
-    ('none', 1, False), ('full', 1, False), ('none', 1, True), ('none', 8, True), ('full', 8, True),
-    pytest.param('full', 1, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  'remat,num_devices,per_site',
+  [
+    ('none', 1, False),
+    ('full', 1, False),
+    ('none', 1, True),
+    ('none', 8, True),
+    ('full', 8, True),
+    pytest.param('full', 1, True, marks=pytest.mark.slow),
+  ],
+)
 def test_callback_delivery_arrives_exactly_once_with_the_same_values(remat, num_devices, per_site):
   """instrument.delivery='callback': a jax.debug.callback per site from the backward pass of the
   scanned layers (none from the forward pass, which remat re-runs), or, as on one device, the whole
@@ -405,19 +472,24 @@ def test_callback_delivery_arrives_exactly_once_with_the_same_values(remat, num_
   keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in collector.records]
   assert set(keys) == _expected_keys(steps=(1, 2))
   assert len(keys) == len(set(keys)) and collector.num_duplicates == 0
-  returned = {(r['step'], r['layer'], r['site'], r['stat']): r['value']
-              for r in _run_instrumented(remat, num_devices).records}
+  returned = {
+    (r['step'], r['layer'], r['site'], r['stat']): r['value']
+    for r in _run_instrumented(remat, num_devices).records
+  }
   for r in collector.records:
     key = (r['step'], r['layer'], r['site'], r['stat'])
     np.testing.assert_allclose(r['value'], returned[key], rtol=2e-3, atol=1e-12, err_msg=str(key))
 
 
 def test_statistics_do_not_depend_on_mesh_or_remat():
-  one = {(r['step'], r['layer'], r['site'], r['stat']): r['value']
-         for r in _run_instrumented('none', 1).records}
+  one = {
+    (r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _run_instrumented('none', 1).records
+  }
   for remat, num_devices in [('full', 1), ('none', 8), ('full', 8)]:
-    other = {(r['step'], r['layer'], r['site'], r['stat']): r['value']
-             for r in _run_instrumented(remat, num_devices).records}
+    other = {
+      (r['step'], r['layer'], r['site'], r['stat']): r['value']
+      for r in _run_instrumented(remat, num_devices).records
+    }
     assert one.keys() == other.keys()
     for key in one:
       np.testing.assert_allclose(other[key], one[key], rtol=2e-3, atol=1e-12, err_msg=str(key))
@@ -479,8 +551,9 @@ def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   params = nnx.to_pure_dict(params)
-  params = jax.device_put(params, sharding_lib.state_shardings(
-      {'params': params}, sharding_lib.logical_axes(model), mesh)['params'])
+  params = jax.device_put(
+    params, sharding_lib.state_shardings({'params': params}, sharding_lib.logical_axes(model), mesh)['params']
+  )
   tokens = jax.device_put(jnp.zeros((8, 16), jnp.int32), sharding_lib.batch_sharding(mesh))
   loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, probe=callback_probe).mean()  # noqa: E731
   with jax.set_mesh(mesh):
@@ -488,8 +561,8 @@ def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):
   jax.effects_barrier()
   in_scan = {k: count for k, count in arrivals.items() if k[0] >= 0}
   assert len(in_scan) == DEPTH * len(LAYER_SITES)
-  assert set(in_scan.values()) == {2}            # forward pass + recomputation in the backward pass
-  assert arrivals[(-1, 'embedding')] == 1      # outside the remat'ed scan: once, on the whole mesh
+  assert set(in_scan.values()) == {2}  # forward pass + recomputation in the backward pass
+  assert arrivals[(-1, 'embedding')] == 1  # outside the remat'ed scan: once, on the whole mesh
 
 
 def test_off_means_off():
@@ -508,6 +581,7 @@ def test_off_means_off():
 @pytest.mark.parametrize('delivery', ['return', pytest.param('callback', marks=pytest.mark.slow)])
 def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path, delivery):
   from dsjax.train import loop
+
   config = tiny_config('gpt', depth=2)
   config.total_steps, config.instrument.every = 4, 2
   config.instrument.delivery = delivery
@@ -515,7 +589,7 @@ def test_training_loop_writes_moments_at_the_instrumented_steps(tmp_path, delive
   rows = instrument_lib.read_jsonl(os.path.join(tmp_path, 'moments.jsonl'))
   keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in rows]
   assert len(keys) == len(set(keys))
-  assert {k[0] for k in keys} == {1, 2, 4}   # step 1 (= initialisation) and every 2nd step
+  assert {k[0] for k in keys} == {1, 2, 4}  # step 1 (= initialisation) and every 2nd step
   assert {k for k in keys if k[0] == 4} == {(4,) + k[1:] for k in keys if k[0] == 1}
   assert os.listdir(os.path.join(tmp_path, 'tensorboard'))
 
@@ -525,6 +599,7 @@ def test_moments_cli_reads_a_checkpoint(tmp_path):
   """`dsjax.moments --checkpoint=WORKDIR` measures the trained model, not the initial one."""
   from dsjax import moments
   from dsjax.train import loop
+
   config = tiny_config('gpt', depth=2)
   config.total_steps = 3
   loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
@@ -534,8 +609,11 @@ def test_moments_cli_reads_a_checkpoint(tmp_path):
   with pytest.raises(ValueError, match='holds no checkpoint'):
     moments.run(config, str(tmp_path / 'none'), num_batches=1, checkpoint=str(tmp_path / 'init'))
   config.model.depth, config.total_steps = 3, 2  # reading needs the architecture, not total_steps
-  with pytest.raises(ValueError, match=r'--checkpoint=\S+ holds a checkpoint .* another architecture.*'
-                                       r'model.depth: 2 → 3; pass the settings it was trained with'):
+  with pytest.raises(
+    ValueError,
+    match=r'--checkpoint=\S+ holds a checkpoint .* another architecture.*'
+    r'model.depth: 2 → 3; pass the settings it was trained with',
+  ):
     moments.run(config, str(tmp_path / 'other'), num_batches=1, checkpoint=str(tmp_path / 'run'))
   config.model.depth = 2
   moments.run(config, str(tmp_path / 'fewer_steps'), num_batches=1, checkpoint=str(tmp_path / 'run'))
@@ -549,6 +627,7 @@ def test_moments_cli_reads_a_checkpoint(tmp_path):
 
 def test_moments_cli_writes_json_and_png(tmp_path):
   from dsjax import moments
+
   config = tiny_config('gpt', depth=3, dropout=0.1)
   result = moments.run(config, str(tmp_path), num_batches=2)
   with open(os.path.join(tmp_path, 'moments.json')) as f:
@@ -568,21 +647,26 @@ def test_moments_cli_writes_json_and_png(tmp_path):
 
 def test_theory_adapter_reads_scales_and_weight_variances_from_the_model():
   from dsjax.instrument import theory_adapter
+
   config = tiny_config('gpt', depth=4, width=64)
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   model.trunk.stack.layers.branch_ffn[...] = jnp.asarray([1.0, 0.5, 0.25, 0.0])
   desc = theory_adapter.describe(config, model, TEXT_INFO)
   np.testing.assert_allclose(desc.scale['branch_ffn'], [1.0, 0.5, 0.25, 0.0])
   np.testing.assert_allclose(desc.scale['skip_attn'], 1.0)
-  np.testing.assert_allclose(desc.weight_var['q'], 2 / (64 + 64), rtol=0.05)      # Xavier
+  np.testing.assert_allclose(desc.weight_var['q'], 2 / (64 + 64), rtol=0.05)  # Xavier
   np.testing.assert_allclose(desc.weight_var['ffn2'], 2 / (256 + 64), rtol=0.05)
   assert (desc.block, desc.causal, desc.mlp_hidden, desc.seq_len) == ('preln', True, 256, 16)
 
 
 def test_moments_table_of_a_run(tmp_path):
   from experiments import moments_table
-  rows = [{'step': s, 'layer': n, 'site': 'ffn_residual', 'stat': 'corr_seq', 'value': 0.1 * s + n}
-          for s in (1, 50) for n in (0, 3)]
+
+  rows = [
+    {'step': s, 'layer': n, 'site': 'ffn_residual', 'stat': 'corr_seq', 'value': 0.1 * s + n}
+    for s in (1, 50)
+    for n in (0, 3)
+  ]
   with open(tmp_path / 'moments.jsonl', 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
   table = moments_table.moments_table(str(tmp_path), [0, 3, 7], ['ffn_residual/corr_seq'])

@@ -22,9 +22,12 @@ from dsjax.models import attention_cudnn, attention_xla, layers, tpu_attention
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
 ON_GPU = jax.default_backend() == 'gpu'
-SCALE = 32 ** -0.5
-FAST_FORMS = {'xla': attention_xla.xla_attention, 'splash': tpu_attention.splash_attention,
-              'cudnn': attention_cudnn.cudnn_attention}
+SCALE = 32**-0.5
+FAST_FORMS = {
+  'xla': attention_xla.xla_attention,
+  'splash': tpu_attention.splash_attention,
+  'cudnn': attention_cudnn.cudnn_attention,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +67,7 @@ def test_fast_forms_match_the_plain_math(name, dtype, causal, seq_len):
   def value_and_grads(attend):
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, SCALE, causal), q, k, v)
     return out, vjp(cotangent)
+
   out, grads = value_and_grads(FAST_FORMS[name])
   out_ref, grads_ref = value_and_grads(layers.plain_attention)
   chex.assert_trees_all_equal_dtypes((out, grads), (out_ref, grads_ref))
@@ -80,11 +84,12 @@ def test_xla_dropout_without_a_mask_is_the_plain_forms(dtype):
   cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)
   results = []
   for attend in (attention_xla.xla_attention, layers.plain_attention):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, 8 ** -0.5, False, 0.3, key), q, k, v)  # noqa: B023
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, 8**-0.5, False, 0.3, key), q, k, v)  # noqa: B023
     results.append((out, vjp(cotangent)))
   (out, grads), (out_ref, grads_ref) = results
-  assert not np.allclose(np.asarray(out, np.float32),
-                         np.asarray(layers.plain_attention(q, k, v, 8 ** -0.5, False), np.float32))
+  assert not np.allclose(
+    np.asarray(out, np.float32), np.asarray(layers.plain_attention(q, k, v, 8**-0.5, False), np.float32)
+  )
   _assert_close(out, out_ref, dtype)
   for g, g_ref in zip(grads, grads_ref):
     _assert_close(g, g_ref, dtype)
@@ -99,8 +104,9 @@ def test_xla_causal_dropout_is_deterministic_and_unbiased():
   cotangent = jax.random.normal(jax.random.key(1), q.shape)
 
   def value_and_grads(attend, key):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, 8 ** -0.5, True, 0.3, key), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, 8**-0.5, True, 0.3, key), q, k, v)
     return out, *vjp(cotangent)
+
   draw = jax.jit(lambda key: value_and_grads(attention_xla.xla_attention, key))
   once, again, other = draw(jax.random.key(3)), draw(jax.random.key(3)), draw(jax.random.key(4))
   chex.assert_trees_all_equal(once, again)
@@ -116,16 +122,21 @@ def _model_value_and_grads(model_name, implementation, dtype, attn_dropout=0.0, 
   """The model's output contracted with a fixed cotangent, and its parameter gradients."""
   info = TEXT_INFO if model_name == 'gpt' else IMAGE_INFO
   extra = {} if model_name == 'gpt' else {'pooling': 'cls'}  # ViT: 16 patches + the class token = 17
-  config = tiny_config(model_name, attention=implementation, dtype=dtype, attn_dropout=attn_dropout,
-                       block='dnt', **extra)  # DNT: QKNorm in the attention
+  config = tiny_config(
+    model_name, attention=implementation, dtype=dtype, attn_dropout=attn_dropout, block='dnt', **extra
+  )  # DNT: QKNorm in the attention
   model = schemes.build_model(config, info, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  inputs = (jnp.arange(32).reshape(2, 16) % 256 if model_name == 'gpt'
-            else jax.random.normal(jax.random.key(0), (2, 8, 8, 1)))
+  inputs = (
+    jnp.arange(32).reshape(2, 16) % 256
+    if model_name == 'gpt'
+    else jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+  )
 
   def loss(p):
     out = nnx.merge(graphdef, p, rest)(inputs, dropout_key=key)
     return jnp.sum(out * jax.random.normal(jax.random.key(2), out.shape))
+
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
@@ -181,14 +192,15 @@ def test_the_plain_model_has_no_derivative_rule_and_matches_the_default_one(mode
   """With model.attention='plain' and `layers.FAST_MATMUL` off, no custom derivative is left anywhere in
   the model: JAX differentiates whatever is written (an edit of `plain_attention`, e.g. a logit
   soft-cap, included). Its loss and gradients are those of the default CPU model ('xla', fast matmuls)."""
+
   def rules(implementation):
     """The derivative rules in the forward pass (a gradient's jaxpr has them already applied)."""
     config = tiny_config(model_name, attention=implementation, dtype='float32')
-    model = schemes.build_model(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO,
-                                nnx.Rngs(params=0))
+    model = schemes.build_model(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO, nnx.Rngs(params=0))
     inputs = jnp.zeros((2, 16), jnp.int32) if model_name == 'gpt' else jnp.zeros((2, 8, 8, 1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return _derivative_rules(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p, rest)(inputs))(params).jaxpr)
+
   assert rules('xla')  # The default model's rules are found (attention_xla's, fast_matmul's).
   loss, grads = _model_value_and_grads(model_name, 'xla', 'float32')
   monkeypatch.setattr(layers, 'FAST_MATMUL', False)
@@ -209,16 +221,31 @@ def test_a_modified_plain_attention_is_differentiated_as_written(monkeypatch):
     l = q.shape[1]
     logits = jnp.where(jnp.tril(jnp.ones((l, l), bool)), logits, jnp.finfo(jnp.float32).min)
     return jnp.einsum('bhqt,bthk->bqhk', jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
-  attn = layers.Attention(32, 4, stds={n: 0.5 for n in 'qkvo'}, distribution='normal', use_bias=False,
-                          qk_norm=False, norm_kind='layernorm', norm_eps=1e-6, causal=True,
-                          attn_dropout=0.0, rngs=nnx.Rngs(params=0), implementation='plain')
+
+  attn = layers.Attention(
+    32,
+    4,
+    stds={n: 0.5 for n in 'qkvo'},
+    distribution='normal',
+    use_bias=False,
+    qk_norm=False,
+    norm_kind='layernorm',
+    norm_eps=1e-6,
+    causal=True,
+    attn_dropout=0.0,
+    rngs=nnx.Rngs(params=0),
+    implementation='plain',
+  )
   x = jax.random.normal(jax.random.key(1), (2, 9, 32))
   loss = lambda x: jnp.sin(attn(x, None)).sum()  # noqa: E731
   uncapped = jax.grad(loss)(x)
   monkeypatch.setitem(layers.ATTENTION_IMPLEMENTATIONS, 'plain', capped)
   got = jax.grad(loss)(x)
   heads = lambda t: t.reshape(2, 9, 4, 8)  # noqa: E731
-  want = jax.grad(lambda x: jnp.sin(attn.o(capped(heads(attn.q(x)), heads(attn.k(x)), heads(attn.v(x)),
-                                                   8 ** -0.5, True).reshape(2, 9, 32))).sum())(x)
+  want = jax.grad(
+    lambda x: jnp.sin(
+      attn.o(capped(heads(attn.q(x)), heads(attn.k(x)), heads(attn.v(x)), 8**-0.5, True).reshape(2, 9, 32))
+    ).sum()
+  )(x)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert not np.allclose(got, uncapped, rtol=1e-3, atol=1e-4)

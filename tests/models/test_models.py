@@ -44,8 +44,13 @@ def test_gpt_is_causal():
 
 def test_dnt_settings_table():
   """DNT S1–S5 (Qi et al. 2025, §4.4, Fig. 7): (input, pre_attn, pre_ffn, qk, mid_attn, mid_ffn)."""
-  expected = {'S1': (0, 1, 1, 0, 0, 0), 'S2': (0, 1, 1, 1, 0, 0), 'S3': (1, 1, 1, 1, 0, 0),
-              'S4': (1, 1, 1, 1, 1, 1), 'S5': (1, 1, 0, 1, 1, 1)}
+  expected = {
+    'S1': (0, 1, 1, 0, 0, 0),
+    'S2': (0, 1, 1, 1, 0, 0),
+    'S3': (1, 1, 1, 1, 0, 0),
+    'S4': (1, 1, 1, 1, 1, 1),
+    'S5': (1, 1, 0, 1, 1, 1),
+  }
   for setting, flags in expected.items():
     lay = NormLayout.for_block('dnt', setting)
     got = (lay.input_norm, lay.pre_attn, lay.pre_ffn, lay.qk_norm, lay.mid_attn, lay.mid_ffn)
@@ -96,14 +101,25 @@ def test_rmsnorm_and_layernorm_values():
   rms = layers.Norm(64, kind='rmsnorm', eps=1e-6)(x)
   np.testing.assert_allclose(ln.mean(-1), 0, atol=1e-5)
   np.testing.assert_allclose(ln.var(-1), 1, rtol=1e-3)
-  np.testing.assert_allclose((rms ** 2).mean(-1), 1, rtol=1e-3)
+  np.testing.assert_allclose((rms**2).mean(-1), 1, rtol=1e-3)
 
 
 @pytest.mark.parametrize('use_bias', [True, False])
 def test_qkv_in_one_matmul_are_the_three_projections(use_bias):
-  attn = layers.Attention(32, 4, stds={n: 0.2 for n in 'qkvo'}, distribution='normal', use_bias=use_bias,
-                          qk_norm=False, norm_kind='layernorm', norm_eps=1e-6, causal=True,
-                          attn_dropout=0.0, rngs=nnx.Rngs(params=0), inner_width=48)
+  attn = layers.Attention(
+    32,
+    4,
+    stds={n: 0.2 for n in 'qkvo'},
+    distribution='normal',
+    use_bias=use_bias,
+    qk_norm=False,
+    norm_kind='layernorm',
+    norm_eps=1e-6,
+    causal=True,
+    attn_dropout=0.0,
+    rngs=nnx.Rngs(params=0),
+    inner_width=48,
+  )
   if use_bias:
     for i, dense in enumerate((attn.q, attn.k, attn.v)):
       dense.bias[...] = jnp.full((48,), 0.1 * (i + 1))
@@ -119,8 +135,9 @@ def test_gelu_is_the_exact_gelu():
   x = jnp.linspace(-12.0, 12.0, 48001)
   np.testing.assert_allclose(layers.ACTIVATIONS['gelu'](x), jax.nn.gelu(x, approximate=False), atol=1e-6)
   grad = lambda f: jax.vmap(jax.grad(f))(x)  # noqa: E731
-  np.testing.assert_allclose(grad(layers.ACTIVATIONS['gelu']), grad(lambda t: jax.nn.gelu(t, approximate=False)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    grad(layers.ACTIVATIONS['gelu']), grad(lambda t: jax.nn.gelu(t, approximate=False)), atol=1e-6
+  )
 
 
 @pytest.mark.parametrize('distribution', ['normal', 'truncated_normal', 'uniform'])

@@ -44,15 +44,31 @@ def _qkv(dtype, shape):
 
 def _attention_fns():
   """(name, f(q, k, v, causal) -> out, dtype) for every implementation this machine runs."""
-  fns = [('explicit', lambda q, k, v, causal: attention_xla.xla_attention(
-      q, k, v, 32 ** -0.5, causal, 0.0, None), jnp.float32),
-         ('splash', lambda q, k, v, causal: tpu_attention.splash_attention(
-             q, k, v, 32 ** -0.5, causal), jnp.float32),
-         ('splash_bf16', lambda q, k, v, causal: tpu_attention.splash_attention(
-             q, k, v, 32 ** -0.5, causal), jnp.bfloat16)]
+  fns = [
+    (
+      'explicit',
+      lambda q, k, v, causal: attention_xla.xla_attention(q, k, v, 32**-0.5, causal, 0.0, None),
+      jnp.float32,
+    ),
+    (
+      'splash',
+      lambda q, k, v, causal: tpu_attention.splash_attention(q, k, v, 32**-0.5, causal),
+      jnp.float32,
+    ),
+    (
+      'splash_bf16',
+      lambda q, k, v, causal: tpu_attention.splash_attention(q, k, v, 32**-0.5, causal),
+      jnp.bfloat16,
+    ),
+  ]
   if ON_GPU:
-    fns.append(('cudnn', lambda q, k, v, causal: attention_cudnn.cudnn_attention(
-        q, k, v, 32 ** -0.5, causal), jnp.bfloat16))
+    fns.append(
+      (
+        'cudnn',
+        lambda q, k, v, causal: attention_cudnn.cudnn_attention(q, k, v, 32**-0.5, causal),
+        jnp.bfloat16,
+      )
+    )
   return fns
 
 
@@ -64,7 +80,8 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
   del name
   q, k, v = _qkv(dtype, (2, seq_len, 4, 32))
   xla = lambda q, k, v, causal: jax.nn.dot_product_attention(  # noqa: E731
-      q, k, v, scale=32 ** -0.5, is_causal=causal, implementation='xla')
+    q, k, v, scale=32**-0.5, is_causal=causal, implementation='xla'
+  )
   cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)
   value_and_vjp = lambda f: jax.vjp(lambda q, k, v: f(q, k, v, causal), q, k, v)  # noqa: E731
   out, vjp = value_and_vjp(fn)
@@ -75,9 +92,11 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), **tol)
 
 
-@pytest.mark.parametrize('implementation,dtype', [('plain', jnp.float32), ('xla', jnp.float32),
-                                                  ('splash', jnp.float32)] + (
-    [('cudnn', jnp.bfloat16)] if ON_GPU else []))
+@pytest.mark.parametrize(
+  'implementation,dtype',
+  [('plain', jnp.float32), ('xla', jnp.float32), ('splash', jnp.float32)]
+  + ([('cudnn', jnp.bfloat16)] if ON_GPU else []),
+)
 def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   """A DNT block (QKNorm) with a non-default logit scale equals QKNorm + jax.nn.dot_product_attention at
   that scale; a causal model's outputs do not depend on later tokens. Each implementation this machine
@@ -89,14 +108,16 @@ def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   x = jax.random.normal(jax.random.key(3), (2, 16, 32)).astype(dtype)
   heads = lambda t: t.reshape(2, 16, 2, 16)  # noqa: E731
   q, k, v = attn.q_norm(heads(attn.q(x))), attn.k_norm(heads(attn.k(x))), heads(attn.v(x))
-  reference = attn.o(jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True,
-                                                  implementation='xla').reshape(2, 16, 32))
+  reference = attn.o(
+    jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True, implementation='xla').reshape(2, 16, 32)
+  )
   out = attn(x, None)
   tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), **tol)
   x2 = x.at[:, 8:].set(0.0)
-  np.testing.assert_allclose(np.asarray(attn(x2, None)[:, :8], np.float32),
-                             np.asarray(out[:, :8], np.float32), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(attn(x2, None)[:, :8], np.float32), np.asarray(out[:, :8], np.float32), rtol=1e-5, atol=1e-5
+  )
 
 
 @pytest.mark.parametrize('causal', [False, True])
@@ -107,17 +128,20 @@ def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, m
   (exported here without one); bfloat16 inputs get bfloat16 derivatives close to the float32 ones."""
   q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))  # 37: uneven query blocks (10, 9, 9, 9)
   tangents = tuple(jax.random.normal(key, q.shape) for key in jax.random.split(jax.random.key(5), 3))
-  ours = lambda q, k, v: attention_xla.xla_attention(q, k, v, 8 ** -0.5, causal, 0.0, None)  # noqa: E731
+  ours = lambda q, k, v: attention_xla.xla_attention(q, k, v, 8**-0.5, causal, 0.0, None)  # noqa: E731
   xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
-      q, k, v, scale=8 ** -0.5, is_causal=causal, implementation='xla')
+    q, k, v, scale=8**-0.5, is_causal=causal, implementation='xla'
+  )
   grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sin(f(q, k, v)).sum(), (0, 1, 2)))  # noqa: E731
   want_jvp, want_grad = jax.jvp(xla, (q, k, v), tangents), grad(xla)(q, k, v)
   blocks = 4 if causal else 1
   for key_form, value_form in [(True, True), (True, False), (False, True), (False, False)]:
     monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_KEY_GRADIENT', key_form)
     monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT', value_form)
-    for got, want in [*zip(jax.jvp(ours, (q, k, v), tangents), want_jvp),
-                      *zip(grad(ours)(q, k, v), want_grad)]:
+    for got, want in [
+      *zip(jax.jvp(ours, (q, k, v), tangents), want_jvp),
+      *zip(grad(ours)(q, k, v), want_grad),
+    ]:
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for platform in ('cpu', 'cuda', 'tpu'):
       module = jax.export.export(grad(ours), platforms=[platform])(q, k, v).mlir_module()
@@ -135,11 +159,12 @@ def test_causal_attention_with_dropout_sees_no_later_token():
   """The causal path's query blocks each draw their own dropout mask and still see only earlier keys."""
   q, k, v = _qkv(jnp.float32, (2, 37, 4, 8))
   attend = lambda k, v: attention_xla.xla_attention(  # noqa: E731
-      q, k, v, 8 ** -0.5, True, 0.5, jax.random.key(7))
+    q, k, v, 8**-0.5, True, 0.5, jax.random.key(7)
+  )
   out = attend(k, v)
   later = lambda t: t.at[:, 20:].set(3.0)  # noqa: E731
   np.testing.assert_allclose(attend(later(k), later(v))[:, :20], out[:, :20], rtol=1e-6, atol=1e-6)
-  assert not np.allclose(out, attention_xla.xla_attention(q, k, v, 8 ** -0.5, True, 0.0, None))
+  assert not np.allclose(out, attention_xla.xla_attention(q, k, v, 8**-0.5, True, 0.0, None))
 
 
 def test_auto_resolution():
@@ -189,16 +214,19 @@ def test_splash_attention_lowers_to_the_tpu_kernel(causal, length, monkeypatch):
   head dimension (64)."""
   monkeypatch.setattr(tpu_attention, 'INTERPRET', False)
   q, k, v = _qkv(jnp.bfloat16, (2, length, 2, 64))
+
   def loss(q, k, v):
     return tpu_attention.splash_attention(q, k, v, 0.125, causal).astype(jnp.float32).sum()
+
   module = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=['tpu'])(q, k, v).mlir_module()
   # The forward kernel, and the backward's dq and dk/dv kernels.
   assert module.count('tpu_custom_call') >= 3, module.count('tpu_custom_call')
   assert 'stablehlo.while' not in module  # the interpreter runs the kernel's grid as loops
 
 
-@pytest.mark.parametrize('capability,expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'), ('7.5', 'xla'),
-                                                 ('gfx90a', 'xla')])  # gfx90a: a ROCm GPU
+@pytest.mark.parametrize(
+  'capability,expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'), ('7.5', 'xla'), ('gfx90a', 'xla')]
+)  # gfx90a: a ROCm GPU
 def test_auto_attention_asks_the_gpu_its_compute_capability(monkeypatch, capability, expected):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   monkeypatch.setattr(jax, 'devices', lambda *a: [types.SimpleNamespace(compute_capability=capability)])
@@ -210,8 +238,11 @@ def test_bfloat16_compute_keeps_float32_stream_and_logits(model_name, info):
   """bf16 branches, a float32 residual stream and float32 parameters; logits close to float32's."""
   f32 = _build(tiny_config(model_name, dtype='float32'), info)
   bf16 = _build(tiny_config(model_name, dtype='bfloat16'), info)
-  x = jnp.zeros((2, 16), jnp.int32) + jnp.arange(16) if model_name == 'gpt' else \
-      jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+  x = (
+    jnp.zeros((2, 16), jnp.int32) + jnp.arange(16)
+    if model_name == 'gpt'
+    else jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+  )
   seen = {}
   probe = lambda site, h, layer: seen.setdefault(site, h.dtype) and h  # noqa: E731
   logits_f32, logits_bf16 = f32(x), bf16(x, probe=probe)
@@ -224,8 +255,10 @@ def _dtypes_by_rank(params) -> dict[str, set]:
   """The dtypes of the stacked per-layer matrices (ndim 3) and vectors (ndim 2) of the layer stack."""
   stack = params['trunk']['stack']['layers']
   leaves = jax.tree.leaves(stack)
-  return {'matrices': {x.dtype for x in leaves if x.ndim == 3},
-          'vectors': {x.dtype for x in leaves if x.ndim == 2}}
+  return {
+    'matrices': {x.dtype for x in leaves if x.ndim == 3},
+    'vectors': {x.dtype for x in leaves if x.ndim == 2},
+  }
 
 
 def test_narrowing_matmul_matches_the_plain_one_and_transposes_its_weight_gradient_on_cpu_only():
@@ -266,8 +299,10 @@ def test_float32_logits_keep_the_backward_matmuls_in_bfloat16():
 def test_bfloat16_params_keep_float32_optimizer_state():
   model = _build(tiny_config('gpt', param_dtype='bfloat16'), TEXT_INFO)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  assert _dtypes_by_rank(params) == {'matrices': {jnp.dtype(jnp.bfloat16)},
-                                     'vectors': {jnp.dtype(jnp.float32)}}
+  assert _dtypes_by_rank(params) == {
+    'matrices': {jnp.dtype(jnp.bfloat16)},
+    'vectors': {jnp.dtype(jnp.float32)},
+  }
   assert params['token_embed'].dtype == jnp.bfloat16 and params['head']['kernel'].dtype == jnp.bfloat16
   tx, _ = optimizers.make_optimizer(tiny_config('gpt').optimizer, 10)
   opt_state = tx.init(params)
@@ -302,6 +337,7 @@ def test_bfloat16_params_train(model_name, info, dtype):
     logits = nnx.merge(graphdef, p, rest)(x)
     chex.assert_type(logits, jnp.float32)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
   assert np.isfinite(loss)
   tx, _ = optimizers.make_optimizer(tiny_config(model_name).optimizer, 10)
@@ -316,23 +352,33 @@ def test_bfloat16_params_train(model_name, info, dtype):
       assert stack_new[name]['scale'].dtype == jnp.float32
       assert np.any(np.asarray(stack_new[name]['scale']) != np.asarray(stack_old[name]['scale']))
   assert stack_new['ffn']['ffn1']['kernel'].dtype == jnp.bfloat16
-  assert np.any(np.asarray(stack_new['ffn']['ffn1']['kernel'], np.float32)
-                != np.asarray(stack_old['ffn']['ffn1']['kernel'], np.float32))
+  assert np.any(
+    np.asarray(stack_new['ffn']['ffn1']['kernel'], np.float32)
+    != np.asarray(stack_old['ffn']['ffn1']['kernel'], np.float32)
+  )
 
 
 @pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_layer_stack_options_compute_the_same():
   """Unrolled scans, the Python loop and rematerialisation change how, not what: same loss and grads."""
+
   def loss_and_grads(**overrides):
-    model = _build(tiny_config('gpt', depth=3, dropout=0.1, dtype='float32', attention='xla', **overrides),
-                   TEXT_INFO)
+    model = _build(
+      tiny_config('gpt', depth=3, dropout=0.1, dtype='float32', attention='xla', **overrides), TEXT_INFO
+    )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jnp.arange(32).reshape(2, 16)
     loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, dropout_key=jax.random.key(1)).mean()  # noqa: E731
     return jax.jit(jax.value_and_grad(loss))(params)
+
   ref_loss, ref_grads = loss_and_grads()
-  for option in (dict(scan_unroll=2), dict(scan_unroll=5), dict(scan_layers=False),
-                 dict(remat='full'), dict(remat='dots_saveable')):
+  for option in (
+    dict(scan_unroll=2),
+    dict(scan_unroll=5),
+    dict(scan_layers=False),
+    dict(remat='full'),
+    dict(remat='dots_saveable'),
+  ):
     loss, grads = loss_and_grads(**option)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(option))
     chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)

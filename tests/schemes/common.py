@@ -29,15 +29,28 @@ from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 DEPTHS = (4, 16)
 INFO = {'gpt': TEXT_INFO, 'vit': IMAGE_INFO}
 
-POSTLN_NORMS = dict(pre_attn_norm=False, mid_attn_norm=False, post_attn_norm=True, pre_ffn_norm=False,
-                    mid_ffn_norm=False, post_ffn_norm=True)
-PRELN_NORMS = dict(pre_attn_norm=True, mid_attn_norm=False, post_attn_norm=False, pre_ffn_norm=True,
-                   mid_ffn_norm=False, post_ffn_norm=False)
+POSTLN_NORMS = dict(
+  pre_attn_norm=False,
+  mid_attn_norm=False,
+  post_attn_norm=True,
+  pre_ffn_norm=False,
+  mid_ffn_norm=False,
+  post_ffn_norm=True,
+)
+PRELN_NORMS = dict(
+  pre_attn_norm=True,
+  mid_attn_norm=False,
+  post_attn_norm=False,
+  pre_ffn_norm=True,
+  mid_ffn_norm=False,
+  post_ffn_norm=False,
+)
 
 
 # ------------------------------------------------------------------------------------------------
 # Configs, plans and built models.
 # ------------------------------------------------------------------------------------------------
+
 
 def method_config(scheme, name='gpt', depth=4, block=None, **model):
   """A tiny GPT or ViT config of `scheme` on its natural block (the first of `Scheme.blocks`)."""
@@ -59,7 +72,10 @@ def registry_config(scheme: str, model_name: str, **overrides):
 
 
 def init_plan(config, info=None):
-  return schemes.make_init_plan(config.model, models.model_dims(config.model, info or INFO[config.model.name], seq_len=config.data.seq_len))
+  return schemes.make_init_plan(
+    config.model,
+    models.model_dims(config.model, info or INFO[config.model.name], seq_len=config.data.seq_len),
+  )
 
 
 def build(config, info=None, prepared=None):
@@ -68,8 +84,9 @@ def build(config, info=None, prepared=None):
 
 def xavier_model(config, **model):
   """The vanilla Xavier model of the same config and seed: the same underlying random draws."""
-  reference = method_config('vanilla', config.model.name, config.model.depth, block=config.model.block,
-                            **model)
+  reference = method_config(
+    'vanilla', config.model.name, config.model.depth, block=config.model.block, **model
+  )
   return build(reference)
 
 
@@ -95,10 +112,17 @@ def assert_rejected(config, key: str, value, message: str):
 # The parts of a built model.
 # ------------------------------------------------------------------------------------------------
 
+
 def dense_layers(block) -> dict:
   """The six dense layers of a (stacked) block by their plan keys."""
-  return {'q': block.attn.q, 'k': block.attn.k, 'v': block.attn.v, 'o': block.attn.o,
-          'ffn1': block.ffn.ffn1, 'ffn2': block.ffn.ffn2}
+  return {
+    'q': block.attn.q,
+    'k': block.attn.k,
+    'v': block.attn.v,
+    'o': block.attn.o,
+    'ffn1': block.ffn.ffn1,
+    'ffn2': block.ffn.ffn2,
+  }
 
 
 def kernel_arrays(model) -> dict[str, np.ndarray]:
@@ -118,8 +142,17 @@ def norm_paths(model):
 
 
 def norms_present(block) -> dict[str, bool]:
-  return {name: getattr(block, name) is not None for name in (
-      'pre_attn_norm', 'mid_attn_norm', 'post_attn_norm', 'pre_ffn_norm', 'mid_ffn_norm', 'post_ffn_norm')}
+  return {
+    name: getattr(block, name) is not None
+    for name in (
+      'pre_attn_norm',
+      'mid_attn_norm',
+      'post_attn_norm',
+      'pre_ffn_norm',
+      'mid_ffn_norm',
+      'post_ffn_norm',
+    )
+  }
 
 
 def layer_of(stacked: nnx.Module, n: int) -> nnx.Module:
@@ -140,6 +173,7 @@ def random_tokens():
 # ------------------------------------------------------------------------------------------------
 # Expected scales.
 # ------------------------------------------------------------------------------------------------
+
 
 def xavier_std(fan_in, fan_out):
   return math.sqrt(2.0 / (fan_in + fan_out))
@@ -169,21 +203,21 @@ def check_zero_branch_identity(scheme, depth):
   assert plan.branch.learnable and not plan.branch.vector
   assert not plan.skip.learnable
   vanilla = init_plan(method_config('vanilla', depth=depth, block='nonorm'))
-  for key in WEIGHT_KEYS:       # Xavier weights, as the vanilla plan
+  for key in WEIGHT_KEYS:  # Xavier weights, as the vanilla plan
     np.testing.assert_allclose(plan.layer[key], vanilla.layer[key])
 
   model = build(config)
   assert norm_paths(model) == []
   block = model.trunk.stack.layers
   assert isinstance(block.branch_attn, nnx.Param) and isinstance(block.skip_attn, layers.Constant)
-  chex.assert_shape(block.branch_attn[...], (depth,))       # one scalar per layer (stacked)
+  chex.assert_shape(block.branch_attn[...], (depth,))  # one scalar per layer (stacked)
   for key, value in block.scales().items():
     np.testing.assert_array_equal(value, plan.layer[key], err_msg=key)
   ref_kernels = kernel_arrays(xavier_model(config))
-  for key, w in kernel_arrays(model).items():             # Xavier weights
+  for key, w in kernel_arrays(model).items():  # Xavier weights
     np.testing.assert_array_equal(w, ref_kernels[key])
   x = model.embed(random_tokens())
-  y = model.trunk(x, None)                                  # dropout off
+  y = model.trunk(x, None)  # dropout off
   chex.assert_equal_shape((x, y))
   np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
   return plan, block
@@ -219,11 +253,15 @@ def train_three_steps(config, name):
   setup = state_lib.make_setup(config, info)
   state = setup.create_state()
   initial = jax.tree.map(np.asarray, state['params'])
-  pipeline = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=0,
-                                    process_index=0, process_count=1, train=True)
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=config.batch_size, seed=0, process_index=0, process_count=1, train=True
+  )
   batches = [jax.tree.map(jnp.asarray, next(pipeline)) for _ in range(3)]
-  train_step = jax.jit(step_lib.make_train_step(setup.graphdef, setup.tx, step_lib.LOSSES[name],
-                                                config.seed, setup.schedule, use_dropout=False))
+  train_step = jax.jit(
+    step_lib.make_train_step(
+      setup.graphdef, setup.tx, step_lib.LOSSES[name], config.seed, setup.schedule, use_dropout=False
+    )
+  )
   train_step = train_step.lower(state, batches[0]).compile(compiler_options=FAST_COMPILE)
   losses = []
   for batch in batches:
@@ -240,7 +278,7 @@ def check_three_training_steps(scheme, name, learnable_branch):
   initial, state, losses = train_three_steps(config, name)
   assert int(state['step']) == 3 and np.all(np.isfinite(losses)), losses
   block = state['params']['trunk']['stack']['layers']
-  if learnable_branch:       # the learnable residual scales train
+  if learnable_branch:  # the learnable residual scales train
     before = initial['trunk']['stack']['layers']['branch_attn']
     assert not np.allclose(np.asarray(block['branch_attn']), before)
   else:
@@ -252,7 +290,7 @@ def loop_config(scheme, name, total_steps=3):
   config = method_config(scheme, name)
   config.total_steps = total_steps
   config.eval_every = config.checkpoint_every = config.log_every = 3
-  config.mesh.shape = (1, 1, 1)   # one device: compiling for the 8 simulated ones costs a third more
+  config.mesh.shape = (1, 1, 1)  # one device: compiling for the 8 simulated ones costs a third more
   return config
 
 

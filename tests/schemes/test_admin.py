@@ -48,10 +48,11 @@ def _check_admin_model(model, omega, depth, d):
   assert norms_present(block) == POSTLN_NORMS and model.trunk.final_norm is None
   for key, values in (('skip_attn', omega[0::2]), ('skip_ffn', omega[1::2])):
     scale = getattr(block, key)
-    assert isinstance(scale, nnx.Param), key                      # learnable, one vector per add
+    assert isinstance(scale, nnx.Param), key  # learnable, one vector per add
     chex.assert_shape(scale[...], (depth, d))
-    np.testing.assert_allclose(np.asarray(scale[...]), np.broadcast_to(values[:, None], (depth, d)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(scale[...]), np.broadcast_to(values[:, None], (depth, d)), rtol=1e-5
+    )
   for key in ('branch_attn', 'branch_ffn'):
     assert isinstance(getattr(block, key), layers.Constant)
     np.testing.assert_allclose(getattr(block, key)[...], 1.0)
@@ -63,7 +64,7 @@ def test_admin_log_omega(depth):
   config = method_config('admin', depth=depth, width=d)
   config.model.admin.omega = 'log'
   assert not schemes.get('admin').needs_preparation(config.model)
-  n = 2 * depth                                              # residual sub-layers
+  n = 2 * depth  # residual sub-layers
   omega = np.full(n, math.sqrt((n + 1) / math.log(n + 1) - 1))
   plan = init_plan(config)
   np.testing.assert_allclose(plan.layer['skip_attn'], omega[0::2], rtol=1e-6)
@@ -82,11 +83,20 @@ def test_admin_closed_form_omega(depth):
   config = method_config('admin', depth=depth, width=d)
   config.model.admin.omega = 'closed_form'
   plan = init_plan(config)
-  table_var = 2 / (V + d)                                   # Xavier token and position tables
-  r_word = math.pi ** 2 / (6 * math.log(V) ** 2)            # Zipf (Kedia et al. 2024, App. A.1)
+  table_var = 2 / (V + d)  # Xavier token and position tables
+  r_word = math.pi**2 / (6 * math.log(V) ** 2)  # Zipf (Kedia et al. 2024, App. A.1)
   prop = theory.model.propagate(
-      depth=depth, width=d, num_heads=4, seq_len=16, dropout=0.0, attn_dropout=0.0, activation='gelu',
-      block='postln', causal=True, input=theory.Stats(var=2 * table_var, corr_seq=r_word / 2))
+    depth=depth,
+    width=d,
+    num_heads=4,
+    seq_len=16,
+    dropout=0.0,
+    attn_dropout=0.0,
+    activation='gelu',
+    block='postln',
+    causal=True,
+    input=theory.Stats(var=2 * table_var, corr_seq=r_word / 2),
+  )
   # Var[ω_k·x_k] = Var[x_0] + Σ_{j<k} Var[F_j]: ω_0 = 1 (x_0 enters as it is), unit-variance x_k after.
   expected = 2 * table_var + np.concatenate([[0.0], np.cumsum(prop.branch_var)[:-1]])
   expected[0] = 1.0
@@ -116,17 +126,19 @@ def test_admin_profiled_omega_equals_its_closed_form_on_a_linear_toy():
     x = probe('embedding', x, jnp.asarray(-1))
     for k, w in enumerate(params):
       h = probe(admin.BRANCH_SITES[k % 2], x @ w, jnp.asarray(k // 2))
-      x = layer_norm(x + h)          # ω = 1, as in the profiling pass
+      x = layer_norm(x + h)  # ω = 1, as in the profiling pass
     return x
 
   inputs = [jax.random.normal(jax.random.key(10 + i), (8, 64, d)) * math.sqrt(input_var) for i in range(4)]
   profiled = admin.profile_variances(apply, params, inputs, num)
   assert profiled['num_batches'] == 4 and len(profiled['omega_sq']) == num
-  json.dumps(profiled)                                      # flat and JSON-able
+  json.dumps(profiled)  # flat and JSON-able
 
   x_stats = [theory.Stats(var=input_var)] + [theory.Stats(var=1.0)] * (num - 1)
-  branch_var = [theory.components.linear(x, theory.GradStats(), d_in=d, d_out=d, w_var=v)[0].var
-                for x, v in zip(x_stats, w_vars)]
+  branch_var = [
+    theory.components.linear(x, theory.GradStats(), d_in=d, d_out=d, w_var=v)[0].var
+    for x, v in zip(x_stats, w_vars)
+  ]
   closed = admin.omega_sq_from_variances(input_var, branch_var)
   np.testing.assert_allclose(closed[1:], input_var + np.cumsum(branch_var)[:-1])
   assert closed[0] == 1.0 and profiled['omega_sq'][0] == 1.0
@@ -164,12 +176,15 @@ def test_admin_profile_on_a_tiny_gpt_matches_the_closed_form_and_sets_omega():
     build(config, info, prepared)
 
 
-@pytest.mark.parametrize('name,key,value,message', [
+@pytest.mark.parametrize(
+  'name,key,value,message',
+  [
     ('gpt', 'block', 'preln', 'model.block'),
     ('gpt', 'admin.omega', 'guess', 'model.admin.omega'),
     ('vit', 'admin.input_corr', 'zipf', 'model.admin.input_corr'),
     ('gpt', 'admin.input_corr', 2.0, 'model.admin.input_corr'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate(name, key, value, message):
   assert_rejected(method_config('admin', name), key, value, message)
 
@@ -177,6 +192,7 @@ def test_bad_configs_fail_in_validate(name, key, value, message):
 # ------------------------------------------------------------------------------------------------
 # Training: the profile is taken once, saved with the run and read back on resume.
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_admin_training_profiles_saves_and_resumes_from_the_saved_profile(tmp_path, monkeypatch):

@@ -33,9 +33,12 @@ def test_registered_with_its_blocks():
   assert registered('bamboo')['blocks'] == ('preln',)
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('block', 'postln', 'model.block'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('bamboo'), key, value, message)
 
@@ -47,12 +50,20 @@ def test_bamboo_is_the_xavier_pre_ln_plan(depth):
   vanilla = init_plan(method_config('vanilla', depth=depth, block='preln'))
   for key, value in vanilla.layer.items():
     np.testing.assert_array_equal(plan.layer[key], value, err_msg=key)
-  for field in ('distribution', 'input_std', 'pos_std', 'head_std', 'output_scale', 'skip', 'branch',
-                'layout'):
+  for field in (
+    'distribution',
+    'input_std',
+    'pos_std',
+    'head_std',
+    'output_scale',
+    'skip',
+    'branch',
+    'layout',
+  ):
     assert getattr(plan, field) == getattr(vanilla, field), field
   np.testing.assert_allclose(plan.layer['ffn1'], xavier_std(32, 128), rtol=1e-6)
-  model, reference = build(config), xavier_model(config)   # the built model is the vanilla one
-  assert len(norm_paths(model)) == 3                      # pre-attention, pre-FFN and final LayerNorm
+  model, reference = build(config), xavier_model(config)  # the built model is the vanilla one
+  assert len(norm_paths(model)) == 3  # pre-attention, pre-FFN and final LayerNorm
   for (path, a), (_, b) in zip(nnx.iter_graph(model), nnx.iter_graph(reference)):
     if isinstance(a, nnx.Variable):
       np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
@@ -70,7 +81,7 @@ def test_bamboo_config_is_deeper_and_narrower_at_equal_block_parameters():
   config_lib.validate_config(bamboo, num_devices=1)
   assert bamboo.model.scheme == 'bamboo' and bamboo.model.block == 'preln'
   assert bamboo.model.depth > preln.model.depth and bamboo.model.width < preln.model.width
-  block_params = lambda m: 12 * m.width ** 2 * m.depth
+  block_params = lambda m: 12 * m.width**2 * m.depth
   assert block_params(bamboo.model) == block_params(preln.model)
   assert bamboo.model.width // bamboo.model.num_heads == preln.model.width // preln.model.num_heads
   for key in ('total_steps', 'batch_size'):

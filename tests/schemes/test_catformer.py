@@ -44,7 +44,6 @@ def _train_steps(workdir) -> list[int]:
     return [r['step'] for r in map(json.loads, f) if 'train/loss' in r]
 
 
-
 def _cat_config(name='gpt', *, depth=4, width=128, num_heads=4, **model):
   return tiny_config(name, scheme='catformer', depth=depth, width=width, num_heads=num_heads, **model)
 
@@ -68,7 +67,7 @@ def test_catformer_widths_follow_the_rule(depth):
   d, n = c.growth, depth
   assert c.stream_widths == tuple(k * d for k in range(1, 2 * n + 2))
   assert c.ffn_hidden == 4 * d
-  assert c.attn_width % 4 == 0 and abs(c.attn_width - 2 * d) <= 2     # a·d to a multiple of the heads
+  assert c.attn_width % 4 == 0 and abs(c.attn_width - 2 * d) <= 2  # a·d to a multiple of the heads
   target = catformer.preln_param_count(config.model, dims)
   gap = lambda g: abs(catformer.catformer_param_count(config.model, dims, g) - target)
   assert gap(d) <= min(gap(d - 1), gap(d + 1))
@@ -93,7 +92,7 @@ def test_catformer_widths_follow_the_rule(depth):
     np.testing.assert_allclose(plan.layer['ffn2'][i] ** 2, _xavier_var(4 * d, d), rtol=1e-5)
   assert_shape(model.trunk.final_norm.scale, ((2 * n + 1) * d,))
   assert_shape(model.head.kernel, ((2 * n + 1) * d, 256))
-  np.testing.assert_allclose(plan.head_std ** 2, _xavier_var((2 * n + 1) * d, 256), rtol=1e-6)
+  np.testing.assert_allclose(plan.head_std**2, _xavier_var((2 * n + 1) * d, 256), rtol=1e-6)
   assert model.trunk.input_norm is None
 
 
@@ -102,7 +101,9 @@ def test_catformer_paper_rule_reproduces_the_papers_widths():
   for depth, d in ((2, 320), (4, 248), (6, 208)):
     config = _cat_config(depth=depth, width=512, num_heads=8)
     config.model.catformer.match = 'paper'
-    plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
+    plan = schemes.make_init_plan(
+      config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
+    )
     assert plan.concat.growth == d and plan.concat.attn_width == 2 * d and plan.concat.ffn_hidden == 4 * d
 
 
@@ -111,7 +112,7 @@ def test_catformer_paper_rule_reproduces_the_papers_widths():
 def test_catformer_parameter_count_within_5_percent_of_preln(model_name, depth):
   info = TEXT_INFO if model_name == 'gpt' else IMAGE_INFO
   config = _cat_config(model_name, depth=depth)
-  baseline = tiny_config(model_name, depth=depth, width=128, num_heads=4)   # vanilla Pre-LN
+  baseline = tiny_config(model_name, depth=depth, width=128, num_heads=4)  # vanilla Pre-LN
   cat_count, base_count = _param_count(_abstract(config, info)), _param_count(_abstract(baseline, info))
   dims = models.model_dims(config.model, info, seq_len=config.data.seq_len)
   growth = schemes.make_init_plan(config.model, dims).concat.growth
@@ -123,7 +124,9 @@ def test_catformer_parameter_count_within_5_percent_of_preln(model_name, depth):
 def test_catformer_built_values_probe_sites_and_remat():
   config = _cat_config(depth=2, width=32, dropout=0.1)
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
-  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
+  plan = schemes.make_init_plan(
+    config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
+  )
   d = plan.concat.growth
   for i, layer in enumerate(model.trunk.layers):
     for name, dense in {'q': layer.attn.q, 'ffn1': layer.ffn.ffn1}.items():
@@ -135,15 +138,22 @@ def test_catformer_built_values_probe_sites_and_remat():
   def probe(site, x, layer):
     seen.append((site, x.shape[-1], int(layer)))
     return x
+
   tokens = jnp.arange(32).reshape(2, 16) % 256
   logits = model(tokens, probe=probe)
   chex.assert_shape(logits, (2, 16, 256))
   chex.assert_tree_all_finite(logits)
-  assert seen == [('embedding', d, -1),
-                  ('attn_branch', d, 0), ('attn_residual', 2 * d, 0), ('ffn_branch', d, 0),
-                  ('ffn_residual', 3 * d, 0),
-                  ('attn_branch', d, 1), ('attn_residual', 4 * d, 1), ('ffn_branch', d, 1),
-                  ('ffn_residual', 5 * d, 1)]
+  assert seen == [
+    ('embedding', d, -1),
+    ('attn_branch', d, 0),
+    ('attn_residual', 2 * d, 0),
+    ('ffn_branch', d, 0),
+    ('ffn_residual', 3 * d, 0),
+    ('attn_branch', d, 1),
+    ('attn_residual', 4 * d, 1),
+    ('ffn_branch', d, 1),
+    ('ffn_residual', 5 * d, 1),
+  ]
 
   # model.remat: every attention and FFN module is one jax.checkpoint (a remat equation of the trace).
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -154,6 +164,7 @@ def test_catformer_built_values_probe_sites_and_remat():
     loss = lambda p: nnx.merge(graphdef, p, rest)(tokens, dropout_key=jax.random.key(1)).mean()
     jaxpr = jax.make_jaxpr(loss)(params)
     return sum(eqn.primitive.name.startswith(('checkpoint', 'remat')) for eqn in jaxpr.jaxpr.eqns)
+
   # Without remat the only checkpoints are the exact GELU's, one per FFN (it is recomputed in the
   # backward pass, `dsjax.models.layers.ACTIVATIONS`); with remat they sit inside the modules' own.
   assert checkpoints(graphdef) == 2
@@ -161,8 +172,10 @@ def test_catformer_built_values_probe_sites_and_remat():
 
 
 def test_catformer_bad_configs():
-  for key, value, match in (('tie_embeddings', True, r'model\.tie_embeddings'),
-                            ('block', 'postln', r'model\.block')):
+  for key, value, match in (
+    ('tie_embeddings', True, r'model\.tie_embeddings'),
+    ('block', 'postln', r'model\.block'),
+  ):
     config = _cat_config()
     config.model[key] = value
     with pytest.raises(ValueError, match=match):
@@ -186,7 +199,7 @@ def test_catformer_gpt_trains_and_resumes_from_its_checkpoint(tmp_path):
   config = _cat_config(depth=2, width=32, dropout=0.1)
   smoke(config, tmp_path, steps=2)
   config.total_steps = 3
-  final = loop.train_and_evaluate(config, str(tmp_path))       # Restores step 2, trains step 3.
+  final = loop.train_and_evaluate(config, str(tmp_path))  # Restores step 2, trains step 3.
   assert np.isfinite(final['eval/loss'])
   assert _train_steps(tmp_path) == [1, 2, 3]
 

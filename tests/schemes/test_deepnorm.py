@@ -69,9 +69,14 @@ def test_deepnorm_built_model(depth):
     assert isinstance(getattr(block, key), layers.Constant)
     np.testing.assert_allclose(getattr(block, key)[...], 1.0)
   # Sample stds of the draws: β·Xavier for V, O and the FFN, Xavier for Q and K.
-  expected = {'q': xavier_std(d, d), 'k': xavier_std(d, d), 'v': beta * xavier_std(d, d),
-              'o': beta * xavier_std(d, d), 'ffn1': beta * xavier_std(d, 4 * d),
-              'ffn2': beta * xavier_std(4 * d, d)}
+  expected = {
+    'q': xavier_std(d, d),
+    'k': xavier_std(d, d),
+    'v': beta * xavier_std(d, d),
+    'o': beta * xavier_std(d, d),
+    'ffn1': beta * xavier_std(d, 4 * d),
+    'ffn2': beta * xavier_std(4 * d, d),
+  }
   for key, dense in dense_layers(block).items():
     np.testing.assert_allclose(kernel_std(dense), expected[key], rtol=0.04, err_msg=key)
 
@@ -85,10 +90,13 @@ def test_deepnorm_constants_are_config_fields():
   np.testing.assert_allclose(plan.layer['v'], (12.0 * 8) ** -0.5 * xavier_std(32, 32), rtol=1e-6)
 
 
-@pytest.mark.parametrize('name,key,value,message', [
+@pytest.mark.parametrize(
+  'name,key,value,message',
+  [
     ('gpt', 'block', 'preln', 'model.block'),
     ('gpt', 'deepnorm.alpha_base', -1.0, 'model.deepnorm.alpha_base'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate(name, key, value, message):
   assert_rejected(method_config('deepnorm', name), key, value, message)
 

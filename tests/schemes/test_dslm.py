@@ -63,13 +63,14 @@ def test_registered_with_its_blocks():
 # The plan against Kedia et al. 2024 (§3.5, App. M): two depths, both blocks, both inits (ReLU, hidden 4d).
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize('depth', [12, 96])
 @pytest.mark.parametrize('block', ['preln', 'postln'])
 @pytest.mark.parametrize('init', ['simple', 'full'])
 def test_plan_matches_spec(depth, block, init):
   d = 64
   config = _dslm_config('gpt', init=init, depth=depth, width=d, block=block, activation='relu')
-  config.model.dslm.attention_var = 'table2'   # the paper's V/O formula
+  config.model.dslm.attention_var = 'table2'  # the paper's V/O formula
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
   lay = {k: np.asarray(v, np.float64) for k, v in plan.layer.items()}
 
@@ -77,8 +78,8 @@ def test_plan_matches_spec(depth, block, init):
   np.testing.assert_allclose(lay['skip_ffn'] ** 2, 1 - 2 / depth, rtol=1e-6)
   np.testing.assert_allclose(lay['branch_attn'] ** 2, 2 / depth, rtol=1e-6)
   np.testing.assert_allclose(lay['branch_ffn'] ** 2, 2 / depth, rtol=1e-6)
-  np.testing.assert_allclose(plan.input_std ** 2, (1 - P) / 2, rtol=1e-6)      # token table, K = 2
-  np.testing.assert_allclose(plan.pos_std ** 2, (1 - P) / 2, rtol=1e-6)        # position table
+  np.testing.assert_allclose(plan.input_std**2, (1 - P) / 2, rtol=1e-6)  # token table, K = 2
+  np.testing.assert_allclose(plan.pos_std**2, (1 - P) / 2, rtol=1e-6)  # position table
   sf2 = (1 / d) * math.sqrt((1 - P) / 2)
   np.testing.assert_allclose(lay['ffn1'] ** 2, sf2, rtol=1e-6)
   np.testing.assert_allclose(lay['ffn2'] ** 2, sf2, rtol=1e-6)
@@ -87,7 +88,7 @@ def test_plan_matches_spec(depth, block, init):
   if init == 'simple':
     expected_vo = np.full(depth, sf2)
   else:
-    r_word = math.pi ** 2 / (6 * math.log(256) ** 2)  # Zipf over the 256 byte values, paper App. A.1
+    r_word = math.pi**2 / (6 * math.log(256) ** 2)  # Zipf over the 256 byte values, paper App. A.1
     expected_vo = (1 / d) * np.sqrt((1 - P) / _spec_recurrence(depth, P, r_word / 2))
   np.testing.assert_allclose(lay['v'] ** 2, expected_vo, rtol=1e-4)
   np.testing.assert_allclose(lay['o'] ** 2, expected_vo, rtol=1e-4)
@@ -101,22 +102,32 @@ def test_exact_attention_var_gives_unit_attention_output(depth):
   output variance 1 for the recurrence's r_n; V·O is below Table 2 where r_n is small."""
   d = 64
   config = _dslm_config('gpt', init='full', depth=depth, width=d, block='preln', activation='relu')
-  assert config.model.dslm.attention_var == 'table2'   # the paper's formula is the default
+  assert config.model.dslm.attention_var == 'table2'  # the paper's formula is the default
   config.model.dslm.attention_var = 'exact'
   dims = _dims(config, TEXT_INFO)
   plan = schemes.make_init_plan(config.model, dims)
   vo = np.asarray(plan.layer['v'], np.float64) ** 2
   np.testing.assert_allclose(np.asarray(plan.layer['o'], np.float64) ** 2, vo, rtol=1e-6)
-  r_word = math.pi ** 2 / (6 * math.log(256) ** 2)
+  r_word = math.pi**2 / (6 * math.log(256) ** 2)
   r_n = _spec_recurrence(depth, P, r_word / 2)
   for n in (0, depth // 2, depth - 1):
     out, _ = theory.components.attention_block(
-        theory.Stats(var=1.0, corr_seq=float(r_n[n])), theory.GradStats(), d=d,
-        num_heads=dims.num_heads, length=dims.seq_len, p=P, q_var=1 / d, k_var=1 / d,
-        v_var=vo[n], o_var=vo[n], attn_p=config.model.attn_dropout, causal=True)
+      theory.Stats(var=1.0, corr_seq=float(r_n[n])),
+      theory.GradStats(),
+      d=d,
+      num_heads=dims.num_heads,
+      length=dims.seq_len,
+      p=P,
+      q_var=1 / d,
+      k_var=1 / d,
+      v_var=vo[n],
+      o_var=vo[n],
+      attn_p=config.model.attn_dropout,
+      causal=True,
+    )
     np.testing.assert_allclose(out.var, 1.0, rtol=2e-3, err_msg=f'layer {n}')
   table2 = (1 / d) * np.sqrt((1 - P) / r_n)
-  assert vo[0] < table2[0]                      # causal: early queries average few tokens
+  assert vo[0] < table2[0]  # causal: early queries average few tokens
 
 
 @pytest.mark.parametrize('block', ['preln', 'postln'])
@@ -136,8 +147,11 @@ def test_built_model_has_the_planned_variances(block, depth):
   np.testing.assert_allclose(np.var(model.token_embed[...]), (1 - P) / 2, rtol=0.05)
   np.testing.assert_allclose(np.var(model.pos_embedding[...]), (1 - P) / 2, rtol=0.15)
   np.testing.assert_allclose(np.var(model.head.kernel[...]), (1 - P) / 2, rtol=0.05)
-  for norm in (block_.post_attn_norm, block_.post_ffn_norm) if block == 'postln' else (
-      block_.pre_attn_norm, block_.pre_ffn_norm, model.trunk.final_norm):
+  for norm in (
+    (block_.post_attn_norm, block_.post_ffn_norm)
+    if block == 'postln'
+    else (block_.pre_attn_norm, block_.pre_ffn_norm, model.trunk.final_norm)
+  ):
     assert np.all(np.asarray(norm.scale[...]) == 1) and np.all(np.asarray(norm.bias[...]) == 0)
   for name in ('skip_attn', 'skip_ffn'):
     assert isinstance(getattr(block_, name), layers.Constant)
@@ -152,10 +166,10 @@ def test_vit_embedding_and_head():
   """ViT: patch kernel σe²/(P²C) for unit-variance pixels, learned position table σe² (K = 2)."""
   config = _dslm_config('vit', depth=4, width=256)
   plan = schemes.make_init_plan(config.model, _dims(config, IMAGE_INFO))
-  d_in = config.model.patch_size ** 2 * IMAGE_INFO.image_shape[2]
-  np.testing.assert_allclose(plan.input_std ** 2, (1 - P) / 2 / d_in, rtol=1e-6)
-  np.testing.assert_allclose(plan.pos_std ** 2, (1 - P) / 2, rtol=1e-6)
-  np.testing.assert_allclose(plan.head_std ** 2, (1 - P) / 2, rtol=1e-6)     # classifier: σe², as an LM head
+  d_in = config.model.patch_size**2 * IMAGE_INFO.image_shape[2]
+  np.testing.assert_allclose(plan.input_std**2, (1 - P) / 2 / d_in, rtol=1e-6)
+  np.testing.assert_allclose(plan.pos_std**2, (1 - P) / 2, rtol=1e-6)
+  np.testing.assert_allclose(plan.head_std**2, (1 - P) / 2, rtol=1e-6)  # classifier: σe², as an LM head
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt(256), rtol=1e-6)
   # The summed embedding of unit-variance pixels has variance 1 − p, i.e. 1 after the dropout.
   model = schemes.build_model(config, IMAGE_INFO, nnx.Rngs(params=0))
@@ -170,8 +184,16 @@ def test_gelu_ffn_uses_the_gelu_moments():
   var_gelu = float(schemes.make_init_plan(c_gelu.model, _dims(c_gelu, TEXT_INFO)).layer['ffn1'][0]) ** 2
   var_relu = (1 / d) * math.sqrt((1 - P) / 2)
   assert abs(var_gelu / var_relu - 1) > 0.1
-  out, _ = theory.components.ffn_block(theory.Stats(var=1.0), theory.GradStats(), d=d, hidden=4 * d, p=P,
-                                       w1_var=var_gelu, w2_var=var_gelu, activation='gelu')
+  out, _ = theory.components.ffn_block(
+    theory.Stats(var=1.0),
+    theory.GradStats(),
+    d=d,
+    hidden=4 * d,
+    p=P,
+    w1_var=var_gelu,
+    w2_var=var_gelu,
+    activation='gelu',
+  )
   np.testing.assert_allclose(out.var, 1.0, rtol=1e-3)
   # Monte Carlo through the model's FFN and dropout on unit-variance inputs (as after the LayerNorm).
   model = schemes.build_model(c_gelu, TEXT_INFO, nnx.Rngs(params=0))
@@ -187,8 +209,8 @@ def test_beta_exponent_learnable_beta_and_output_scales():
   config.model.dslm.learnable_beta = True
   config.model.dslm.output_scale = 'sqrt_embed_var_d'
   plan = schemes.make_init_plan(config.model, _dims(config, TEXT_INFO))
-  np.testing.assert_allclose(plan.layer['branch_ffn'] ** 2, 4.0 / 16 ** 1.5, rtol=1e-6)
-  np.testing.assert_allclose(plan.layer['skip_ffn'] ** 2, 1 - 4.0 / 16 ** 1.5, rtol=1e-6)
+  np.testing.assert_allclose(plan.layer['branch_ffn'] ** 2, 4.0 / 16**1.5, rtol=1e-6)
+  np.testing.assert_allclose(plan.layer['skip_ffn'] ** 2, 1 - 4.0 / 16**1.5, rtol=1e-6)
   np.testing.assert_allclose(plan.output_scale, 1 / math.sqrt((1 - P) / 2 * 32), rtol=1e-6)
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   block = model.trunk.stack.layers
@@ -196,7 +218,9 @@ def test_beta_exponent_learnable_beta_and_output_scales():
   assert isinstance(block.skip_attn, layers.Constant)
 
 
-@pytest.mark.parametrize('name,key,value,message', [
+@pytest.mark.parametrize(
+  'name,key,value,message',
+  [
     ('gpt', 'block', 'dnt', 'model.block'),
     ('gpt', 'dslm.init', 'fancy', 'model.dslm.init'),
     ('gpt', 'dslm.output_scale', 'one', 'model.dslm.output_scale'),
@@ -208,7 +232,8 @@ def test_beta_exponent_learnable_beta_and_output_scales():
     ('gpt', 'dslm.input_var', 0.0, 'model.dslm.input_var'),
     ('vit', 'dslm.input_corr', 'zipf', 'model.dslm.input_corr'),
     ('vit', 'pos_embedding', 'sincos2d', 'model.pos_embedding'),
-])
+  ],
+)
 def test_bad_dslm_configs_fail_in_validate(name, key, value, message):
   assert_rejected(_dslm_config(name, depth=4), key, value, message)
 
@@ -216,6 +241,7 @@ def test_bad_dslm_configs_fail_in_validate(name, key, value, message):
 # ------------------------------------------------------------------------------------------------
 # input_corr='measure'.
 # ------------------------------------------------------------------------------------------------
+
 
 def test_measure_needs_moments_and_uses_the_final_models_embedding():
   config = _dslm_config('gpt', init='full', depth=6, width=32)
@@ -227,7 +253,7 @@ def test_measure_needs_moments_and_uses_the_final_models_embedding():
   moments = dslm.measure_input_moments(config, info, [tokens[:, :-1]])
   model = schemes.build_model(config, info, nnx.Rngs(params=config.seed), prepared=moments)
   x = np.asarray(model.embed(tokens[:, :-1]))
-  np.testing.assert_allclose(moments['var'], x.var(), rtol=1e-4)   # same weights as the provisional model
+  np.testing.assert_allclose(moments['var'], x.var(), rtol=1e-4)  # same weights as the provisional model
   assert 0.0 <= moments['corr_seq'] < 0.2
   # Full init: the measured correlation sets V/O (a different correlation gives different stds).
   plan = schemes.make_init_plan(config.model, _dims(config, info), moments)

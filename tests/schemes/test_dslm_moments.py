@@ -55,8 +55,16 @@ def _check_dslm(summary):
 
 @pytest.mark.slow  # Kept out of the default suite for its time (> 20 s).
 def test_dslm_moments_small(tmp_path):
-  summary = _run_cases(str(tmp_path), DSLM_CASES + ['xavier_preln'], depth=48, width=128, num_heads=4,
-                       seq_len=64, batch_size=4, activation='relu')
+  summary = _run_cases(
+    str(tmp_path),
+    DSLM_CASES + ['xavier_preln'],
+    depth=48,
+    width=128,
+    num_heads=4,
+    seq_len=64,
+    batch_size=4,
+    activation='relu',
+  )
   _check_dslm(summary)
   xavier = summary['xavier_preln']
   assert xavier['forward_growth_N_1'] >= 0.7 * xavier['predicted_growth_N_1'], xavier
@@ -64,8 +72,16 @@ def test_dslm_moments_small(tmp_path):
 
 @pytest.mark.slow
 def test_dslm_moments_192_layers(tmp_path):
-  summary = _run_cases(str(tmp_path), DSLM_CASES + ['xavier_preln'], depth=192, width=256, num_heads=4,
-                       seq_len=128, batch_size=4, activation='relu')
+  summary = _run_cases(
+    str(tmp_path),
+    DSLM_CASES + ['xavier_preln'],
+    depth=192,
+    width=256,
+    num_heads=4,
+    seq_len=128,
+    batch_size=4,
+    activation='relu',
+  )
   _check_dslm(summary)
   # Median errors: forward ≤ 10%, gradient ≤ 15% (simple init, the default).
   for name in DSLM_CASES:

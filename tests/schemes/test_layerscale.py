@@ -30,11 +30,14 @@ def test_registered_with_its_blocks():
   assert registered('layerscale')['blocks'] == ('preln',)
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('block', 'postln', 'model.block'),
     ('layerscale.init', 'cait', 'model.layerscale.init'),
     ('layerscale.init', -0.1, 'model.layerscale.init'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('layerscale'), key, value, message)
 
@@ -59,16 +62,16 @@ def test_layerscale_model_has_learnable_vectors_and_pre_ln(depth):
   for key in ('branch_attn', 'branch_ffn'):
     lam = getattr(block, key)
     assert isinstance(lam, nnx.Param)
-    chex.assert_shape(lam[...], (depth, 32))               # one width-d vector per add and layer
+    chex.assert_shape(lam[...], (depth, 32))  # one width-d vector per add and layer
     np.testing.assert_array_equal(lam[...], np.full((depth, 32), eps, np.float32))
   for key in ('skip_attn', 'skip_ffn'):
     assert isinstance(getattr(block, key), layers.Constant)
   assert block.pre_attn_norm is not None and block.pre_ffn_norm is not None
   assert block.post_attn_norm is None and model.trunk.final_norm is not None
-  assert len(norm_paths(model)) == 3                      # pre-attention, pre-FFN and final LayerNorm
+  assert len(norm_paths(model)) == 3  # pre-attention, pre-FFN and final LayerNorm
   reference = xavier_model(config)
   ref_kernels = kernel_arrays(reference)
-  for key, w in kernel_arrays(model).items():             # Xavier weights
+  for key, w in kernel_arrays(model).items():  # Xavier weights
     np.testing.assert_array_equal(w, ref_kernels[key])
 
 

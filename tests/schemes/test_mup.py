@@ -40,18 +40,26 @@ def test_mup_plan_and_built_model(depth):
   at their base-width values, readout × 1/4, logits × 1/d_head, hidden Adam lr × 1/4, nothing else."""
   w, base, vocab, mult = 64, 16, 256, 4.0
   config = _mup_config(depth=depth, width=w, base=base)
-  plan = schemes.make_init_plan(config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len))
-  expected_var = {'q': 1 / w, 'k': 1 / w, 'v': 1 / w, 'o': 1 / w,       # 2/(fan_in + fan_out), square
-                  'ffn1': 2 / (5 * w), 'ffn2': 2 / (5 * w)}              # fan_in·fan_out = w·4w
+  plan = schemes.make_init_plan(
+    config.model, models.model_dims(config.model, TEXT_INFO, seq_len=config.data.seq_len)
+  )
+  expected_var = {
+    'q': 1 / w,
+    'k': 1 / w,
+    'v': 1 / w,
+    'o': 1 / w,  # 2/(fan_in + fan_out), square
+    'ffn1': 2 / (5 * w),
+    'ffn2': 2 / (5 * w),
+  }  # fan_in·fan_out = w·4w
   for name, var in expected_var.items():
     np.testing.assert_allclose(plan.layer[name] ** 2, np.full(depth, var), rtol=1e-6, err_msg=name)
   for name in ('skip_attn', 'branch_attn', 'skip_ffn', 'branch_ffn'):
     np.testing.assert_array_equal(plan.layer[name], np.ones(depth))
-  np.testing.assert_allclose(plan.input_std ** 2, 2 / (vocab + base), rtol=1e-6)   # base-width Xavier
-  np.testing.assert_allclose(plan.pos_std ** 2, 2 / (vocab + base), rtol=1e-6)
-  np.testing.assert_allclose(plan.head_std ** 2, 2 / (base + vocab), rtol=1e-6)
+  np.testing.assert_allclose(plan.input_std**2, 2 / (vocab + base), rtol=1e-6)  # base-width Xavier
+  np.testing.assert_allclose(plan.pos_std**2, 2 / (vocab + base), rtol=1e-6)
+  np.testing.assert_allclose(plan.head_std**2, 2 / (base + vocab), rtol=1e-6)
   assert plan.output_scale == 1 / mult and not plan.zero_head
-  assert plan.attn_logit_scale == 1 / (w // 4)                                       # 1/d_head
+  assert plan.attn_logit_scale == 1 / (w // 4)  # 1/d_head
   assert plan.lr_scale == {name: 1 / mult for name in WEIGHTS}
 
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
@@ -59,10 +67,11 @@ def test_mup_plan_and_built_model(depth):
   for name, dense in dense_layers(block).items():
     kernel = dense.kernel
     # ≥ 4096 draws per layer: the sample variance is within ~7% (3 standard errors).
-    np.testing.assert_allclose(np.asarray(kernel[...]).var(axis=(1, 2)), expected_var[name], rtol=0.1,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      np.asarray(kernel[...]).var(axis=(1, 2)), expected_var[name], rtol=0.1, err_msg=name
+    )
     assert kernel.get_metadata()['lr_scale'] == 1 / mult, name
-    assert dense.bias.get_metadata()['lr_scale'] == 1.0, name     # biases are vector-like
+    assert dense.bias.get_metadata()['lr_scale'] == 1.0, name  # biases are vector-like
     assert float(jnp.abs(dense.bias[...]).max()) == 0.0
   for norm in (block.pre_attn_norm, block.pre_ffn_norm, model.trunk.final_norm):
     assert norm.scale.get_metadata()['lr_scale'] == 1.0 and np.all(np.asarray(norm.scale[...]) == 1)
@@ -109,7 +118,7 @@ def test_mup_lr_scaling_reaches_the_optimizer():
   half of what the same optimizer without multipliers moves it (its decoupled decay included);
   embeddings, biases, norms and the head move by exactly the same."""
   config = _mup_config(width=32, base=16, depth=2)
-  config.optimizer.warmup_steps = 0        # the first update uses the full learning rate
+  config.optimizer.warmup_steps = 0  # the first update uses the full learning rate
   assert config.optimizer.weight_decay > 0
   setup = state_lib.make_setup(config, TEXT_INFO)
   state = jax.jit(setup.create_state)()
@@ -131,8 +140,13 @@ def test_mup_lr_scaling_reaches_the_optimizer():
     assert np.abs(plain).min() > 0
     np.testing.assert_array_equal(np.asarray(layers_[group][name]['kernel']), 0.5 * plain, err_msg=name)
     np.testing.assert_array_equal(layers_[group][name]['bias'], plain_layers[group][name]['bias'])
-  unscaled = [('token_embed',), ('pos_embedding',), ('head', 'kernel'),
-              ('trunk', 'final_norm', 'scale'), ('trunk', 'stack', 'layers', 'pre_attn_norm', 'scale')]
+  unscaled = [
+    ('token_embed',),
+    ('pos_embedding',),
+    ('head', 'kernel'),
+    ('trunk', 'final_norm', 'scale'),
+    ('trunk', 'stack', 'layers', 'pre_attn_norm', 'scale'),
+  ]
   for path in unscaled:
     mup_leaf, plain_leaf = mup_updates, plain_updates
     for key in path:

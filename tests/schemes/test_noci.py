@@ -51,7 +51,7 @@ def test_noci_plan_and_model(depth, block):
     np.testing.assert_allclose(plan.layer[key], math.sqrt(1.0 / depth), rtol=1e-6)
   for key in ('skip_attn', 'skip_ffn'):
     np.testing.assert_allclose(plan.layer[key], 1.0)
-  np.testing.assert_allclose(plan.attn_logit_scale, 1.0 / math.sqrt(d // heads), rtol=1e-6)   # τ = 1
+  np.testing.assert_allclose(plan.attn_logit_scale, 1.0 / math.sqrt(d // heads), rtol=1e-6)  # τ = 1
   check_xavier_qk(plan, d)
   np.testing.assert_allclose(plan.layer['v'], xavier_std(d, d), rtol=1e-6)
   model = build(config)
@@ -75,19 +75,23 @@ def test_noci_temperature_formula_and_alpha_tilde(name, depth):
   config.model.noci.rho = 0.3
   config_lib.validate_config(config, num_devices=1)
   dims = models.model_dims(config.model, INFO[name], seq_len=config.data.seq_len)
-  n = dims.seq_len                                         # GPT: data.seq_len; ViT: (8/2)² patches
+  n = dims.seq_len  # GPT: data.seq_len; ViT: (8/2)² patches
   assert n == 16
   plan = init_plan(config)
   tau = _tau_eq47(d, n, 0.3)
   np.testing.assert_allclose(plan.attn_logit_scale, tau / math.sqrt(d // heads), rtol=1e-6)
   np.testing.assert_allclose(plan.layer['branch_ffn'], math.sqrt(2.0 / depth), rtol=1e-6)
   model = build(config)
-  np.testing.assert_allclose(model.trunk.stack.layers.attn.logit_scale, tau / math.sqrt(d // heads),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    model.trunk.stack.layers.attn.logit_scale, tau / math.sqrt(d // heads), rtol=1e-6
+  )
   # ρ = 0: τ² = d·n/((n+d)(n−1)); a number is taken as it is.
   config.model.noci.rho = 0.0
-  np.testing.assert_allclose(init_plan(config).attn_logit_scale * math.sqrt(d // heads),
-                             math.sqrt(d * n / ((n + d) * (n - 1))), rtol=1e-6)
+  np.testing.assert_allclose(
+    init_plan(config).attn_logit_scale * math.sqrt(d // heads),
+    math.sqrt(d * n / ((n + d) * (n - 1))),
+    rtol=1e-6,
+  )
   config.model.noci.tau = 8.5
   np.testing.assert_allclose(init_plan(config).attn_logit_scale, 8.5 / math.sqrt(d // heads), rtol=1e-6)
 
@@ -100,13 +104,16 @@ def test_noci_learnable_alpha():
   assert isinstance(block.skip_attn, layers.Constant)
 
 
-@pytest.mark.parametrize('name,key,value,message', [
+@pytest.mark.parametrize(
+  'name,key,value,message',
+  [
     ('gpt', 'block', 'dnt', 'model.block'),
     ('gpt', 'noci.tau', 'hot', 'model.noci.tau'),
     ('gpt', 'noci.tau', 0.0, 'model.noci.tau'),
     ('gpt', 'noci.rho', 1.0, 'model.noci.rho'),
     ('gpt', 'noci.alpha_tilde', 0.0, 'model.noci.alpha_tilde'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate(name, key, value, message):
   assert_rejected(method_config('noci', name), key, value, message)
 

@@ -38,9 +38,15 @@ def test_registry_lists_every_method_with_its_paper():
 
 
 # Every method on GPT; on ViT the plain and DSLM models by default, every method with `-m slow`.
-THREE_STEP_CASES = [pytest.param(name, model_name, marks=pytest.mark.slow if (
-    model_name == 'vit' and name not in (schemes.PLAIN, 'dslm')) else ()) for name in NAMES
-                    for model_name in ('gpt', 'vit')]
+THREE_STEP_CASES = [
+  pytest.param(
+    name,
+    model_name,
+    marks=pytest.mark.slow if (model_name == 'vit' and name not in (schemes.PLAIN, 'dslm')) else (),
+  )
+  for name in NAMES
+  for model_name in ('gpt', 'vit')
+]
 
 
 @pytest.mark.parametrize('name,model_name', THREE_STEP_CASES)
@@ -56,12 +62,26 @@ def test_every_method_trains_three_steps(name, model_name):
   config_lib.validate_against_data(config, info)
   prepared = state_lib.method_preparation(config, info)
   setup = state_lib.make_setup(config, info, prepared)
-  train_step = jax.jit(step_lib.make_train_step(
-      setup.graphdef, setup.tx, step_lib.LOSSES[model_name], config.seed, setup.schedule,
-      use_dropout=False, instrument=instrument))
+  train_step = jax.jit(
+    step_lib.make_train_step(
+      setup.graphdef,
+      setup.tx,
+      step_lib.LOSSES[model_name],
+      config.seed,
+      setup.schedule,
+      use_dropout=False,
+      instrument=instrument,
+    )
+  )
   state = jax.jit(setup.create_state)()
-  batches = data_lib.make_pipeline(config.data, global_batch_size=config.batch_size, seed=config.seed,
-                                   process_index=0, process_count=1, train=True)
+  batches = data_lib.make_pipeline(
+    config.data,
+    global_batch_size=config.batch_size,
+    seed=config.seed,
+    process_index=0,
+    process_count=1,
+    train=True,
+  )
   losses = []
   for _, batch in zip(range(3), batches):
     state, metrics = train_step(state, jax.device_put(batch))

@@ -23,10 +23,13 @@ def test_registered_with_its_blocks():
   assert registered('rezero')['blocks'] == ('nonorm',)
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('block', 'preln', 'model.block'),
     ('rezero.init', float('nan'), 'model.rezero.init'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('rezero'), key, value, message)
 
@@ -35,7 +38,7 @@ def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
 def test_rezero_is_the_identity_at_init(depth):
   plan, block = check_zero_branch_identity('rezero', depth)
   assert plan.branch.shared
-  assert block.branch_ffn is None                           # the attention add's α, shared by both adds
+  assert block.branch_ffn is None  # the attention add's α, shared by both adds
 
 
 def test_rezero_initial_alpha_is_configurable():

@@ -24,10 +24,13 @@ def test_registered_with_its_blocks():
   assert registered('skipinit')['blocks'] == ('nonorm',)
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('block', 'postln', 'model.block'),
     ('final_norm', True, 'model.final_norm'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('skipinit'), key, value, message)
 
@@ -36,7 +39,7 @@ def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
 def test_skipinit_is_the_identity_at_init(depth):
   plan, block = check_zero_branch_identity('skipinit', depth)
   assert not plan.branch.shared
-  assert isinstance(block.branch_ffn, nnx.Param)            # one α per add
+  assert isinstance(block.branch_ffn, nnx.Param)  # one α per add
   chex.assert_shape(block.branch_ffn[...], (depth,))
 
 

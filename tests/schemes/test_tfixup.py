@@ -35,12 +35,15 @@ def test_registered_with_its_blocks():
   assert registered('tfixup')['blocks'] == ('nonorm',)
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('block', 'preln', 'model.block'),
     ('final_norm', True, 'model.final_norm'),
     ('tfixup.encoder_scale', 0.0, 'model.tfixup.encoder_scale'),
     ('tfixup.decoder_factor', -9.0, 'model.tfixup.decoder_factor'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('tfixup'), key, value, message)
 
@@ -51,29 +54,37 @@ def test_tfixup_scales_and_has_no_norm(name, depth):
   d = 32
   config = method_config('tfixup', name, depth=depth)
   plan = init_plan(config)
-  scale = (9 * depth) ** -0.25 if name == 'gpt' else 0.67 * depth ** -0.25
-  xavier = {'q': xavier_std(d, d), 'k': xavier_std(d, d), 'v': xavier_std(d, d), 'o': xavier_std(d, d),
-            'ffn1': xavier_std(d, 4 * d), 'ffn2': xavier_std(4 * d, d)}
+  scale = (9 * depth) ** -0.25 if name == 'gpt' else 0.67 * depth**-0.25
+  xavier = {
+    'q': xavier_std(d, d),
+    'k': xavier_std(d, d),
+    'v': xavier_std(d, d),
+    'o': xavier_std(d, d),
+    'ffn1': xavier_std(d, 4 * d),
+    'ffn2': xavier_std(4 * d, d),
+  }
   factor = {'q': 1.0, 'k': 1.0, 'v': scale, 'o': scale, 'ffn1': scale, 'ffn2': scale}
   for key in WEIGHT_KEYS:
     np.testing.assert_allclose(plan.layer[key], xavier[key] * factor[key], rtol=1e-6, err_msg=key)
-  table_std = d ** -0.25 * (9 * depth) ** -0.25          # N(0, d^{-1/2}) × (9N)^{-1/4}
+  table_std = d**-0.25 * (9 * depth) ** -0.25  # N(0, d^{-1/2}) × (9N)^{-1/4}
   patch_dim = 2 * 2 * 1
-  np.testing.assert_allclose(plan.input_std, table_std if name == 'gpt' else table_std / math.sqrt(patch_dim),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    plan.input_std, table_std if name == 'gpt' else table_std / math.sqrt(patch_dim), rtol=1e-6
+  )
   np.testing.assert_allclose(plan.pos_std, table_std, rtol=1e-6)
   np.testing.assert_allclose(plan.head_std, xavier_std(d, 256 if name == 'gpt' else 10), rtol=1e-6)
 
   model = build(config)
-  assert norm_paths(model) == []    # no LayerNorm anywhere, no final norm
+  assert norm_paths(model) == []  # no LayerNorm anywhere, no final norm
   reference = xavier_model(config)
   ref_kernels = kernel_arrays(reference)
   for key, w in kernel_arrays(model).items():
     np.testing.assert_allclose(w / ref_kernels[key], factor[key], rtol=1e-5, err_msg=key)
   assert_layer_stds(model, plan)
   input_dim = 256 if name == 'gpt' else patch_dim
-  np.testing.assert_allclose(input_kernel(model) / input_kernel(reference),
-                             plan.input_std / xavier_std(input_dim, d), rtol=1e-5)
+  np.testing.assert_allclose(
+    input_kernel(model) / input_kernel(reference), plan.input_std / xavier_std(input_dim, d), rtol=1e-5
+  )
   if name == 'gpt':
     np.testing.assert_allclose(np.std(model.token_embed[...]), table_std, rtol=0.05)
   block = model.trunk.stack.layers
@@ -87,7 +98,7 @@ def test_tfixup_constants_and_unscaled_embeddings():
   config.model.tfixup.encoder_scale, config.model.tfixup.scale_embeddings = 0.5, False
   plan = init_plan(config)
   np.testing.assert_allclose(plan.layer['ffn2'], xavier_std(128, 32) * 0.5 / 2, rtol=1e-6)
-  np.testing.assert_allclose(plan.pos_std, 32 ** -0.25, rtol=1e-6)
+  np.testing.assert_allclose(plan.pos_std, 32**-0.25, rtol=1e-6)
   config = method_config('tfixup', 'gpt', depth=16)
   config.model.tfixup.decoder_factor = 1.0
   np.testing.assert_allclose(init_plan(config).layer['v'], xavier_std(32, 32) / 2, rtol=1e-6)

@@ -74,9 +74,12 @@ def test_value_skipinit_attention_is_the_identity_at_init(name):
     assert not np.allclose(np.asarray(attn(x, None)), np.asarray(attn.o(attn.v(x))), atol=1e-3)
 
 
-@pytest.mark.parametrize('name,key,value,message', [
+@pytest.mark.parametrize(
+  'name,key,value,message',
+  [
     ('gpt', 'block', 'dnt', 'model.block'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate(name, key, value, message):
   assert_rejected(method_config('value_skipinit', name), key, value, message)
 

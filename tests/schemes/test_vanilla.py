@@ -35,10 +35,13 @@ def test_registered_with_its_blocks():
   assert registered('vanilla')['blocks'] == ('preln', 'postln', 'dnt', 'nonorm')
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('vanilla.init', 'he', 'model.vanilla.init'),
     ('block', 'sandwich', 'model.block'),
-])
+  ],
+)
 def test_bad_configs_fail_in_validate_in_one_line(key, value, message):
   assert_rejected(method_config('vanilla'), key, value, message)
 
@@ -61,11 +64,17 @@ def _check_unit_residual_scales(plan, model, depth):
 def test_xavier_plan_and_built_model(name, depth):
   d, vocab, classes, patch_dim = 32, 256, 10, 2 * 2 * 1
   config = method_config('vanilla', name, depth=depth)
-  assert config.model.vanilla.init == 'xavier'          # the default
+  assert config.model.vanilla.init == 'xavier'  # the default
   plan = init_plan(config)
   assert plan.distribution == 'normal'
-  expected = {'q': xavier_std(d, d), 'k': xavier_std(d, d), 'v': xavier_std(d, d), 'o': xavier_std(d, d),
-              'ffn1': xavier_std(d, 4 * d), 'ffn2': xavier_std(4 * d, d)}
+  expected = {
+    'q': xavier_std(d, d),
+    'k': xavier_std(d, d),
+    'v': xavier_std(d, d),
+    'o': xavier_std(d, d),
+    'ffn1': xavier_std(d, 4 * d),
+    'ffn2': xavier_std(4 * d, d),
+  }
   for key, std in expected.items():
     np.testing.assert_allclose(plan.layer[key], np.full(depth, std), rtol=1e-6, err_msg=key)
   input_dim = vocab if name == 'gpt' else patch_dim
@@ -77,7 +86,7 @@ def test_xavier_plan_and_built_model(name, depth):
   model = build(config)
   _check_unit_residual_scales(plan, model, depth)
   assert_layer_stds(model, plan)
-  if name == 'gpt':       # 256·32 draws each: the sample std is within ~2.5% (3 standard errors)
+  if name == 'gpt':  # 256·32 draws each: the sample std is within ~2.5% (3 standard errors)
     np.testing.assert_allclose(np.std(model.token_embed[...]), plan.input_std, rtol=0.05)
     np.testing.assert_allclose(np.std(model.head.kernel[...]), plan.head_std, rtol=0.05)
 
@@ -87,7 +96,7 @@ def test_gpt2_plan_and_built_model(depth):
   config = method_config('vanilla', 'gpt', depth=depth)
   config.model.vanilla.init = 'gpt2'
   plan = init_plan(config)
-  residual = 0.02 / math.sqrt(2 * depth)                # the projections that write into the stream
+  residual = 0.02 / math.sqrt(2 * depth)  # the projections that write into the stream
   expected = {'q': 0.02, 'k': 0.02, 'v': 0.02, 'o': residual, 'ffn1': 0.02, 'ffn2': residual}
   for key, std in expected.items():
     np.testing.assert_allclose(plan.layer[key], np.full(depth, std), rtol=1e-6, err_msg=key)

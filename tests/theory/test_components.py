@@ -14,11 +14,18 @@ G = GradStats(var=2.0, corr_seq=0.3)
 
 # --- Statistics and argument checks ------------------------------------------------------------------
 
-@pytest.mark.parametrize('kwargs, name', [
-    (dict(var=0.0), 'var'), (dict(var=-1.0), 'var'), (dict(var=float('nan')), 'var'),
-    (dict(corr_seq=1.5), 'corr_seq'), (dict(corr_hidden=-1.01), 'corr_hidden'),
+
+@pytest.mark.parametrize(
+  'kwargs, name',
+  [
+    (dict(var=0.0), 'var'),
+    (dict(var=-1.0), 'var'),
+    (dict(var=float('nan')), 'var'),
+    (dict(corr_seq=1.5), 'corr_seq'),
+    (dict(corr_hidden=-1.01), 'corr_hidden'),
     (dict(mean=float('inf')), 'mean'),
-])
+  ],
+)
 def test_stats_validation_names_the_field(kwargs, name):
   with pytest.raises(ValueError, match=name):
     Stats(**kwargs)
@@ -30,7 +37,9 @@ def test_grad_stats_validation_names_the_field(kwargs, name):
     GradStats(**kwargs)
 
 
-@pytest.mark.parametrize('call, name', [
+@pytest.mark.parametrize(
+  'call, name',
+  [
     (lambda: C.dropout(X, G, p=1.0), 'p'),
     (lambda: C.dropout(X, G, p=-0.1), 'p'),
     (lambda: C.linear(X, G, d_in=0, d_out=4, w_var=1.0), 'd_in'),
@@ -40,23 +49,35 @@ def test_grad_stats_validation_names_the_field(kwargs, name):
     (lambda: C.softmax(X, G, length=1), 'length'),
     (lambda: C.attention_head(X, G, d_in=8, d_head=4, length=16, p=0.0, qk_var=-1.0, v_var=1.0), 'qk_var'),
     (lambda: C.attention_head(X, G, d_in=8, d_head=4, length=16, p=1.2, qk_var=1.0, v_var=1.0), 'p'),
-    (lambda: C.attention_block(X, G, d=10, num_heads=3, length=16, p=0.1, q_var=0.1, k_var=0.1,
-                               v_var=0.1, o_var=0.1), 'num_heads'),
-    (lambda: C.attention_block(X, G, d=8, num_heads=2, length=16, p=0.1, q_var=0.1, k_var=0.1,
-                               v_var=0.1, o_var=0.0), 'o_var'),
-    (lambda: C.ffn_block(X, G, d=8, hidden=32, p=0.1, w1_var=0.1, w2_var=0.1, activation='tanh'),
-     'activation'),
+    (
+      lambda: C.attention_block(
+        X, G, d=10, num_heads=3, length=16, p=0.1, q_var=0.1, k_var=0.1, v_var=0.1, o_var=0.1
+      ),
+      'num_heads',
+    ),
+    (
+      lambda: C.attention_block(
+        X, G, d=8, num_heads=2, length=16, p=0.1, q_var=0.1, k_var=0.1, v_var=0.1, o_var=0.0
+      ),
+      'o_var',
+    ),
+    (
+      lambda: C.ffn_block(X, G, d=8, hidden=32, p=0.1, w1_var=0.1, w2_var=0.1, activation='tanh'),
+      'activation',
+    ),
     (lambda: C.ffn_block(X, G, d=8, hidden=0, p=0.1, w1_var=0.1, w2_var=0.1), 'hidden'),
     (lambda: C.embedding_corr(vocab_size=0, num_tables=3), 'vocab_size'),
     (lambda: C.relu(Stats(mean=1.0), G), 'mean'),
     (lambda: C.linear(1.0, G, d_in=4, d_out=4, w_var=1.0), 'x'),
-])
+  ],
+)
 def test_invalid_arguments_raise_value_error_naming_them(call, name):
   with pytest.raises(ValueError, match=name):
     call()
 
 
 # --- Exact elementwise and linear formulas -----------------------------------------------------------
+
 
 def test_linear_turns_the_mean_into_token_covariance():
   x = Stats(mean=2.0, var=1.0, corr_seq=0.5)
@@ -74,7 +95,7 @@ def test_dropout_moments():
   out, g_in = C.dropout(x, G, p=0.25)
   assert out.mean == 3.0
   assert out.var == pytest.approx((2 + 0.25 * 9) / 0.75)
-  assert out.cov_seq == pytest.approx(1.0)          # covariances are unchanged
+  assert out.cov_seq == pytest.approx(1.0)  # covariances are unchanged
   assert out.cov_hidden == pytest.approx(0.2)
   assert g_in.var == pytest.approx(2.0 / 0.75)
   assert g_in.corr_seq == pytest.approx(0.3 * 0.75)
@@ -89,7 +110,7 @@ def test_relu_at_zero_correlation_uses_the_exact_formula():
   assert out.mean == pytest.approx(1 / math.sqrt(2 * math.pi))
   assert out.var == pytest.approx((math.pi - 1) / (2 * math.pi))
   assert g_in.var == pytest.approx(0.5)
-  assert g_in.corr_seq == pytest.approx(0.5 * 0.6)   # (1/2 + asin(0)/π)·rg
+  assert g_in.corr_seq == pytest.approx(0.5 * 0.6)  # (1/2 + asin(0)/π)·rg
 
 
 def test_relu_correlation_known_values_and_fit():
@@ -107,7 +128,7 @@ def test_relu_correlation_known_values_and_fit():
 @pytest.mark.parametrize('s2', [0.1, 1.0, 10.0])
 def test_gelu_is_self_consistent(s2):
   out, g_in = C.gelu(Stats(var=s2, corr_seq=1.0), GradStats(var=1.0, corr_seq=1.0))
-  assert out.corr_seq == pytest.approx(1.0)         # covariance at r = 1 is the variance
+  assert out.corr_seq == pytest.approx(1.0)  # covariance at r = 1 is the variance
   assert g_in.corr_seq == pytest.approx(1.0)
   assert out.mean == pytest.approx(s2 / math.sqrt(2 * math.pi * (s2 + 1)))
   assert C.gelu_second_moment(s2) == pytest.approx(out.var + out.mean**2)
@@ -137,6 +158,7 @@ def test_layernorm_output_variance_is_one(exact):
 
 # --- Softmax -----------------------------------------------------------------------------------------
 
+
 def test_softmax_quadrature_is_exact_for_uniform_and_two_logits():
   m = C.softmax_moments(0.0, 7)
   assert m['m2'] == pytest.approx(1 / 49)
@@ -163,10 +185,12 @@ def test_softmax_forms_agree_in_their_regime_and_outputs_sum_to_one():
   _, g_corr = C.softmax(x, GradStats(var=1.0, corr_seq=0.5), length=L)
   assert g_corr.var == pytest.approx(0.5 * base_g.var)
   assert C.softmax(Stats(var=0.02, corr_seq=0.6), g, length=L)[0].var == pytest.approx(
-      C.softmax(Stats(var=0.008, corr_seq=0.0), g, length=L)[0].var)
+    C.softmax(Stats(var=0.008, corr_seq=0.0), g, length=L)[0].var
+  )
 
 
 # --- Embeddings --------------------------------------------------------------------------------------
+
 
 def test_zipf_embedding_correlation_bert():
   assert C.embedding_corr(vocab_size=32000, num_tables=3) == pytest.approx(0.227, abs=5e-4)
@@ -174,7 +198,7 @@ def test_zipf_embedding_correlation_bert():
 
 
 def test_zipf_embedding_correlation_gpt_and_dropout():
-  r_word = math.pi**2 / (6 * math.log(50257)**2)
+  r_word = math.pi**2 / (6 * math.log(50257) ** 2)
   assert C.embedding_corr(vocab_size=50257, num_tables=2) == pytest.approx(r_word / 2)
   stats = C.embedding(vocab_size=50257, num_tables=2, table_var=0.45, p=0.1)
   assert stats.var == pytest.approx(1.0)
@@ -183,14 +207,26 @@ def test_zipf_embedding_correlation_gpt_and_dropout():
 
 # --- Attention ---------------------------------------------------------------------------------------
 
+
 def test_attention_head_paper_form_is_appendix_a8():
   s2, r, p, L, d_in, d_head, qk, v, g2, rg = 1.0, 0.3, 0.2, 300, 100, 32, 0.003, 0.01, 2.0, 0.4
-  out, g_in = C.attention_head(Stats(var=s2, corr_seq=r), GradStats(var=g2, corr_seq=rg), d_in=d_in,
-                               d_head=d_head, length=L, p=p, qk_var=qk, v_var=v, form='paper')
+  out, g_in = C.attention_head(
+    Stats(var=s2, corr_seq=r),
+    GradStats(var=g2, corr_seq=rg),
+    d_in=d_in,
+    d_head=d_head,
+    length=L,
+    p=p,
+    qk_var=qk,
+    v_var=v,
+    form='paper',
+  )
   a = d_in * s2 * qk**2
-  var = ((L - 1) * (1 - r)**2 * a * s2**2
-         + math.exp((1 - r) * d_in * a * s2) * (4 * (1 - r)**2 * a * s2**2 + (1 - r) * s2) / (1 - p)) / L + r * s2
-  cov = r * s2 + (2 * (1 - r)**2 * a * s2**2 + (1 - r) * s2) / L
+  var = (
+    (L - 1) * (1 - r) ** 2 * a * s2**2
+    + math.exp((1 - r) * d_in * a * s2) * (4 * (1 - r) ** 2 * a * s2**2 + (1 - r) * s2) / (1 - p)
+  ) / L + r * s2
+  cov = r * s2 + (2 * (1 - r) ** 2 * a * s2**2 + (1 - r) * s2) / L
   assert out.var == pytest.approx(d_in * v * var)
   assert out.cov_seq == pytest.approx(d_in * v * cov)
   assert g_in.var == pytest.approx(g2 * d_head * v * (1 + (L - 1) * rg * (1 - p)) / (L * (1 - p)))
@@ -218,9 +254,17 @@ def test_attention_head_gradient_through_the_softmax_matters():
 def test_causal_attention_with_uniform_weights():
   # qk → 0: position t averages t+1 tokens; key u collects 1/(t+1) from every query t ≥ u.
   L, d_in, d_head, v = 64, 128, 32, 0.02
-  out, g_in = C.attention_head(Stats(var=1.0, corr_seq=0.0), GradStats(var=1.0, corr_seq=0.0),
-                               d_in=d_in, d_head=d_head, length=L, p=0.0, qk_var=1e-8, v_var=v,
-                               causal=True)
+  out, g_in = C.attention_head(
+    Stats(var=1.0, corr_seq=0.0),
+    GradStats(var=1.0, corr_seq=0.0),
+    d_in=d_in,
+    d_head=d_head,
+    length=L,
+    p=0.0,
+    qk_var=1e-8,
+    v_var=v,
+    causal=True,
+  )
   n = np.arange(1, L + 1)
   assert out.var == pytest.approx(d_in * v * np.mean(1 / n), rel=1e-6)
   suffix = np.cumsum((1 / n**2)[::-1])[::-1]
@@ -233,8 +277,7 @@ def test_causal_attention_with_uniform_weights():
 def test_causal_attention_first_position_sees_itself_only():
   # L = 2 with dropout: position 0 outputs ξ·x_0·Wv exactly.
   x, g = Stats(var=1.0, corr_seq=0.0), GradStats()
-  out, _ = C.attention_head(x, g, d_in=64, d_head=16, length=2, p=0.5, qk_var=1e-8, v_var=1 / 64,
-                            causal=True)
+  out, _ = C.attention_head(x, g, d_in=64, d_head=16, length=2, p=0.5, qk_var=1e-8, v_var=1 / 64, causal=True)
   position0 = 1.0 / 0.5
   position1 = C._softmax_e2(1e-20, 2) * 1.0 / (2 * 0.5)
   assert out.var == pytest.approx((position0 + position1) / 2, rel=1e-5)
@@ -242,9 +285,19 @@ def test_causal_attention_first_position_sees_itself_only():
 
 def test_attention_block_simple_form_is_table_2_with_the_dropout_correction():
   d, p, v, o, r, s2, rg, g2 = 256, 0.1, 1 / 256, 2 / 256, 0.6, 1.0, 0.7, 1.0
-  out, g_in = C.attention_block(Stats(var=s2, corr_seq=r), GradStats(var=g2, corr_seq=rg), d=d,
-                                num_heads=4, length=100000, p=p, q_var=1 / d, k_var=1 / d, v_var=v,
-                                o_var=o, form='simple')
+  out, g_in = C.attention_block(
+    Stats(var=s2, corr_seq=r),
+    GradStats(var=g2, corr_seq=rg),
+    d=d,
+    num_heads=4,
+    length=100000,
+    p=p,
+    q_var=1 / d,
+    k_var=1 / d,
+    v_var=v,
+    o_var=o,
+    form='simple',
+  )
   c1 = d * d * v * o / (1 - p)
   assert out.var == pytest.approx(c1 * r * s2)
   assert out.corr_seq == pytest.approx(1 - p)
@@ -254,23 +307,26 @@ def test_attention_block_simple_form_is_table_2_with_the_dropout_correction():
 
 def test_ffn_block_relu_table_2():
   d, p, w1, w2, r, s2, rg = 64, 0.1, 1 / 64, 0.5 / 64, 0.3, 2.0, 0.5
-  out, g_in = C.ffn_block(Stats(var=s2, corr_seq=r), GradStats(var=1.0, corr_seq=rg), d=d, hidden=4 * d,
-                          p=p, w1_var=w1, w2_var=w2)
+  out, g_in = C.ffn_block(
+    Stats(var=s2, corr_seq=r), GradStats(var=1.0, corr_seq=rg), d=d, hidden=4 * d, p=p, w1_var=w1, w2_var=w2
+  )
   c2 = 2 * d * d * w1 * w2 / (1 - p)
   assert out.var == pytest.approx(c2 * s2)
   assert out.corr_seq == pytest.approx((1 - p) * (r + (math.sqrt(1 - r * r) - r * math.acos(r)) / math.pi))
   assert g_in.var == pytest.approx(c2)
   assert g_in.corr_seq == pytest.approx((1 - p) * (0.5 + math.asin(r) / math.pi) * rg)
-  fit, _ = C.ffn_block(Stats(var=s2, corr_seq=r), G, d=d, hidden=4 * d, p=p, w1_var=w1, w2_var=w2,
-                       exact=False)
-  assert fit.corr_seq == pytest.approx((1 - p) * (1 / math.pi + r / 2 + (0.5 - 1 / math.pi) * r * r),
-                                       abs=0.01)
+  fit, _ = C.ffn_block(
+    Stats(var=s2, corr_seq=r), G, d=d, hidden=4 * d, p=p, w1_var=w1, w2_var=w2, exact=False
+  )
+  assert fit.corr_seq == pytest.approx(
+    (1 - p) * (1 / math.pi + r / 2 + (0.5 - 1 / math.pi) * r * r), abs=0.01
+  )
 
 
 def test_layernorm_random_fraction_zero_is_the_large_d_form():
   x, g = Stats(var=2.0, corr_seq=0.3), GradStats(var=3.0, corr_seq=0.4)
   _, g0 = C.layernorm(x, g, d=32, random_fraction=0.0)
-  assert g0.var == pytest.approx(3.0 / 2.0)            # the paper's form
+  assert g0.var == pytest.approx(3.0 / 2.0)  # the paper's form
   assert g0.cov_seq == pytest.approx(g.cov_seq / 2.0)
   with pytest.raises(ValueError, match='random_fraction'):
     C.layernorm(x, g, d=32, random_fraction=1.5)
@@ -299,7 +355,7 @@ def _simulate_post_ln_backward(d, rho, n=60_000, corr=0.5, seed=0):
     s_hat = s_c / np.linalg.norm(s_c, axis=-1, keepdims=True)
     sigma = np.sqrt((s_c**2).mean(-1, keepdims=True))
     grads_in.append((g - (g * s_hat).sum(-1, keepdims=True) * s_hat) / sigma)
-  var_ratio = (grads_in[0]**2).mean() / (gs[0]**2).mean()
+  var_ratio = (grads_in[0] ** 2).mean() / (gs[0] ** 2).mean()
   cov_ratio = (grads_in[0] * grads_in[1]).mean() / (gs[0] * gs[1]).mean()
   return var_ratio, cov_ratio
 
