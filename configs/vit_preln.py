@@ -6,10 +6,10 @@ Command:
 
 Expected runtime: 1m55s wall on an idle 2-core CPU (2026-11-24; 12m16s earlier while a second
 training run shared the two cores).
-Expected result: test accuracy 0.947 (284/300) at step 600, eval loss 0.216 (measured with this
-command, seed 0, 2026-11-24, and again on 2026-11-27 with the same numbers to the last digit; earlier code that computed the same model with its float sums in another
-order gave 0.950, and the code of commit 896cee1 0.960: one seed moves by a few test images, so this is
-no comparison with the DNT config's 0.960).
+Expected result: test accuracy 0.947 (284/300) at step 600, eval loss 0.216 (measured with this command,
+seed 0, 2026-11-24, and again on 2026-11-27 with the same numbers to the last digit; earlier code that
+computed the same model with its float sums in another order gave 0.950, and the code of commit 896cee1
+0.960: one seed moves by a few test images, so this is no comparison with the DNT config's 0.960).
 
 `--config.optimizer.name=msgdw --config.optimizer.lr=0.03 --config.optimizer.weight_decay=2e-4
 --config.optimizer.warmup_steps=0` trains it with the mSGDW settings of `configs/vit_dnt.py` (Qi et al.
