@@ -46,13 +46,16 @@ _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order
 # What a checkpoint must match, and how to tell that it is intact.
 # ------------------------------------------------------------------------------------------------
 
-def run_identity(config) -> dict[str, Any]:
+def run_identity(config, data_info=None) -> dict[str, Any]:
   """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, the
-  dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state)."""
+  dataset and sequence length (vocabulary, classes, position tables) and the optimizer (its state);
+  with `data_info` (a `dsjax.data.DatasetInfo`), also the hashes of tokenized text and of its tokenizer
+  and the vocabulary (`DatasetInfo.checkpoint_identity`: none for byte-level TFDS text and images)."""
   model = {k: v for k, v in config.model.to_dict().items() if k not in RESUMABLE_KEYS}
+  data = data_info.checkpoint_identity() if data_info is not None else {}
   return json.loads(json.dumps({'model': model, 'data.name': config.data.name,
                                 'data.seq_len': config.data.get('seq_len'),
-                                'optimizer.name': config.optimizer.name}))
+                                'optimizer.name': config.optimizer.name, **data}))
 
 
 def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
@@ -174,22 +177,25 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config, *, read_by: str | None = None) -> int | None:
+  def check_compatible(self, config, *, data_info=None, read_by: str | None = None) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
-    architecture (else a ValueError naming the differing keys) and, for a run that resumes it, not
-    beyond `total_steps`. Returns that step, or None for a fresh workdir. `read_by`: the flag of a tool
-    that only reads the checkpoint (e.g. '--checkpoint'), for its message."""
+    architecture and data (`run_identity` with `data_info`; else a ValueError naming the differing keys)
+    and, for a run that resumes it, not beyond `total_steps`. Returns that step, or None for a fresh
+    workdir. `read_by`: the flag of a tool that only reads the checkpoint (e.g. '--checkpoint'), for its
+    message."""
     for step in self.steps():
       try:
         saved = self._read_run_item(step)['identity']
       except Exception:  # pylint: disable=broad-except
         continue  # Unreadable: `restore` reports it and falls back.
-      differences = identity_differences(saved, run_identity(config))
+      differences = identity_differences(saved, run_identity(config, data_info))
       if differences:
         where = f'{read_by}={self.workdir}' if read_by else self.workdir
         remedy = ('pass the settings it was trained with' if read_by else
                   'use a new --workdir or the checkpoint\'s settings')
-        raise ValueError(f'{where} holds a checkpoint (step {step}) of another architecture; differing '
+        other = ('another architecture' if not all(d.startswith('data.') for d in differences)
+                 else 'other data (text or tokenizer)')
+        raise ValueError(f'{where} holds a checkpoint (step {step}) of {other}; differing '
                          f'keys: {"; ".join(differences)}; {remedy}')
       if read_by is None and step > config.total_steps:
         raise ValueError(f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
@@ -291,7 +297,7 @@ def restore_model(config, data_info, workdir: str, flag: str):
   try:
     if checkpointer.latest_step() is None:
       raise no_checkpoint
-    checkpointer.check_compatible(config, read_by=flag)
+    checkpointer.check_compatible(config, data_info=data_info, read_by=flag)
     prepared = state_lib.method_preparation(config, data_info, workdir)
     setup = state_lib.make_setup(config, data_info, prepared)
     # Every array onto this process's first device, whatever mesh the run saved it from (without a
