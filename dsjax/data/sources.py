@@ -130,7 +130,7 @@ class DatasetInfo:
     identity = {}
     if self.corpus_sha256 is not None:
       identity['data.corpus_sha256'] = self.corpus_sha256
-    if self.tokenizer_sha256 not in (None, tokenizer_lib.BYTES):
+    if self.corpus_sha256 is not None or self.tokenizer_sha256 not in (None, tokenizer_lib.BYTES):
       identity['data.tokenizer_sha256'] = self.tokenizer_sha256
       identity['data.vocab_size'] = self.vocab_size
     return identity
