@@ -8,6 +8,7 @@ Everything runs on a tiny corpus written to a temporary directory (about 60 KB i
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from dsjax import data
 from dsjax import tokenizer as tokenizer_cli
 from dsjax.data import corpus as corpus_lib
 from dsjax.data import tokenizer as tokenizer_lib
+from dsjax.train import checkpoint as checkpoint_lib
+from dsjax.train import loop
+from tests.helpers import tiny_config
 
 _WORDS = ('def', 'return', 'self', 'import', 'class', 'value', 'print', 'for', 'in', 'range', 'if', 'else',
           'None', 'True', 'ünïcode', 'λ', '=', '(', ')', ':', '\n', '    ')
@@ -228,3 +232,35 @@ def test_bad_inputs_fail_in_one_line(corpus_dir, trained, tmp_path):
                   'larger than the train split')
   _one_line_error(lambda: tokenizer_cli.train(f'text:{corpus_dir}/*.txt', 100, str(out)), '--vocab_size=100')
   assert not out.exists()
+
+
+def _snapshot(root):
+  return {str(p.relative_to(root)): (None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns))
+          for p in sorted(root.rglob('*')) if p.name != checkpoint_lib.LOCK_FILE}
+
+
+def test_a_run_reports_bits_per_byte_and_refuses_other_text_on_resume(corpus_dir, trained, tmp_path):
+  path, _ = trained
+  config = tiny_config('gpt')
+  config.total_steps = config.eval_every = config.checkpoint_every = config.log_every = 2
+  config.eval_batch_size = 64
+  config.data.update(name=f'text:{corpus_dir}/*.txt', data_dir=os.fspath(tmp_path / 'cache'), tokenizer=path)
+  workdir = tmp_path / 'run'
+  final = loop.train_and_evaluate(config, str(workdir))
+  with open(workdir / 'metrics.jsonl') as f:
+    last = [json.loads(line) for line in f][-1]
+  assert last['eval/loss'] == pytest.approx(final['eval/loss'])
+  assert 0 < last['eval/bits_per_byte'] < last['eval/loss']  # More than one byte per token.
+  assert last['train/tokens'] == 2 * 8 * 16
+  assert 0 < last['train/tokens_per_param'] < 1
+  config.total_steps = 4
+  for key, value, differing in (('tokenizer', 'bytes', 'data.tokenizer_sha256'),
+                                ('name', f'text:{corpus_dir}/file_00*.txt', 'data.corpus_sha256')):
+    resumed = tmp_path / f'resumed_{key}'  # A copy each: a failed run in this process keeps its lock.
+    shutil.copytree(workdir, resumed)
+    before = _snapshot(resumed)
+    other = config.copy_and_resolve_references()
+    other.data[key] = value
+    message = _one_line_error(lambda: loop.train_and_evaluate(other, str(resumed)), 'other data')
+    assert differing in message
+    assert _snapshot(resumed) == before
