@@ -19,26 +19,14 @@ from dsjax.data import corpus as corpus_lib
 from dsjax.data import tokenizer as tokenizer_lib
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, write_text_corpus
 
-_WORDS = ('def', 'return', 'self', 'import', 'class', 'value', 'print', 'for', 'in', 'range', 'if', 'else',
-          'None', 'True', 'ünïcode', 'λ', '=', '(', ')', ':', '\n', '    ')
 VOCAB_SIZE = 300
-
-
-def _write_corpus(directory, num_files=48, words_per_file=200, seed=0):
-  """Plain-text files of pseudo-random words, named so that every split gets some."""
-  rng = np.random.default_rng(seed)
-  directory.mkdir(parents=True, exist_ok=True)
-  for i in range(num_files):
-    text = ' '.join(rng.choice(_WORDS, words_per_file))
-    (directory / f'file_{i:03d}.txt').write_text(text, encoding='utf-8')
-  return directory
 
 
 @pytest.fixture(scope='module')
 def corpus_dir(tmp_path_factory):
-  return _write_corpus(tmp_path_factory.mktemp('corpus'))
+  return write_text_corpus(tmp_path_factory.mktemp('corpus'))
 
 
 @pytest.fixture(scope='module')
@@ -85,7 +73,7 @@ def test_text_glob_corpus_split_and_identity(corpus_dir, tmp_path):
   total = sum(len((corpus_dir / f).read_bytes()) for f in os.listdir(corpus_dir))
   assert sum(info.num_bytes.values()) == total
   # The same files elsewhere are the same corpus; a changed file is another one.
-  copy = _write_corpus(tmp_path / 'copy')
+  copy = write_text_corpus(tmp_path / 'copy')
   assert data.dataset_info(_config(copy, tmp_path)).corpus_sha256 == info.corpus_sha256
   (copy / 'file_000.txt').write_text('changed', encoding='utf-8')
   assert data.dataset_info(_config(copy, tmp_path)).corpus_sha256 != info.corpus_sha256
@@ -224,7 +212,7 @@ def test_bad_inputs_fail_in_one_line(corpus_dir, trained, tmp_path):
   (tmp_path / 'corrupt.json').write_text('{"version": ', encoding='utf-8')
   _one_line_error(lambda: info(tokenizer=str(tmp_path / 'corrupt.json')), 'not a readable tokenizers')
   _one_line_error(lambda: data.dataset_info({'name': f'text:{tmp_path}/nothing/*.txt'}), 'matches no file')
-  latin = _write_corpus(tmp_path / 'latin', num_files=30)
+  latin = write_text_corpus(tmp_path / 'latin', num_files=30)
   (latin / 'file_007.txt').write_bytes('café'.encode('latin-1'))
   _one_line_error(lambda: data.dataset_info({'name': f'text:{latin}/*.txt'}), 'file_007.txt is not UTF-8')
   out = tmp_path / 'too_big'
