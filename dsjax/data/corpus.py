@@ -22,6 +22,11 @@ A split is tokenized once per (corpus, tokenizer) into `DATA_DIR/dsjax_text/<cor
 JSON file of counts written last, as the mark of a complete file) and read back with `np.memmap`: a
 process reads the windows it needs by index, and its memory does not grow with the corpus. TFDS text
 datasets with a subword tokenizer take the same path, keyed by their name, version, split and size.
+
+Why not a TFDS builder, as `python_docs_bytes` has: training reads token windows, not documents, so the
+one file a run needs is the token stream; a builder would add a second copy of the 31 MB of text and a
+preparation step, while the files are already on disk (or are the user's own), and a flat token array is
+what `np.memmap` and Grain's index sampler read by index with no decoding.
 """
 
 from __future__ import annotations
