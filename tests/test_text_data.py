@@ -99,8 +99,9 @@ def test_python_stdlib_description():
   corpus = corpus_lib.open_corpus('python_stdlib', 'text')
   assert info.python_version == corpus.python_version and info.corpus_sha256 == corpus.identity
   assert sum(info.num_examples.values()) > 500 and sum(info.num_bytes.values()) > 5_000_000
-  assert all(key.endswith('.py') and 'site-packages' not in key for keys in corpus.keys.values()
-             for key in keys)
+  assert all(
+    key.endswith('.py') and 'site-packages' not in key for keys in corpus.keys.values() for key in keys
+  )
   assert set(info.fingerprint) == set(corpus_lib.SPLITS)
 
 
@@ -130,7 +131,8 @@ def test_subword_pipeline_windows_state_and_shares(corpus_dir, trained, tmp_path
   info = data.dataset_info(config)
   assert info.vocab_size == VOCAB_SIZE and info.tokenizer_sha256 == tokenizer_lib.file_sha256(path)
   make = lambda seed=3, index=0, count=1, train=True: data.make_pipeline(
-      config, global_batch_size=8, seed=seed, process_index=index, process_count=count, train=train)
+    config, global_batch_size=8, seed=seed, process_index=index, process_count=count, train=train
+  )
   pipeline = make()
   assert isinstance(pipeline.stream, np.memmap)  # Read by index from the cache.
   batches = _take(pipeline, 5)
@@ -149,8 +151,9 @@ def test_subword_pipeline_windows_state_and_shares(corpus_dir, trained, tmp_path
   resumed = make()
   resumed.set_state(state)
   _assert_batches_equal(_take(resumed, 3), expected)
-  bytes_level = data.make_pipeline(_config(corpus_dir, tmp_path), global_batch_size=8, seed=3,
-                                   process_index=0, process_count=1)
+  bytes_level = data.make_pipeline(
+    _config(corpus_dir, tmp_path), global_batch_size=8, seed=3, process_index=0, process_count=1
+  )
   with pytest.raises(ValueError, match='tokenizer: state has'):
     bytes_level.set_state(state)
   # Two processes' shares concatenate to the one-process batch, training and evaluation.
@@ -159,8 +162,9 @@ def test_subword_pipeline_windows_state_and_shares(corpus_dir, trained, tmp_path
     shares = [_take(make(index=i, count=2, train=train), 3) for i in range(2)]
     for step in range(3):
       for key in single[step]:
-        np.testing.assert_array_equal(np.concatenate([shares[0][step][key], shares[1][step][key]]),
-                                      single[step][key])
+        np.testing.assert_array_equal(
+          np.concatenate([shares[0][step][key], shares[1][step][key]]), single[step][key]
+        )
 
 
 def test_eval_windows_tile_the_stream_and_count_its_bytes(corpus_dir, trained, tmp_path):
@@ -170,16 +174,21 @@ def test_eval_windows_tile_the_stream_and_count_its_bytes(corpus_dir, trained, t
   rows = np.concatenate([b['tokens'][b['mask'] > 0] for b in pipeline])
   stream = np.asarray(pipeline.stream)
   n = pipeline.num_eval_rows
-  np.testing.assert_array_equal(rows[:, 1:].reshape(-1), stream[1:n * 32 + 1])
+  np.testing.assert_array_equal(rows[:, 1:].reshape(-1), stream[1 : n * 32 + 1])
   # Bits per byte count the bytes of the predicted tokens: the validation text's bytes, but for the first
   # token's, the unpredicted tail's, and one per separator.
   tokenizer = tokenizer_lib.load(path)
-  assert pipeline.target_num_bytes == tokenizer.token_num_bytes()[stream[1:n * 32 + 1]].sum()
+  assert pipeline.target_num_bytes == tokenizer.token_num_bytes()[stream[1 : n * 32 + 1]].sum()
   info = data.dataset_info(config)
   separators = info.num_examples['validation'] - 1
   assert abs(pipeline.target_num_bytes - info.num_bytes['validation'] - separators) < 32 * 8
-  byte_level = data.make_pipeline(_config(corpus_dir, tmp_path, seq_len=32), global_batch_size=8,
-                                  process_index=0, process_count=1, train=False)
+  byte_level = data.make_pipeline(
+    _config(corpus_dir, tmp_path, seq_len=32),
+    global_batch_size=8,
+    process_index=0,
+    process_count=1,
+    train=False,
+  )
   assert byte_level.target_num_bytes == byte_level.num_eval_rows * 32
 
 
@@ -216,15 +225,19 @@ def test_bad_inputs_fail_in_one_line(corpus_dir, trained, tmp_path):
   (latin / 'file_007.txt').write_bytes('café'.encode('latin-1'))
   _one_line_error(lambda: data.dataset_info({'name': f'text:{latin}/*.txt'}), 'file_007.txt is not UTF-8')
   out = tmp_path / 'too_big'
-  _one_line_error(lambda: tokenizer_cli.train(f'text:{corpus_dir}/*.txt', 100_000, str(out)),
-                  'larger than the train split')
+  _one_line_error(
+    lambda: tokenizer_cli.train(f'text:{corpus_dir}/*.txt', 100_000, str(out)), 'larger than the train split'
+  )
   _one_line_error(lambda: tokenizer_cli.train(f'text:{corpus_dir}/*.txt', 100, str(out)), '--vocab_size=100')
   assert not out.exists()
 
 
 def _snapshot(root):
-  return {str(p.relative_to(root)): (None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns))
-          for p in sorted(root.rglob('*')) if p.name != checkpoint_lib.LOCK_FILE}
+  return {
+    str(p.relative_to(root)): (None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns))
+    for p in sorted(root.rglob('*'))
+    if p.name != checkpoint_lib.LOCK_FILE
+  }
 
 
 def test_a_run_reports_bits_per_byte_and_refuses_other_text_on_resume(corpus_dir, trained, tmp_path):
@@ -242,8 +255,10 @@ def test_a_run_reports_bits_per_byte_and_refuses_other_text_on_resume(corpus_dir
   assert last['train/tokens'] == 2 * 8 * 16
   assert 0 < last['train/tokens_per_param'] < 1
   config.total_steps = 4
-  for key, value, differing in (('tokenizer', 'bytes', 'data.tokenizer_sha256'),
-                                ('name', f'text:{corpus_dir}/file_00*.txt', 'data.corpus_sha256')):
+  for key, value, differing in (
+    ('tokenizer', 'bytes', 'data.tokenizer_sha256'),
+    ('name', f'text:{corpus_dir}/file_00*.txt', 'data.corpus_sha256'),
+  ):
     resumed = tmp_path / f'resumed_{key}'  # A copy each: a failed run in this process keeps its lock.
     shutil.copytree(workdir, resumed)
     before = _snapshot(resumed)
