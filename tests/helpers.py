@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import types
 
+import numpy as np
+
 from dsjax.train.config import base_config
 
 # The repository's root: the working directory of the tests that run dsjax's commands.
@@ -24,3 +26,18 @@ def tiny_config(model_name: str = 'gpt', **model_overrides):
   for k, v in model_overrides.items():
     c.model[k] = v
   return c
+
+
+_WORDS = ('def', 'return', 'self', 'import', 'class', 'value', 'print', 'for', 'in', 'range', 'if', 'else',
+          'None', 'True', 'ünïcode', 'λ', '=', '(', ')', ':', '\n', '    ')
+
+
+def write_text_corpus(directory, num_files: int = 48, words_per_file: int = 200, seed: int = 0):
+  """A tiny `text:GLOB` corpus: `num_files` plain-text files of pseudo-random words (48 files give every
+  split some). Returns `directory`."""
+  rng = np.random.default_rng(seed)
+  directory.mkdir(parents=True, exist_ok=True)
+  for i in range(num_files):
+    text = ' '.join(rng.choice(_WORDS, words_per_file))
+    (directory / f'file_{i:03d}.txt').write_text(text, encoding='utf-8')
+  return directory

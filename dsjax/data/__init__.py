@@ -1,6 +1,9 @@
-"""Input pipeline: TFDS data sources (no TensorFlow needed), two embedded
-offline datasets, and deterministic, resumable, multi-host batch iterators
-built on Grain (index sampling, sharding, batching and iterator state).
+"""Input pipeline: TFDS data sources (no TensorFlow needed), three embedded
+offline datasets, text corpora read from files (`python_stdlib`,
+`text:GLOB`, see `dsjax.data.corpus`), subword tokenizers
+(`dsjax.data.tokenizer`), and deterministic, resumable, multi-host batch
+iterators built on Grain (index sampling, sharding, batching and iterator
+state).
 
     from dsjax.data import dataset_info, make_pipeline
     info = dataset_info(config.data)

@@ -12,8 +12,11 @@ from ml_collections import config_dict
 def get_config(name: str = 'sklearn_digits') -> ml_collections.ConfigDict:
   """Default `data` config. Every field is optional in user configs."""
   config = ml_collections.ConfigDict()
-  # Any TFDS name (optionally 'name:version' or 'name/config:version'), or one
-  # of the embedded offline datasets: 'sklearn_digits', 'python_docs_bytes'.
+  # Any TFDS name (optionally 'name:version' or 'name/config:version'), one
+  # of the embedded offline datasets: 'sklearn_digits', 'python_docs_bytes',
+  # 'python_stdlib', or 'text:GLOB' for your own UTF-8 text files (plain
+  # text, one document per file, or JSON Lines with the text under
+  # `text_key`, one document per line).
   config.name = name
   # Where TFDS datasets live; None -> TFDS default (~/tensorflow_datasets or
   # $TFDS_DATA_DIR).
@@ -25,8 +28,13 @@ def get_config(name: str = 'sklearn_digits') -> ml_collections.ConfigDict:
   config.seq_len = 128
   # Images: if set, resize (shorter side) and centre-crop to this size.
   config.image_size = config_dict.placeholder(int)
-  # Text: feature holding the document text in real TFDS text datasets.
+  # Text: feature holding the document text in real TFDS text datasets, or
+  # the key of each JSON Lines record of 'text:GLOB'.
   config.text_key = 'text'
+  # Text: 'bytes' (every UTF-8 byte is a token, vocabulary 256) or the path
+  # of a Hugging Face `tokenizers` JSON file, e.g. one trained by
+  # `python -m dsjax.tokenizer`. Read from the local file only.
+  config.tokenizer = 'bytes'
   # Images: random left-right flips when training.
   config.augment = False
   return config
@@ -42,6 +50,7 @@ class DataConfig:
   image_size: int | None
   text_key: str
   augment: bool
+  tokenizer: str = 'bytes'
 
 
 def _is_int(value: Any) -> bool:
@@ -104,7 +113,14 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
   augment = get('augment')
   if not isinstance(augment, bool):
     raise ValueError(f'data.augment must be a bool, got {augment!r}')
+  tokenizer = get('tokenizer')
+  if isinstance(tokenizer, os.PathLike):
+    tokenizer = os.fspath(tokenizer)
+  if not isinstance(tokenizer, str) or not tokenizer.strip():
+    raise ValueError(
+        f"data.tokenizer must be 'bytes' or the path of a tokenizer file, "
+        f'got {tokenizer!r}')
   return DataConfig(
       name=name.strip(), data_dir=data_dir, download=download,
       seq_len=seq_len, image_size=image_size, text_key=text_key,
-      augment=augment)
+      augment=augment, tokenizer=tokenizer.strip())

@@ -23,17 +23,21 @@ derived from the 64-bit run seed with `random_bits` (Philox), one per purpose.
 Why each of these choices, in detail: docs/data.md, "How a batch is chosen".
 """
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
 import jax
 import numpy as np
+from absl import logging
 from PIL import Image
 
 from dsjax.data import config as config_lib
+from dsjax.data import corpus as corpus_lib
 from dsjax.data import random_bits
 from dsjax.data import sources
+from dsjax.data import tokenizer as tokenizer_lib
 
 Batch = dict[str, np.ndarray]
 Row = dict[str, Any]
@@ -363,41 +367,68 @@ def _read_byte_stream(source: Sequence[Any], text_key: str) -> np.ndarray:
 
 
 class TextPipeline(Pipeline):
-  """Batches {'tokens': int32 (b, seq_len + 1)} of UTF-8 bytes.
+  """Batches {'tokens': int32 (b, seq_len + 1)} of a split's token stream.
 
-  Byte-level tokenizer: token = byte value (vocab 256); documents are joined
-  with `sources.DOCUMENT_SEPARATOR_BYTE`. A model reads tokens[:, :-1] and
-  predicts tokens[:, 1:].
+  Byte level (TFDS text with data.tokenizer='bytes'): token = byte value
+  (vocab 256); documents are joined with `sources.DOCUMENT_SEPARATOR_BYTE`
+  and the split is read into memory. Otherwise `stream` is the split's
+  tokens, memory-mapped from the cache of `dsjax.data.corpus` (documents
+  joined by the tokenizer's separator), and only the windows a batch needs
+  are read. A model reads tokens[:, :-1] and predicts tokens[:, 1:].
 
   Evaluation windows are stream[i * L : i * L + L + 1] for i < (n - 1) // L,
-  so every byte after the first is a target exactly once, except the final
-  incomplete window's bytes (fewer than L), which are left out.
+  so every token after the first is a target exactly once, except the final
+  incomplete window's tokens (fewer than L), which are left out.
   """
 
-  def __init__(self, *, source: Sequence[Any], seq_len: int, **kwargs):
+  def __init__(self, *, source: Sequence[Any] | None, seq_len: int,
+               stream: np.ndarray | None = None,
+               token_num_bytes: np.ndarray | None = None, **kwargs):
     super().__init__(**kwargs)
     self.seq_len = seq_len
     self._source = source
     self._text_key = self.info.feature_keys['text']
     self._window = np.arange(seq_len + 1)  # Offsets inside a window.
-    self.streamed = not self.train or len(source) <= (
-        MAX_IN_MEMORY_TEXT_DOCUMENTS)
-    if self.streamed:
+    self._token_num_bytes = token_num_bytes
+    self.streamed = (stream is not None or not self.train
+                     or len(source) <= MAX_IN_MEMORY_TEXT_DOCUMENTS)
+    if stream is not None:
+      self.stream = stream  # A memory-mapped token stream.
+    elif self.streamed:
       self.stream = _read_byte_stream(source, self._text_key)  # uint8 (n,)
-      if len(self.stream) < seq_len + 1:
-        raise ValueError(
-            f'split {self.split!r} of {self.info.name} has '
-            f'{len(self.stream)} bytes, fewer than data.seq_len + 1 = '
-            f'{seq_len + 1}')
     else:
       self.stream = None
+    if self.stream is not None and len(self.stream) < seq_len + 1:
+      unit = 'bytes' if stream is None else 'tokens'
+      raise ValueError(
+          f'split {self.split!r} of {self.info.name} has '
+          f'{len(self.stream)} {unit}, fewer than data.seq_len + 1 = '
+          f'{seq_len + 1}')
 
   def _extra_state(self) -> dict[str, Any]:
-    return {'seq_len': self.seq_len}
+    # Tokenized text also names its corpus and tokenizer, so a run does not
+    # resume on other text (byte-level TFDS states keep their old fields).
+    if not self.info.tokenized:
+      return {'seq_len': self.seq_len}
+    return {'seq_len': self.seq_len, 'corpus': self.info.corpus_sha256,
+            'tokenizer': self.info.tokenizer_sha256}
 
   @property
   def num_eval_rows(self) -> int:
     return (len(self.stream) - 1) // self.seq_len
+
+  @functools.cached_property
+  def target_num_bytes(self) -> int:
+    """UTF-8 bytes of the tokens one evaluation pass predicts (a separator
+    counts as one byte): eval loss sum / (this * ln 2) is bits per byte."""
+    num_targets = self.num_eval_rows * self.seq_len
+    if self._token_num_bytes is None:
+      return num_targets
+    total, chunk = 0, 1 << 22
+    for start in range(1, num_targets + 1, chunk):
+      tokens = np.asarray(self.stream[start:min(start + chunk, num_targets + 1)])
+      total += int(self._token_num_bytes[tokens].sum())
+    return total
 
   def _windows(self, starts_n: np.ndarray) -> np.ndarray:
     """int32 (n, seq_len + 1) windows of the stream starting at `starts_n`."""
@@ -498,6 +529,11 @@ def make_pipeline(data_config, *, split: str | None = None,
   builder, info = sources.open_dataset(config)
   if split is None:
     split = info.train_split if train else info.eval_split
+  common = dict(info=info, split=split, global_batch_size=global_batch_size,
+                seed=seed, process_index=process_index,
+                process_count=process_count, train=train)
+  if info.tokenized:
+    return _tokenized_pipeline(config, builder, info, split, common)
   base_split = split.split('[')[0]
   if base_split not in info.num_examples:
     raise ValueError(f'split {split!r} is not in dataset {info.name}; '
@@ -506,9 +542,39 @@ def make_pipeline(data_config, *, split: str | None = None,
   if not len(source):
     raise ValueError(f'split {split!r} of {info.name} is empty')
 
-  common = dict(info=info, split=split, global_batch_size=global_batch_size,
-                seed=seed, process_index=process_index,
-                process_count=process_count, train=train, source=source)
+  common['source'] = source
   if info.kind == 'image':
     return ImagePipeline(augment=config.augment, **common)
   return TextPipeline(seq_len=config.seq_len, **common)
+
+
+def tfds_documents(source: Sequence[Any], text_key: str):
+  """The UTF-8 documents of a TFDS split, in stored order."""
+  for start in range(0, len(source), _READ_CHUNK):
+    chunk = range(start, min(start + _READ_CHUNK, len(source)))
+    for record in source.__getitems__(chunk):
+      yield _as_bytes(record[text_key])
+
+
+def _tokenized_pipeline(config: config_lib.DataConfig, builder, info: sources.DatasetInfo, split: str,
+                        common: dict[str, Any]) -> TextPipeline:
+  """A TextPipeline over the split's cached token stream (`dsjax.data.corpus`), tokenized first if
+  this (corpus, tokenizer) has not been."""
+  tokenizer = tokenizer_lib.load(config.tokenizer)
+  if builder is None:  # python_stdlib or text:GLOB.
+    if split not in corpus_lib.SPLITS:
+      raise ValueError(f'split {split!r} is not in dataset {info.name}; available: {list(corpus_lib.SPLITS)}')
+    text = corpus_lib.open_corpus(config.name, config.text_key)
+    documents, total_bytes, directory = text.documents(split), text.num_bytes[split], info.data_dir
+  else:  # A TFDS text dataset read with a subword tokenizer.
+    if split.split('[')[0] not in info.num_examples:
+      raise ValueError(f'split {split!r} is not in dataset {info.name}; '
+                       f'available: {sorted(info.num_examples)}')
+    source = builder.as_data_source(split=split)
+    documents = tfds_documents(source, info.feature_keys['text'])
+    total_bytes = (info.num_bytes or {}).get(split)
+    directory = corpus_lib.cache_dir(config.data_dir, info.name, info.corpus_sha256, tokenizer)
+  file_name = ''.join(c if c.isalnum() else '_' for c in split)  # 'train[:90%]' -> 'train___90__'
+  stream = corpus_lib.tokenize_split(documents, tokenizer, directory, file_name, logging.info, total_bytes)
+  return TextPipeline(source=None, seq_len=config.seq_len, stream=stream.tokens,
+                      token_num_bytes=tokenizer.token_num_bytes(), **common)

@@ -11,6 +11,7 @@ import dataclasses
 import fcntl
 import functools
 import glob
+import hashlib
 import io
 import json
 import os
@@ -23,7 +24,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from dsjax.data import config as config_lib
+from dsjax.data import corpus as corpus_lib
 from dsjax.data import embedded
+from dsjax.data import tokenizer as tokenizer_lib
 
 # Byte-level text: every UTF-8 byte is a token, and documents are joined with
 # this byte (NUL never occurs in real text, so it acts as end-of-document).
@@ -62,7 +65,7 @@ class DatasetInfo:
 
   Attributes:
     name: the TFDS name, as configured (e.g. 'cifar10', 'lm1b:1.1.0').
-    kind: 'image' (classification) or 'text' (byte-level language modelling).
+    kind: 'image' (classification) or 'text' (language modelling).
     num_examples: examples per split, e.g. {'train': 1497, 'test': 300}. For
       text, an example is one document.
     train_split: the split to train on ('train').
@@ -74,7 +77,7 @@ class DatasetInfo:
       resizing to `data.image_size`.
     image_mean: image only, per-channel mean subtracted (0..255 units).
     image_std: image only, per-channel std divided by (0..255 units).
-    vocab_size: text only, 256 (bytes).
+    vocab_size: text only, 256 (bytes) or the tokenizer's vocabulary.
     seq_len: text only, tokens per window; batches hold seq_len + 1 tokens.
     separator_byte: text only, the byte inserted between documents.
     num_bytes: text only, UTF-8 bytes per split when known without reading the
@@ -84,6 +87,13 @@ class DatasetInfo:
       prepared the same data.
     feature_keys: the TFDS feature names used, e.g. {'image': 'image',
       'label': 'label'} or {'text': 'text'}.
+    tokenizer: text only, `data.tokenizer` ('bytes' or a file's path).
+    tokenizer_sha256: text only, 'bytes' or the SHA-256 of the tokenizer file.
+    separator_token: text only, the token id between documents.
+    corpus_sha256: the identity of the text that is tokenized (python_stdlib
+      and text:GLOB: a SHA-256 of their documents; TFDS datasets read with a
+      subword tokenizer: of their name, version and sizes), else None.
+    python_version: python_stdlib only, the Python whose library it is.
   """
   name: str
   kind: str
@@ -101,6 +111,29 @@ class DatasetInfo:
   num_bytes: Mapping[str, int] | None = None
   fingerprint: Mapping[str, str] | None = None
   feature_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  tokenizer: str | None = None
+  tokenizer_sha256: str | None = None
+  separator_token: int | None = None
+  corpus_sha256: str | None = None
+  python_version: str | None = None
+
+  @property
+  def tokenized(self) -> bool:
+    """Whether the text is read from a token stream cached on disk (`dsjax.data.corpus`) rather than
+    as bytes from TFDS."""
+    return self.kind == 'text' and self.corpus_sha256 is not None
+
+  def checkpoint_identity(self) -> dict[str, Any]:
+    """What a checkpoint records of the data beyond its config keys: the text's and the tokenizer's
+    hashes and the vocabulary, where they are not the byte-level defaults (so checkpoints of runs on
+    TFDS bytes keep their identity)."""
+    identity = {}
+    if self.corpus_sha256 is not None:
+      identity['data.corpus_sha256'] = self.corpus_sha256
+    if self.corpus_sha256 is not None or self.tokenizer_sha256 not in (None, tokenizer_lib.BYTES):
+      identity['data.tokenizer_sha256'] = self.tokenizer_sha256
+      identity['data.vocab_size'] = self.vocab_size
+    return identity
 
 
 def _base_name(name: str) -> str:
@@ -135,7 +168,7 @@ def _unknown_dataset_error(name: str) -> DatasetNotFoundError:
   return DatasetNotFoundError(
       f"Unknown dataset data.name='{name}': it is neither a TFDS dataset nor "
       f'one of the embedded offline datasets {list(embedded.EMBEDDED_DATASETS)}'
-      '; see `tfds.list_builders()` for TFDS names.')
+      f" or '{corpus_lib.PYTHON_STDLIB}' or 'text:GLOB'; see `tfds.list_builders()` for TFDS names.")
 
 
 def _not_prepared_error(name: str, builder,
@@ -337,12 +370,28 @@ def _describe(name: str, builder,
   if (config.text_key in feature_names
       and _is_text_feature(features[config.text_key])):
     metadata = _stored_metadata(builder)
+    tokenizer = tokenizer_lib.load(config.tokenizer)
+    if tokenizer.is_bytes:
+      return DatasetInfo(
+          kind='text', vocab_size=TEXT_VOCAB_SIZE, seq_len=config.seq_len,
+          separator_byte=DOCUMENT_SEPARATOR_BYTE,
+          num_bytes=metadata.get('num_bytes'),
+          fingerprint=metadata.get('sha256'),
+          feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
+          tokenizer_sha256=tokenizer.sha256,
+          separator_token=DOCUMENT_SEPARATOR_BYTE, **common)
+    # A subword tokenizer: the splits are tokenized once into a cache keyed
+    # by what identifies the prepared data.
+    key = json.dumps([name, str(builder.version), num_examples,
+                      config.text_key, metadata.get('sha256')], sort_keys=True)
     return DatasetInfo(
-        kind='text', vocab_size=TEXT_VOCAB_SIZE, seq_len=config.seq_len,
-        separator_byte=DOCUMENT_SEPARATOR_BYTE,
+        kind='text', vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
         num_bytes=metadata.get('num_bytes'),
         fingerprint=metadata.get('sha256'),
-        feature_keys={'text': config.text_key}, **common)
+        feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
+        tokenizer_sha256=tokenizer.sha256, separator_token=tokenizer.separator,
+        corpus_sha256=hashlib.sha256(key.encode()).hexdigest(),
+        python_version=metadata.get('python_version'), **common)
 
   raise ValueError(
       f'Dataset {name} is neither image classification (an image feature '
@@ -351,9 +400,31 @@ def _describe(name: str, builder,
       f'{sorted(feature_names)}')
 
 
+def _describe_corpus(config: config_lib.DataConfig) -> DatasetInfo:
+  """DatasetInfo of `python_stdlib` or `text:GLOB` (`dsjax.data.corpus`)."""
+  corpus = corpus_lib.open_corpus(config.name, config.text_key)
+  tokenizer = tokenizer_lib.load(config.tokenizer)
+  return DatasetInfo(
+      name=config.name, kind='text',
+      num_examples={split: len(keys) for split, keys in corpus.keys.items()},
+      train_split='train', eval_split='validation',
+      data_dir=corpus_lib.cache_dir(config.data_dir, config.name,
+                                    corpus.identity, tokenizer),
+      vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
+      separator_byte=(DOCUMENT_SEPARATOR_BYTE if tokenizer.is_bytes
+                      else None),
+      num_bytes=dict(corpus.num_bytes), fingerprint=dict(corpus.sha256),
+      feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
+      tokenizer_sha256=tokenizer.sha256, separator_token=tokenizer.separator,
+      corpus_sha256=corpus.identity, python_version=corpus.python_version)
+
+
 def open_dataset(data_config) -> tuple[Any, DatasetInfo]:
-  """(prepared TFDS builder, DatasetInfo) for a `data` config."""
+  """(prepared TFDS builder, DatasetInfo) for a `data` config; the builder
+  is None for the corpora read from files (`dsjax.data.corpus`)."""
   config = config_lib.parse_config(data_config)
+  if corpus_lib.is_corpus(config.name):
+    return None, _describe_corpus(config)
   builder = _open_builder(config.name, config.data_dir, config.download)
   return builder, _describe(config.name, builder, config)
 
@@ -372,7 +443,8 @@ def dataset_info(data_config, require_prepared: bool = True) -> DatasetInfo:
     ValueError: invalid config values, or an unsupported dataset.
   """
   config = config_lib.parse_config(data_config)
-  if not require_prepared and _base_name(config.name) not in embedded.EMBEDDED_DATASETS:
+  if (not require_prepared and _base_name(config.name) not in embedded.EMBEDDED_DATASETS
+      and not corpus_lib.is_corpus(config.name)):
     try:
       builder = tfds.builder(config.name, data_dir=config.data_dir)
     except tfds.core.registered.DatasetNotFoundError:

@@ -63,14 +63,17 @@ def resumable_model_keys() -> tuple[str, ...]:
   return tuple(f'model.{key}' for key in RESUMABLE_KEYS)
 
 
-def run_identity(config) -> dict[str, Any]:
+def run_identity(config, data_info=None) -> dict[str, Any]:
   """The config keys a checkpoint's train state depends on: every model key but `RESUMABLE_KEYS`, and
-  `IDENTITY_KEYS`."""
+  `IDENTITY_KEYS`; with `data_info` (a `dsjax.data.DatasetInfo`), also the hashes of tokenized text and
+  of its tokenizer and the vocabulary (`DatasetInfo.checkpoint_identity`: none for byte-level TFDS text
+  and images)."""
   model = {k: v for k, v in config.model.to_dict().items() if k not in RESUMABLE_KEYS}
   identity = {'model': model}
   for key in IDENTITY_KEYS:
     section, name = key.split('.')
     identity[key] = config[section].get(name)
+  identity.update(data_info.checkpoint_identity() if data_info is not None else {})
   return json.loads(json.dumps(identity))
 
 
@@ -210,24 +213,27 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config, *, read_by: str | None = None, remedy: str | None = None) -> int | None:
+  def check_compatible(self, config, *, data_info=None, read_by: str | None = None,
+                       remedy: str | None = None) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
-    architecture (else a ValueError naming the differing keys) and, for a run that resumes it, not
-    beyond `total_steps`. Returns that step, or None for a fresh workdir. `read_by`: the flag of a tool
-    that only reads the checkpoint (e.g. '--checkpoint'), for its message, with `remedy` (what to do)
-    instead of the default advice."""
+    architecture and data (`run_identity` with `data_info`; else a ValueError naming the differing keys)
+    and, for a run that resumes it, not beyond `total_steps`. Returns that step, or None for a fresh
+    workdir. `read_by`: the flag of a tool that only reads the checkpoint (e.g. '--checkpoint'), for its
+    message, with `remedy` (what to do) instead of the default advice."""
     for step in self.steps():
       try:
         saved = self._read_run_item(step)['identity']
       except Exception:  # pylint: disable=broad-except
         continue  # Unreadable: `restore` reports it and falls back.
-      differences = identity_differences(saved, run_identity(config))
+      differences = identity_differences(saved, run_identity(config, data_info))
       if differences:
         where = f'{read_by}={self.workdir}' if read_by else self.workdir
         remedy = remedy or ('pass the --config and --config.* overrides it was trained with (its '
                             'config.json lists them)' if read_by else
                             'use a new --workdir or the checkpoint\'s settings')
-        raise ValueError(f'{where} holds a checkpoint (step {step}) of another architecture; differing '
+        other = ('another architecture' if not all(d.startswith('data.') for d in differences)
+                 else 'other data (text or tokenizer)')
+        raise ValueError(f'{where} holds a checkpoint (step {step}) of {other}; differing '
                          f'keys: {"; ".join(differences)}; {remedy}')
       if read_by is None and step > config.total_steps:
         raise ValueError(f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
@@ -370,7 +376,7 @@ def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None
   try:
     if checkpointer.latest_step() is None:
       raise no_checkpoint
-    checkpointer.check_compatible(config, read_by=flag, remedy=remedy)
+    checkpointer.check_compatible(config, data_info=data_info, read_by=flag, remedy=remedy)
     prepared = state_lib.method_preparation(config, data_info, workdir)
     setup = state_lib.make_setup(config, data_info, prepared)
     # Every array onto this process's first device, whatever mesh the run saved it from (without a

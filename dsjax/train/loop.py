@@ -7,6 +7,7 @@ workdir resumes from the latest checkpoint, bit-for-bit (input position and drop
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import time
 from typing import Any, Callable
@@ -66,13 +67,19 @@ def make_eval_step(config, setup: state_lib.TrainSetup, mesh, state_shardings):
 def evaluate(eval_step, state, eval_data, mesh, model_name: str) -> dict[str, float]:
   """One pass over the evaluation pipeline `eval_data` (padded rows masked out, so averages are exact;
   each pass starts from its first batch), on `mesh`: called inside `sharding.use_mesh(mesh)`, as the
-  whole run is."""
+  whole run is. Text adds `eval/bits_per_byte`: the loss summed over the pass (nats) over the UTF-8 bytes
+  of the tokens it predicts (`TextPipeline.target_num_bytes`) and ln 2, which compares across
+  tokenizers."""
   totals: dict[str, float] = {}
   for batch in eval_data:
     sums = jax.device_get(eval_step(state, sharding_lib.global_batch(batch, mesh)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
-  return step_lib.summarize_eval(model_name, totals)
+  metrics = step_lib.summarize_eval(model_name, totals)
+  num_bytes = getattr(eval_data, 'target_num_bytes', None)
+  if num_bytes:
+    metrics['eval/bits_per_byte'] = totals['loss_sum'] / (num_bytes * math.log(2))
+  return metrics
 
 
 def _memory_summary(compiled) -> str:
@@ -153,7 +160,7 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
     moments = (instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
                if config.instrument.every else None)
     steps = _compile_steps(run, model, state, first_batch, moments)
-    training = Training(run, steps, train_data, eval_data, moments, signals, first_step)
+    training = Training(run, steps, train_data, eval_data, moments, signals, first_step, model.num_params)
     state = training.run_steps(state, first_step, first_batch)
     return training.finish(state, guard)
 
@@ -195,11 +202,11 @@ def _setup(config, workdir: str, devices, guard: run_guard.RunGuard, fresh: bool
   guard.take_lock(is_chief, mesh)
   history_lib.check_layout(workdir, enabled=is_chief, all_ok=lambda ok: run_guard.all_processes(ok, mesh))
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
-  checkpointer.check_compatible(config)
+  checkpointer.check_compatible(config, data_info=data_info)
   logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
   return Run(config=config, validated=validated, workdir=workdir, mesh=mesh, process=process,
              is_chief=is_chief, data_info=data_info, checkpointer=checkpointer,
-             identity=checkpoint_lib.run_identity(config), fresh=fresh)
+             identity=checkpoint_lib.run_identity(config, data_info), fresh=fresh)
 
 
 def _method_preparation(run: Run):
@@ -238,6 +245,7 @@ class Model:
   setup: state_lib.TrainSetup
   abstract_state: Any
   state_shardings: Any
+  num_params: int
 
 
 def _model(run: Run, prepared) -> Model:
@@ -251,7 +259,8 @@ def _model(run: Run, prepared) -> Model:
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
   logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6,
                config.model.depth)
-  return Model(setup=setup, abstract_state=abstract_state, state_shardings=state_shardings)
+  return Model(setup=setup, abstract_state=abstract_state, state_shardings=state_shardings,
+               num_params=num_params)
 
 
 def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
@@ -319,8 +328,9 @@ class Training:
   """The training steps of a run, from its first step to `total_steps`, and what they write."""
 
   def __init__(self, run: Run, steps: Steps, train_data, eval_data, moments,
-               signals: interrupts.StopSignals, first_step: int):
+               signals: interrupts.StopSignals, first_step: int, num_params: int):
     self.run, self.config, self.steps = run, run.config, steps
+    self.num_params = num_params
     self.train_data, self.eval_data, self.moments = train_data, eval_data, moments
     self.writer = metrics_lib.MetricWriter(run.workdir, enabled=run.is_chief)
     self.progress = metrics_lib.Progress(first_step, self.config.total_steps)
@@ -384,12 +394,21 @@ class Training:
       return
     steps_per_sec, eta_s = self.progress.mark(step)
     metrics['train/steps_per_sec'] = steps_per_sec
+    metrics.update(self._tokens_seen(step))
     self.writer.write(step, {**metrics, **record['eval']})
     eta_s = int(eta_s)
     logging.info('step %d/%d | loss %.4f | grad_norm %.3g | lr %.3g | %.2f steps/s | ETA %dm%02ds%s',
                  step, config.total_steps, metrics['train/loss'], metrics['train/grad_norm'],
                  metrics['train/lr'], steps_per_sec, eta_s // 60, eta_s % 60,
                  ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()))
+
+  def _tokens_seen(self, step: int) -> dict[str, float]:
+    """Text: the tokens predicted in steps 1..`step` and per parameter (what compares runs of different
+    sizes and tokenizers: Hoffmann et al. 2022, arXiv:2203.15556, train about 20 per parameter)."""
+    if self.run.data_info.kind != 'text':
+      return {}
+    tokens = step * self.config.batch_size * self.config.data.seq_len
+    return {'train/tokens': float(tokens), 'train/tokens_per_param': tokens / self.num_params}
 
   def _first_nonfinite_site(self, state, batch):
     """Replays a non-finite step with the instrumentation (with on_nonfinite='stop' the state is still
@@ -428,5 +447,7 @@ class Training:
     if self.moments is not None:
       self.moments.close()
     guard.release()
-    logging.info('Done in %.1fs: %s', time.time() - self.t_start, self.last_eval)
+    step = int(state['step'])
+    seen = ''.join(f', {k} {v:.4g}' for k, v in self._tokens_seen(step).items())
+    logging.info('Done in %.1fs: %s%s', time.time() - self.t_start, self.last_eval, seen)
     return self.last_eval

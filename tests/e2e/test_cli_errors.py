@@ -23,7 +23,7 @@ import pytest
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
-TOOLS = ('main', 'moments', 'export', 'bench', 'sensitivity')
+TOOLS = ('main', 'moments', 'export', 'bench', 'sensitivity', 'tokenizer')
 
 # Files a case starts from, under its temporary directory ({tmp} in the arguments).
 FILES = {
@@ -49,12 +49,20 @@ FILES = {
     # Workdirs of the wrong layout.
     'ckpt_file/checkpoints': 'not a directory\n',
     'metrics_dir/metrics.jsonl/': None,
+    # Text: a tokenizer file that does not parse, a file that is not UTF-8, and a tiny corpus whose
+    # train split (f0.txt, f1.txt) cannot support a large vocabulary (f12.txt falls into validation).
+    'corrupt_tokenizer.json': '{"model": ',
+    'latin/a.txt': 'café'.encode('latin-1'),
+    'small/f0.txt': 'def f(x):\n  return x\n',
+    'small/f1.txt': 'import os\n',
+    'small/f12.txt': 'print(1)\n',
 }
 
 MAIN = ['--config=configs/gpt_preln.py', '--workdir={tmp}/w']
 MOMENTS = ['--config=configs/gpt_preln.py', '--out={tmp}/out']
 EXPORT = ['--workdir={tmp}/run', '--out={tmp}/out']
 SENSITIVITY = ['--config=configs/gpt_preln.py', '--out={tmp}/out']
+TOKENIZER = ['--data=text:{tmp}/small/*.txt', '--out={tmp}/out']
 
 # (id, tool, arguments, a substring the error line must contain).
 CASES = [
@@ -86,6 +94,16 @@ CASES = [
     ('main-metrics-is-a-directory', 'main', ['--config=configs/gpt_preln.py', '--workdir={tmp}/metrics_dir'],
      '{tmp}/metrics_dir/metrics.jsonl is not a file'),
     ('main-unknown-dataset', 'main', MAIN + ['--config.data.name=not_a_dataset'], 'not_a_dataset'),
+    ('main-tokenizer-missing', 'main',
+     MAIN + ['--config.data.name=python_stdlib', '--config.data.tokenizer={tmp}/missing.json'],
+     'data.tokenizer={tmp}/missing.json: no such file'),
+    ('main-tokenizer-corrupt', 'main',
+     MAIN + ['--config.data.name=python_stdlib', '--config.data.tokenizer={tmp}/corrupt_tokenizer.json'],
+     'corrupt_tokenizer.json: not a readable tokenizers JSON file'),
+    ('main-text-glob-matches-nothing', 'main', MAIN + ['--config.data.name=text:{tmp}/nothing/*.txt'],
+     'matches no file'),
+    ('main-text-not-utf8', 'main', MAIN + ['--config.data.name=text:{tmp}/latin/*.txt'],
+     '{tmp}/latin/a.txt is not UTF-8'),
     # dsjax.moments
     ('moments-zero-batches', 'moments', MOMENTS + ['--batches=0'], '--batches=0'),
     ('moments-negative-batches', 'moments', MOMENTS + ['--batches=-2'], '--batches=-2'),
@@ -154,6 +172,18 @@ CASES = [
      '--json={tmp}/other holds a training run'),
     ('sensitivity-out-not-writable', 'sensitivity',
      ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'], '{tmp}/read_only is not writable'),
+    # dsjax.tokenizer
+    ('tokenizer-vocab-too-small', 'tokenizer', TOKENIZER + ['--vocab_size=100'], '--vocab_size=100'),
+    ('tokenizer-vocab-larger-than-the-corpus', 'tokenizer', TOKENIZER + ['--vocab_size=5000'],
+     '--vocab_size=5000 is larger than the train split'),
+    ('tokenizer-glob-matches-nothing', 'tokenizer',
+     ['--data=text:{tmp}/nothing/*.txt', '--vocab_size=300', '--out={tmp}/out'], 'matches no file'),
+    ('tokenizer-not-utf8', 'tokenizer',
+     ['--data=text:{tmp}/latin/*.txt', '--vocab_size=300', '--out={tmp}/out'],
+     '{tmp}/latin/a.txt is not UTF-8'),
+    ('tokenizer-out-is-file', 'tokenizer', ['--data=text:{tmp}/small/*.txt', '--vocab_size=300',
+                                            '--out={tmp}/file'], '--out={tmp}/file'),
+    ('tokenizer-missing-data', 'tokenizer', ['--vocab_size=300', '--out={tmp}/out'], '--data'),
 ]
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
 MARKS = {
@@ -230,6 +260,8 @@ def _make_files(tmp: pathlib.Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     if text is None:
       path.mkdir(parents=True, exist_ok=True)
+    elif isinstance(text, bytes):
+      path.write_bytes(text)
     else:
       path.write_text(text)
   (tmp / 'read_only').chmod(0o555)

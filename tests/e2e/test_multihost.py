@@ -18,11 +18,12 @@ import time
 import numpy as np
 import pytest
 
+from dsjax import tokenizer as tokenizer_cli
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from tests.e2e import multihost_config
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, write_text_corpus
 
 ROOT = REPO_ROOT
 CONFIG = 'tests/e2e/multihost_config.py'
@@ -128,25 +129,38 @@ def _metrics(workdir) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow  # About 2 minutes on 2 cores: two runs of two fresh processes, and the reference.
-def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path):
+def _subword_text(tmp_path) -> dict[str, str]:
+  """`data` overrides for a tiny text corpus read with a 300-token BPE tokenizer trained on it (the
+  processes tokenize it into one shared cache, once)."""
+  corpus = write_text_corpus(tmp_path / 'corpus')
+  tokenizer_cli.train(f'text:{corpus}/*.txt', 300, str(tmp_path / 'tokenizer'))
+  return {'name': f'text:{corpus}/*.txt', 'tokenizer': str(tmp_path / 'tokenizer' / 'tokenizer.json'),
+          'data_dir': str(tmp_path / 'cache'), 'seq_len': 16}
+
+
+@pytest.mark.slow  # About 2 minutes on 2 cores each: two runs of two fresh processes, and the reference.
+@pytest.mark.parametrize('text', ['bytes', 'subword'])
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, text):
+  data = _subword_text(tmp_path) if text == 'subword' else {}
+  overrides = [f'--config.data.{key}={value}' for key, value in data.items()]
   # One process, 8 devices: 4 steps, then a second invocation resumes from the checkpoint to step 6.
   config = multihost_config.get_config()
+  config.data.update(data)
   one = str(tmp_path / 'one_process')
   loop.train_and_evaluate(config, one)
   config.total_steps = 6
   loop.train_and_evaluate(config, one)
 
   two = tmp_path / 'two_processes'
-  first = _run_two_processes(two)
-  second = _run_two_processes(two, '--config.total_steps=6')
+  first = _run_two_processes(two, *overrides)
+  second = _run_two_processes(two, '--config.total_steps=6', *overrides)
   assert 'Resumed from step 4' in second[0].stderr
 
   expected, got = _metrics(one), _metrics(two)
   assert [r['step'] for r in expected] == [1, 2, 3, 4, 5, 6]
   assert [r['step'] for r in got] == [1, 2, 3, 4, 5, 6]  # Each step once: process 0 alone writes.
   for row, reference in zip(got, expected):
-    for key in ('train/loss', 'train/grad_norm', 'eval/loss'):
+    for key in ('train/loss', 'train/grad_norm', 'eval/loss', 'eval/bits_per_byte'):
       if key in reference:
         np.testing.assert_allclose(row[key], reference[key], rtol=RTOL, err_msg=f'step {row["step"]} {key}')
   assert 'eval/loss' in got[3] and 'eval/loss' in got[5]
