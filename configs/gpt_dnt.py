@@ -4,11 +4,12 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_dnt.py --workdir=/tmp/gpt_dnt
 
-Expected runtime: 6m35s wall on a 2-core CPU (2026-11-24, ~2.5 steps/s including the two evaluations and
-checkpoints; for about two of those minutes a second training run shared the cores).
-Expected result: eval loss 1.361 nats/byte (1.964 bits/byte, perplexity 3.90) at step 1000 (measured
-2026-11-24, seed 0; 1.377 with the previous input pipeline, whose training order differed), against a
-unigram byte entropy of the validation split of 3.144 nats (4.536 bits).
+Expected runtime: 3m30s wall on a 2-core CPU (2026-11-27, ~4.2 steps/s including the two evaluations and
+checkpoints; 6m35s on 2026-11-24 while a second training run shared the cores for about two minutes).
+Expected result: eval loss 1.358 nats/byte (1.959 bits/byte, perplexity 3.89) at step 1000 (measured
+2026-11-27, seed 0, with this code and with that of commit 5a474ed, equal to the last digit; 1.377 with
+an earlier input pipeline, whose training order differed), against a unigram byte entropy of the
+validation split of 3.144 nats (4.536 bits).
 """
 
 from dsjax.train.config import base_config

@@ -9,7 +9,7 @@ Expected runtime: 3m46s wall on an idle 2-core CPU (2026-11-24; 4m42s on 2026-11
 step times only on one machine, side by side).
 Expected result: eval loss 1.694 nats/byte (2.444 bits/byte, perplexity 5.44) at step 1000 (measured
 2026-11-24 and 2026-11-23, seed 0), against the 3.144-nat unigram entropy of the validation split; the
-DNT model with mSGDW (configs/gpt_dnt.py) reached 1.361.
+DNT model with mSGDW (configs/gpt_dnt.py) reached 1.358.
 """
 
 from dsjax.train.config import base_config
