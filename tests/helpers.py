@@ -28,8 +28,30 @@ def tiny_config(model_name: str = 'gpt', **model_overrides):
   return c
 
 
-_WORDS = ('def', 'return', 'self', 'import', 'class', 'value', 'print', 'for', 'in', 'range', 'if', 'else',
-          'None', 'True', 'ünïcode', 'λ', '=', '(', ')', ':', '\n', '    ')
+_WORDS = (
+  'def',
+  'return',
+  'self',
+  'import',
+  'class',
+  'value',
+  'print',
+  'for',
+  'in',
+  'range',
+  'if',
+  'else',
+  'None',
+  'True',
+  'ünïcode',
+  'λ',
+  '=',
+  '(',
+  ')',
+  ':',
+  '\n',
+  '    ',
+)
 
 
 def write_text_corpus(directory, num_files: int = 48, words_per_file: int = 200, seed: int = 0):

@@ -18,26 +18,25 @@ Importing this package registers the embedded TFDS datasets
 
 from dsjax.data.config import get_config
 from dsjax.data.embedded import EMBEDDED_DATASETS
-from dsjax.data.pipeline import ImagePipeline
-from dsjax.data.pipeline import make_pipeline
-from dsjax.data.pipeline import Pipeline
-from dsjax.data.pipeline import TextPipeline
-from dsjax.data.sources import dataset_info
-from dsjax.data.sources import DatasetInfo
-from dsjax.data.sources import DatasetNotFoundError
-from dsjax.data.sources import DOCUMENT_SEPARATOR_BYTE
-from dsjax.data.sources import TEXT_VOCAB_SIZE
+from dsjax.data.pipeline import ImagePipeline, Pipeline, TextPipeline, make_pipeline
+from dsjax.data.sources import (
+  DOCUMENT_SEPARATOR_BYTE,
+  TEXT_VOCAB_SIZE,
+  DatasetInfo,
+  DatasetNotFoundError,
+  dataset_info,
+)
 
 __all__ = [
-    'DOCUMENT_SEPARATOR_BYTE',
-    'DatasetInfo',
-    'DatasetNotFoundError',
-    'EMBEDDED_DATASETS',
-    'ImagePipeline',
-    'Pipeline',
-    'TEXT_VOCAB_SIZE',
-    'TextPipeline',
-    'dataset_info',
-    'get_config',
-    'make_pipeline',
+  'DOCUMENT_SEPARATOR_BYTE',
+  'DatasetInfo',
+  'DatasetNotFoundError',
+  'EMBEDDED_DATASETS',
+  'ImagePipeline',
+  'Pipeline',
+  'TEXT_VOCAB_SIZE',
+  'TextPipeline',
+  'dataset_info',
+  'get_config',
+  'make_pipeline',
 ]

@@ -1,8 +1,8 @@
 """The `data` section of an experiment config, and its validation."""
 
-from collections.abc import Mapping
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -43,6 +43,7 @@ def get_config(name: str = 'sklearn_digits') -> ml_collections.ConfigDict:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """A validated, immutable copy of the `data` config."""
+
   name: str
   data_dir: str | None
   download: bool
@@ -77,12 +78,10 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
   if isinstance(data_config, ml_collections.ConfigDict):
     data_config = data_config.to_dict()
   if not isinstance(data_config, Mapping):
-    raise ValueError(
-        f'data config must be a ConfigDict or dict, got {type(data_config)}')
+    raise ValueError(f'data config must be a ConfigDict or dict, got {type(data_config)}')
   unknown = sorted(set(data_config) - set(defaults))
   if unknown:
-    raise ValueError(
-        f'unknown data config keys {unknown}; known: {sorted(defaults)}')
+    raise ValueError(f'unknown data config keys {unknown}; known: {sorted(defaults)}')
   get = lambda key: data_config.get(key, defaults[key])
 
   name = get('name')
@@ -91,25 +90,20 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
   data_dir = get('data_dir')
   if data_dir is not None:
     if not isinstance(data_dir, (str, os.PathLike)) or not os.fspath(data_dir):
-      raise ValueError(
-          f'data.data_dir must be None or a path, got {data_dir!r}')
+      raise ValueError(f'data.data_dir must be None or a path, got {data_dir!r}')
     data_dir = os.fspath(data_dir)
   download = get('download')
   if not isinstance(download, bool):
     raise ValueError(f'data.download must be a bool, got {download!r}')
   seq_len = get('seq_len')
   if not _is_int(seq_len) or seq_len <= 0:
-    raise ValueError(
-        f'data.seq_len must be a positive integer, got {seq_len!r}')
+    raise ValueError(f'data.seq_len must be a positive integer, got {seq_len!r}')
   image_size = get('image_size')
   if image_size is not None and (not _is_int(image_size) or image_size <= 0):
-    raise ValueError(
-        f'data.image_size must be None or a positive integer, got '
-        f'{image_size!r}')
+    raise ValueError(f'data.image_size must be None or a positive integer, got {image_size!r}')
   text_key = get('text_key')
   if not isinstance(text_key, str) or not text_key:
-    raise ValueError(
-        f'data.text_key must be a non-empty string, got {text_key!r}')
+    raise ValueError(f'data.text_key must be a non-empty string, got {text_key!r}')
   augment = get('augment')
   if not isinstance(augment, bool):
     raise ValueError(f'data.augment must be a bool, got {augment!r}')
@@ -117,10 +111,14 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
   if isinstance(tokenizer, os.PathLike):
     tokenizer = os.fspath(tokenizer)
   if not isinstance(tokenizer, str) or not tokenizer.strip():
-    raise ValueError(
-        f"data.tokenizer must be 'bytes' or the path of a tokenizer file, "
-        f'got {tokenizer!r}')
+    raise ValueError(f"data.tokenizer must be 'bytes' or the path of a tokenizer file, got {tokenizer!r}")
   return DataConfig(
-      name=name.strip(), data_dir=data_dir, download=download,
-      seq_len=seq_len, image_size=image_size, text_key=text_key,
-      augment=augment, tokenizer=tokenizer.strip())
+    name=name.strip(),
+    data_dir=data_dir,
+    download=download,
+    seq_len=seq_len,
+    image_size=image_size,
+    text_key=text_key,
+    augment=augment,
+    tokenizer=tokenizer.strip(),
+  )

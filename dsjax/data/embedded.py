@@ -63,8 +63,7 @@ def digits_split_indices() -> dict[str, np.ndarray]:
   test = []
   for label in range(10):
     members = np.flatnonzero(labels == label)
-    order = random_bits.permutation(
-        0, random_bits.Purpose.DATASET_SPLIT, label, len(members))
+    order = random_bits.permutation(0, random_bits.Purpose.DATASET_SPLIT, label, len(members))
     test.append(members[order[:_DIGITS_TEST_PER_CLASS]])
   test = np.sort(np.concatenate(test))
   train = np.setdiff1d(np.arange(len(labels)), test)
@@ -79,31 +78,31 @@ class SklearnDigits(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=(
-            "scikit-learn's copy of the UCI optical handwritten digits: 8x8 "
-            'grey images (0..16 rescaled to 0..255), 10 classes. Test = 30 '
-            'examples per class chosen by a seeded Philox permutation.'),
-        features=tfds.features.FeaturesDict({
-            'image': tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
-            'label': tfds.features.ClassLabel(
-                names=[str(d) for d in range(10)]),
-        }),
-        supervised_keys=('image', 'label'),
-        homepage='https://scikit-learn.org/stable/datasets/toy_dataset.html',
-        citation=(
-            '@misc{alpaydin1998optdigits, author={Alpaydin, E. and Kaynak, '
-            'C.}, title={Optical Recognition of Handwritten Digits}, '
-            'year={1998}, howpublished={UCI Machine Learning Repository}}'),
-        disable_shuffling=True,
+      builder=self,
+      description=(
+        "scikit-learn's copy of the UCI optical handwritten digits: 8x8 "
+        'grey images (0..16 rescaled to 0..255), 10 classes. Test = 30 '
+        'examples per class chosen by a seeded Philox permutation.'
+      ),
+      features=tfds.features.FeaturesDict(
+        {
+          'image': tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
+          'label': tfds.features.ClassLabel(names=[str(d) for d in range(10)]),
+        }
+      ),
+      supervised_keys=('image', 'label'),
+      homepage='https://scikit-learn.org/stable/datasets/toy_dataset.html',
+      citation=(
+        '@misc{alpaydin1998optdigits, author={Alpaydin, E. and Kaynak, '
+        'C.}, title={Optical Recognition of Handwritten Digits}, '
+        'year={1998}, howpublished={UCI Machine Learning Repository}}'
+      ),
+      disable_shuffling=True,
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing to download: the data ships with scikit-learn.
-    return {
-        split: self._generate_examples(indices)
-        for split, indices in digits_split_indices().items()
-    }
+    return {split: self._generate_examples(indices) for split, indices in digits_split_indices().items()}
 
   def _generate_examples(self, indices):
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
@@ -113,10 +112,13 @@ class SklearnDigits(tfds.core.GeneratorBasedBuilder):
     for index in indices:
       # Integer keys: with shuffling disabled TFDS stores examples sorted by
       # key, i.e. in scikit-learn order.
-      yield int(index), {
+      yield (
+        int(index),
+        {
           'image': images[index],
           'label': int(digits.target[index]),
-      }
+        },
+      )
 
 
 def python_docs_documents() -> dict[str, list[tuple[str, str]]]:
@@ -166,33 +168,31 @@ class PythonDocsBytes(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     documents = python_docs_documents()
     metadata = tfds.core.MetadataDict(
-        python_version='.'.join(map(str, sys.version_info[:3])),
-        num_bytes={split: sum(len(t.encode('utf-8')) for _, t in docs)
-                   for split, docs in documents.items()},
-        sha256={split: _sha256_of_documents(docs)
-                for split, docs in documents.items()},
+      python_version='.'.join(map(str, sys.version_info[:3])),
+      num_bytes={split: sum(len(t.encode('utf-8')) for _, t in docs) for split, docs in documents.items()},
+      sha256={split: _sha256_of_documents(docs) for split, docs in documents.items()},
     )
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=(
-            'The English reference documentation shipped with CPython '
-            '(pydoc_data.topics), one document per topic in name order; '
-            'contiguous split: first 90% of bytes train, last 10% validation.'),
-        features=tfds.features.FeaturesDict({
-            'topic': tfds.features.Text(),
-            'text': tfds.features.Text(),
-        }),
-        homepage='https://docs.python.org/3/reference/',
-        metadata=metadata,
-        disable_shuffling=True,
+      builder=self,
+      description=(
+        'The English reference documentation shipped with CPython '
+        '(pydoc_data.topics), one document per topic in name order; '
+        'contiguous split: first 90% of bytes train, last 10% validation.'
+      ),
+      features=tfds.features.FeaturesDict(
+        {
+          'topic': tfds.features.Text(),
+          'text': tfds.features.Text(),
+        }
+      ),
+      homepage='https://docs.python.org/3/reference/',
+      metadata=metadata,
+      disable_shuffling=True,
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing to download: the text ships with Python.
-    return {
-        split: self._generate_examples(documents)
-        for split, documents in python_docs_documents().items()
-    }
+    return {split: self._generate_examples(documents) for split, documents in python_docs_documents().items()}
 
   def _generate_examples(self, documents):
     for position, (topic, text) in enumerate(documents):
@@ -202,6 +202,6 @@ class PythonDocsBytes(tfds.core.GeneratorBasedBuilder):
 # TFDS registers builders under the snake_case of their class names.
 EMBEDDED_DATASETS = ('sklearn_digits', 'python_docs_bytes')
 EMBEDDED_BUILDERS = {
-    'sklearn_digits': SklearnDigits,
-    'python_docs_bytes': PythonDocsBytes,
+  'sklearn_digits': SklearnDigits,
+  'python_docs_bytes': PythonDocsBytes,
 }

@@ -35,8 +35,7 @@ from PIL import Image
 
 from dsjax.data import config as config_lib
 from dsjax.data import corpus as corpus_lib
-from dsjax.data import random_bits
-from dsjax.data import sources
+from dsjax.data import random_bits, sources
 from dsjax.data import tokenizer as tokenizer_lib
 
 Batch = dict[str, np.ndarray]
@@ -86,13 +85,16 @@ def _resize_and_centre_crop(image: np.ndarray, size: int) -> np.ndarray:
   new_height = max(size, round(height * scale))
   new_width = max(size, round(width * scale))
   channels = [
-      np.asarray(Image.fromarray(image[:, :, c].astype(np.float32)).resize(
-          (new_width, new_height), Image.Resampling.BILINEAR))
-      for c in range(image.shape[-1])
+    np.asarray(
+      Image.fromarray(image[:, :, c].astype(np.float32)).resize(
+        (new_width, new_height), Image.Resampling.BILINEAR
+      )
+    )
+    for c in range(image.shape[-1])
   ]
   resized = np.stack(channels, axis=-1)  # (new_height, new_width, c)
   top, left = (new_height - size) // 2, (new_width - size) // 2
-  return resized[top:top + size, left:left + size]
+  return resized[top : top + size, left : left + size]
 
 
 class Pipeline(Iterator[Batch]):
@@ -104,9 +106,17 @@ class Pipeline(Iterator[Batch]):
   positions (`_read_eval`). This class shards, pads and iterates.
   """
 
-  def __init__(self, *, info: sources.DatasetInfo, split: str,
-               global_batch_size: int, seed: int, process_index: int,
-               process_count: int, train: bool):
+  def __init__(
+    self,
+    *,
+    info: sources.DatasetInfo,
+    split: str,
+    global_batch_size: int,
+    seed: int,
+    process_index: int,
+    process_count: int,
+    train: bool,
+  ):
     self.info = info
     self.split = split
     self.global_batch_size = global_batch_size
@@ -152,16 +162,16 @@ class Pipeline(Iterator[Batch]):
     t * P + process_index.
     """
     batches = rows.batch(self.local_batch_size)
-    return batches[self.process_index::self.process_count]
+    return batches[self.process_index :: self.process_count]
 
   def _eval_dataset(self) -> grain.MapDataset:
     """One pass in stored order, padded to whole global batches."""
     rows = grain.MapDataset.range(self.num_eval_rows).map(
-        lambda position: {'position': position, 'mask': np.float32(1)})
+      lambda position: {'position': position, 'mask': np.float32(1)}
+    )
     num_padding = self.num_batches * self.global_batch_size - len(rows)
     if num_padding:
-      padding = grain.MapDataset.range(num_padding).map(
-          lambda _: {'position': 0, 'mask': np.float32(0)})
+      padding = grain.MapDataset.range(num_padding).map(lambda _: {'position': 0, 'mask': np.float32(0)})
       rows = grain.MapDataset.concatenate([rows, padding])
     return self._shard(rows).map(self._read_eval_padded)
 
@@ -181,8 +191,9 @@ class Pipeline(Iterator[Batch]):
   def dataset(self) -> grain.MapDataset:
     """Grain MapDataset of this process' batches (index = global step)."""
     if self._dataset is None:
-      self._dataset = (self._shard(self._train_rows()).map(self._read_train)
-                       if self.train else self._eval_dataset())
+      self._dataset = (
+        self._shard(self._train_rows()).map(self._read_train) if self.train else self._eval_dataset()
+      )
     return self._dataset
 
   def _restart(self, iterator_state: dict[str, Any] | None = None) -> None:
@@ -234,12 +245,12 @@ class Pipeline(Iterator[Batch]):
 
   def _identity(self) -> dict[str, Any]:
     return {
-        'dataset': self.info.name,
-        'split': self.split,
-        'train': self.train,
-        'seed': self.seed,
-        'global_batch_size': self.global_batch_size,
-        **self._extra_state(),
+      'dataset': self.info.name,
+      'split': self.split,
+      'train': self.train,
+      'seed': self.seed,
+      'global_batch_size': self.global_batch_size,
+      **self._extra_state(),
     }
 
   def get_state(self) -> dict[str, Any]:
@@ -251,28 +262,30 @@ class Pipeline(Iterator[Batch]):
     """
     if self._iterator is None:
       self._restart()
-    return {'version': _STATE_VERSION, 'iterator': self._iterator.get_state(),
-            **self._identity()}
+    return {'version': _STATE_VERSION, 'iterator': self._iterator.get_state(), **self._identity()}
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Restores `get_state()` output; the next batch is then bitwise equal."""
     if state.get('version') != _STATE_VERSION:
       raise ValueError(f'unsupported pipeline state version in {state}')
-    mismatched = {k: (state.get(k), v) for k, v in self._identity().items()
-                  if state.get(k) != v}
+    mismatched = {k: (state.get(k), v) for k, v in self._identity().items() if state.get(k) != v}
     if mismatched:
-      details = ', '.join(f'{k}: state has {a!r}, pipeline has {b!r}'
-                          for k, (a, b) in mismatched.items())
+      details = ', '.join(f'{k}: state has {a!r}, pipeline has {b!r}' for k, (a, b) in mismatched.items())
       raise ValueError(f'pipeline state is for another pipeline ({details})')
     iterator_state = state.get('iterator')
-    next_index = (iterator_state.get('next_index')
-                  if isinstance(iterator_state, dict) else None)
+    next_index = iterator_state.get('next_index') if isinstance(iterator_state, dict) else None
     limit = None if self.train else self.num_batches
-    if (isinstance(next_index, bool) or not isinstance(next_index, int)
-        or next_index < 0 or (limit is not None and next_index > limit)):
-      raise ValueError(f"pipeline state 'iterator' must be {{'next_index': "
-                       f"int in [0, {limit or 'inf'}]}}, got "
-                       f'{iterator_state!r}')
+    if (
+      isinstance(next_index, bool)
+      or not isinstance(next_index, int)
+      or next_index < 0
+      or (limit is not None and next_index > limit)
+    ):
+      raise ValueError(
+        f"pipeline state 'iterator' must be {{'next_index': "
+        f'int in [0, {limit or "inf"}]}}, got '
+        f'{iterator_state!r}'
+      )
     self._restart(iterator_state)
 
 
@@ -315,8 +328,7 @@ class ImagePipeline(Pipeline):
       if image_hwc.shape[:2] != (height, width):
         image_hwc = _resize_and_centre_crop(image_hwc, height)
       images.append(image_hwc.astype(np.float32))
-    labels_n = np.array([record[self._label_key] for record in records],
-                        np.int32)
+    labels_n = np.array([record[self._label_key] for record in records], np.int32)
     if not records:
       return np.zeros((0, *self.info.image_shape), np.float32), labels_n
     return np.stack(images), labels_n
@@ -334,21 +346,19 @@ class ImagePipeline(Pipeline):
     return {'index': index, 'flip': rng.random() < 0.5}
 
   def _train_rows(self) -> grain.MapDataset:
-    indices = (grain.MapDataset.range(self._num_examples)
-               .shuffle(seed=_grain_seed(
-                   self.seed, random_bits.Purpose.EPOCH_PERMUTATION))
-               .repeat())
+    indices = (
+      grain.MapDataset.range(self._num_examples)
+      .shuffle(seed=_grain_seed(self.seed, random_bits.Purpose.EPOCH_PERMUTATION))
+      .repeat()
+    )
     if self._augment:
-      return indices.random_map(
-          self._draw_flip,
-          seed=_grain_seed(self.seed, random_bits.Purpose.FLIPS))
+      return indices.random_map(self._draw_flip, seed=_grain_seed(self.seed, random_bits.Purpose.FLIPS))
     return indices.map(lambda index: {'index': index})
 
   def _read_train(self, rows_b: Batch) -> Batch:
     images_bhwc, labels_b = self._read(rows_b['index'])
     if 'flip' in rows_b:
-      images_bhwc = np.where(rows_b['flip'][:, None, None, None],
-                             images_bhwc[:, :, ::-1], images_bhwc)
+      images_bhwc = np.where(rows_b['flip'][:, None, None, None], images_bhwc[:, :, ::-1], images_bhwc)
     return {'image': self._normalise(images_bhwc), 'label': labels_b}
 
   def _read_eval(self, positions_n: np.ndarray) -> Batch:
@@ -381,17 +391,22 @@ class TextPipeline(Pipeline):
   incomplete window's tokens (fewer than L), which are left out.
   """
 
-  def __init__(self, *, source: Sequence[Any] | None, seq_len: int,
-               stream: np.ndarray | None = None,
-               token_num_bytes: np.ndarray | None = None, **kwargs):
+  def __init__(
+    self,
+    *,
+    source: Sequence[Any] | None,
+    seq_len: int,
+    stream: np.ndarray | None = None,
+    token_num_bytes: np.ndarray | None = None,
+    **kwargs,
+  ):
     super().__init__(**kwargs)
     self.seq_len = seq_len
     self._source = source
     self._text_key = self.info.feature_keys['text']
     self._window = np.arange(seq_len + 1)  # Offsets inside a window.
     self._token_num_bytes = token_num_bytes
-    self.streamed = (stream is not None or not self.train
-                     or len(source) <= MAX_IN_MEMORY_TEXT_DOCUMENTS)
+    self.streamed = stream is not None or not self.train or len(source) <= MAX_IN_MEMORY_TEXT_DOCUMENTS
     if stream is not None:
       self.stream = stream  # A memory-mapped token stream.
     elif self.streamed:
@@ -401,17 +416,21 @@ class TextPipeline(Pipeline):
     if self.stream is not None and len(self.stream) < seq_len + 1:
       unit = 'bytes' if stream is None else 'tokens'
       raise ValueError(
-          f'split {self.split!r} of {self.info.name} has '
-          f'{len(self.stream)} {unit}, fewer than data.seq_len + 1 = '
-          f'{seq_len + 1}')
+        f'split {self.split!r} of {self.info.name} has '
+        f'{len(self.stream)} {unit}, fewer than data.seq_len + 1 = '
+        f'{seq_len + 1}'
+      )
 
   def _extra_state(self) -> dict[str, Any]:
     # Tokenized text also names its corpus and tokenizer, so a run does not
     # resume on other text (byte-level TFDS states keep their old fields).
     if not self.info.tokenized:
       return {'seq_len': self.seq_len}
-    return {'seq_len': self.seq_len, 'corpus': self.info.corpus_sha256,
-            'tokenizer': self.info.tokenizer_sha256}
+    return {
+      'seq_len': self.seq_len,
+      'corpus': self.info.corpus_sha256,
+      'tokenizer': self.info.tokenizer_sha256,
+    }
 
   @property
   def num_eval_rows(self) -> int:
@@ -426,7 +445,7 @@ class TextPipeline(Pipeline):
       return num_targets
     total, chunk = 0, 1 << 22
     for start in range(1, num_targets + 1, chunk):
-      tokens = np.asarray(self.stream[start:min(start + chunk, num_targets + 1)])
+      tokens = np.asarray(self.stream[start : min(start + chunk, num_targets + 1)])
       total += int(self._token_num_bytes[tokens].sum())
     return total
 
@@ -441,9 +460,7 @@ class TextPipeline(Pipeline):
     else:  # Rows are the documents the windows start at.
       num_rows = len(self._source)
       purpose = random_bits.Purpose.EPOCH_PERMUTATION
-    return (grain.MapDataset.range(num_rows)
-            .shuffle(seed=_grain_seed(self.seed, purpose))
-            .repeat())
+    return grain.MapDataset.range(num_rows).shuffle(seed=_grain_seed(self.seed, purpose)).repeat()
 
   def _read_train(self, rows_b: np.ndarray) -> Batch:
     if self.streamed:
@@ -458,8 +475,7 @@ class TextPipeline(Pipeline):
     next_document = [int(d) for d in documents_n]
     pending = list(range(len(documents_n)))
     while pending:
-      records = self._source.__getitems__(
-          [next_document[r] for r in pending])
+      records = self._source.__getitems__([next_document[r] for r in pending])
       still_short = []
       for row, record in zip(pending, records):
         if pieces[row]:
@@ -469,25 +485,28 @@ class TextPipeline(Pipeline):
           next_document[row] = (next_document[row] + 1) % len(self._source)
           still_short.append(row)
       pending = still_short
-    return np.stack([np.frombuffer(bytes(p[:needed]), np.uint8)
-                     for p in pieces]).astype(np.int32)
+    return np.stack([np.frombuffer(bytes(p[:needed]), np.uint8) for p in pieces]).astype(np.int32)
 
   def _read_eval(self, positions_n: np.ndarray) -> Batch:
     return {'tokens': self._windows(positions_n * self.seq_len)}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-  if (isinstance(value, (bool, np.bool_))
-      or not isinstance(value, (int, np.integer)) or value < minimum):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f'{name} must be an integer >= {minimum}, got {value!r}')
   return int(value)
 
 
-def make_pipeline(data_config, *, split: str | None = None,
-                  global_batch_size: int,
-                  seed: int = 0, process_index: int | None = None,
-                  process_count: int | None = None,
-                  train: bool = True) -> Pipeline:
+def make_pipeline(
+  data_config,
+  *,
+  split: str | None = None,
+  global_batch_size: int,
+  seed: int = 0,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  train: bool = True,
+) -> Pipeline:
   """Builds the input pipeline of one process.
 
   Args:
@@ -520,24 +539,29 @@ def make_pipeline(data_config, *, split: str | None = None,
   process_count = _check_int('process_count', process_count, 1)
   process_index = _check_int('process_index', process_index, 0)
   if process_index >= process_count:
-    raise ValueError(f'process_index must be < process_count '
-                     f'({process_count}), got {process_index}')
+    raise ValueError(f'process_index must be < process_count ({process_count}), got {process_index}')
   if global_batch_size % process_count:
-    raise ValueError(f'global_batch_size ({global_batch_size}) must be '
-                     f'divisible by process_count ({process_count})')
+    raise ValueError(
+      f'global_batch_size ({global_batch_size}) must be divisible by process_count ({process_count})'
+    )
 
   builder, info = sources.open_dataset(config)
   if split is None:
     split = info.train_split if train else info.eval_split
-  common = dict(info=info, split=split, global_batch_size=global_batch_size,
-                seed=seed, process_index=process_index,
-                process_count=process_count, train=train)
+  common = dict(
+    info=info,
+    split=split,
+    global_batch_size=global_batch_size,
+    seed=seed,
+    process_index=process_index,
+    process_count=process_count,
+    train=train,
+  )
   if info.tokenized:
     return _tokenized_pipeline(config, builder, info, split, common)
   base_split = split.split('[')[0]
   if base_split not in info.num_examples:
-    raise ValueError(f'split {split!r} is not in dataset {info.name}; '
-                     f'available: {sorted(info.num_examples)}')
+    raise ValueError(f'split {split!r} is not in dataset {info.name}; available: {sorted(info.num_examples)}')
   source = builder.as_data_source(split=split)
   if not len(source):
     raise ValueError(f'split {split!r} of {info.name} is empty')
@@ -556,8 +580,9 @@ def tfds_documents(source: Sequence[Any], text_key: str):
       yield _as_bytes(record[text_key])
 
 
-def _tokenized_pipeline(config: config_lib.DataConfig, builder, info: sources.DatasetInfo, split: str,
-                        common: dict[str, Any]) -> TextPipeline:
+def _tokenized_pipeline(
+  config: config_lib.DataConfig, builder, info: sources.DatasetInfo, split: str, common: dict[str, Any]
+) -> TextPipeline:
   """A TextPipeline over the split's cached token stream (`dsjax.data.corpus`), tokenized first if
   this (corpus, tokenizer) has not been."""
   tokenizer = tokenizer_lib.load(config.tokenizer)
@@ -568,13 +593,19 @@ def _tokenized_pipeline(config: config_lib.DataConfig, builder, info: sources.Da
     documents, total_bytes, directory = text.documents(split), text.num_bytes[split], info.data_dir
   else:  # A TFDS text dataset read with a subword tokenizer.
     if split.split('[')[0] not in info.num_examples:
-      raise ValueError(f'split {split!r} is not in dataset {info.name}; '
-                       f'available: {sorted(info.num_examples)}')
+      raise ValueError(
+        f'split {split!r} is not in dataset {info.name}; available: {sorted(info.num_examples)}'
+      )
     source = builder.as_data_source(split=split)
     documents = tfds_documents(source, info.feature_keys['text'])
     total_bytes = (info.num_bytes or {}).get(split)
     directory = corpus_lib.cache_dir(config.data_dir, info.name, info.corpus_sha256, tokenizer)
   file_name = ''.join(c if c.isalnum() else '_' for c in split)  # 'train[:90%]' -> 'train___90__'
   stream = corpus_lib.tokenize_split(documents, tokenizer, directory, file_name, logging.info, total_bytes)
-  return TextPipeline(source=None, seq_len=config.seq_len, stream=stream.tokens,
-                      token_num_bytes=tokenizer.token_num_bytes(), **common)
+  return TextPipeline(
+    source=None,
+    seq_len=config.seq_len,
+    stream=stream.tokens,
+    token_num_bytes=tokenizer.token_num_bytes(),
+    **common,
+  )

@@ -26,6 +26,7 @@ _MAX_SEED = 2**64 - 1
 
 class Purpose(enum.IntEnum):
   """What a stream of random words is used for (keeps streams independent)."""
+
   EPOCH_PERMUTATION = 1  # index = epoch
   TEXT_OFFSETS = 2  # index = global step
   FLIPS = 3  # index = global step
@@ -34,16 +35,14 @@ class Purpose(enum.IntEnum):
 
 def check_seed(seed) -> int:
   """Returns `seed` as a Python int, or raises ValueError if unusable."""
-  if isinstance(seed, (bool, np.bool_)) or not isinstance(
-      seed, (int, np.integer)):
+  if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f'seed must be a non-negative integer, got {seed!r}')
   if not 0 <= int(seed) <= _MAX_SEED:
     raise ValueError(f'seed must be in [0, 2**64), got {seed}')
   return int(seed)
 
 
-def random_words(seed: int, purpose: Purpose, index: int,
-                 num: int) -> np.ndarray:
+def random_words(seed: int, purpose: Purpose, index: int, num: int) -> np.ndarray:
   """Returns `num` uint64 words determined only by (seed, purpose, index)."""
   if not 0 <= index < 2**_INDEX_BITS:
     raise ValueError(f'random stream index out of range: {index}')
@@ -51,8 +50,7 @@ def random_words(seed: int, purpose: Purpose, index: int,
   return np.random.Philox(key=key).random_raw(num)
 
 
-def permutation(seed: int, purpose: Purpose, index: int,
-                num: int) -> np.ndarray:
+def permutation(seed: int, purpose: Purpose, index: int, num: int) -> np.ndarray:
   """A permutation of range(num) (int64) determined by (seed, purpose, index).
 
   Sorting i.i.d. random 64-bit keys gives a uniform permutation (ties have

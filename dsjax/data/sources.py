@@ -19,9 +19,9 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 
 from dsjax.data import config as config_lib
 from dsjax.data import corpus as corpus_lib
@@ -37,22 +37,17 @@ DOCUMENT_SEPARATOR_BYTE = 0
 # roughly zero mean and unit variance. Datasets not listed are mapped to
 # [-1, 1] (mean 127.5, std 127.5).
 _IMAGE_STATS = {
-    'sklearn_digits': ((embedded.DIGITS_TRAIN_MEAN,),
-                       (embedded.DIGITS_TRAIN_STD,)),
-    'mnist': ((0.1307 * 255,), (0.3081 * 255,)),
-    'fashion_mnist': ((0.2860 * 255,), (0.3530 * 255,)),
-    'cifar10': ((0.4914 * 255, 0.4822 * 255, 0.4465 * 255),
-                (0.2470 * 255, 0.2435 * 255, 0.2616 * 255)),
-    'cifar100': ((0.5071 * 255, 0.4865 * 255, 0.4409 * 255),
-                 (0.2673 * 255, 0.2564 * 255, 0.2762 * 255)),
-    'imagenet2012': ((0.485 * 255, 0.456 * 255, 0.406 * 255),
-                     (0.229 * 255, 0.224 * 255, 0.225 * 255)),
+  'sklearn_digits': ((embedded.DIGITS_TRAIN_MEAN,), (embedded.DIGITS_TRAIN_STD,)),
+  'mnist': ((0.1307 * 255,), (0.3081 * 255,)),
+  'fashion_mnist': ((0.2860 * 255,), (0.3530 * 255,)),
+  'cifar10': ((0.4914 * 255, 0.4822 * 255, 0.4465 * 255), (0.2470 * 255, 0.2435 * 255, 0.2616 * 255)),
+  'cifar100': ((0.5071 * 255, 0.4865 * 255, 0.4409 * 255), (0.2673 * 255, 0.2564 * 255, 0.2762 * 255)),
+  'imagenet2012': ((0.485 * 255, 0.456 * 255, 0.406 * 255), (0.229 * 255, 0.224 * 255, 0.225 * 255)),
 }
 _DEFAULT_IMAGE_STATS = (127.5, 127.5)
 
 # Datasets where a left-right flip changes the meaning of an image.
-_NO_FLIP_DATASETS = ('sklearn_digits', 'mnist', 'emnist', 'kmnist',
-                     'fashion_mnist', 'svhn_cropped')
+_NO_FLIP_DATASETS = ('sklearn_digits', 'mnist', 'emnist', 'kmnist', 'fashion_mnist', 'svhn_cropped')
 
 
 class DatasetNotFoundError(ValueError):
@@ -95,6 +90,7 @@ class DatasetInfo:
       subword tokenizer: of their name, version and sizes), else None.
     python_version: python_stdlib only, the Python whose library it is.
   """
+
   name: str
   kind: str
   num_examples: Mapping[str, int]
@@ -153,26 +149,25 @@ def _searched_dirs(data_dir: str | None) -> list[str]:
 
 def _prepared_versions(root: str, base_name: str) -> list[str]:
   """'name[/config]/version' of every prepared variant under root/base_name."""
-  patterns = [os.path.join(root, base_name, *['*'] * depth, 'dataset_info.json')
-              for depth in (1, 2)]
-  return sorted(os.path.relpath(os.path.dirname(path), root)
-                for pattern in patterns for path in glob.glob(pattern))
+  patterns = [os.path.join(root, base_name, *['*'] * depth, 'dataset_info.json') for depth in (1, 2)]
+  return sorted(
+    os.path.relpath(os.path.dirname(path), root) for pattern in patterns for path in glob.glob(pattern)
+  )
 
 
 def _build_command(name: str, data_dir: str) -> str:
-  return (f'`tfds build {name.split(":")[0]} --data_dir={data_dir} '
-          '--file_format=array_record`')
+  return f'`tfds build {name.split(":")[0]} --data_dir={data_dir} --file_format=array_record`'
 
 
 def _unknown_dataset_error(name: str) -> DatasetNotFoundError:
   return DatasetNotFoundError(
-      f"Unknown dataset data.name='{name}': it is neither a TFDS dataset nor "
-      f'one of the embedded offline datasets {list(embedded.EMBEDDED_DATASETS)}'
-      f" or '{corpus_lib.PYTHON_STDLIB}' or 'text:GLOB'; see `tfds.list_builders()` for TFDS names.")
+    f"Unknown dataset data.name='{name}': it is neither a TFDS dataset nor "
+    f'one of the embedded offline datasets {list(embedded.EMBEDDED_DATASETS)}'
+    f" or '{corpus_lib.PYTHON_STDLIB}' or 'text:GLOB'; see `tfds.list_builders()` for TFDS names."
+  )
 
 
-def _not_prepared_error(name: str, builder,
-                        data_dir: str | None) -> DatasetNotFoundError:
+def _not_prepared_error(name: str, builder, data_dir: str | None) -> DatasetNotFoundError:
   searched = _searched_dirs(data_dir)
   others = []
   for root in searched:
@@ -180,25 +175,28 @@ def _not_prepared_error(name: str, builder,
   hint = ''
   if others:
     as_name = lambda variant: ':'.join(variant.rsplit('/', 1))
-    hint = (f' Prepared variants found: {", ".join(others)} (select one with '
-            f"data.name='{as_name(others[-1])}').")
+    hint = (
+      f" Prepared variants found: {', '.join(others)} (select one with data.name='{as_name(others[-1])}')."
+    )
   target = os.fspath(builder.data_dir_root)  # Where TFDS looked last.
   return DatasetNotFoundError(
-      f"Dataset '{name}' (version {builder.version}) is not prepared in "
-      f'data_dir {", ".join(searched)}.{hint} Prepare it with '
-      f'{_build_command(name, target)} (building needs TensorFlow and network '
-      'on the preparing machine only; reading here does not), or set '
-      'data.download=True.')
+    f"Dataset '{name}' (version {builder.version}) is not prepared in "
+    f'data_dir {", ".join(searched)}.{hint} Prepare it with '
+    f'{_build_command(name, target)} (building needs TensorFlow and network '
+    'on the preparing machine only; reading here does not), or set '
+    'data.download=True.'
+  )
 
 
 def _not_random_access_error(name: str, builder) -> DatasetNotFoundError:
   formats = sorted(f.value for f in builder.info.available_file_formats())
   return DatasetNotFoundError(
-      f"Dataset '{name}' in {builder.data_dir} is stored as {formats}, which "
-      'cannot be read without TensorFlow; rebuild it as array_record on a '
-      f'machine with TensorFlow: {_build_command(name, "NEW_DATA_DIR")}, or '
-      f'`tfds convert_format --dataset_version_dir={builder.data_dir} '
-      '--out_file_format=array_record`.')
+    f"Dataset '{name}' in {builder.data_dir} is stored as {formats}, which "
+    'cannot be read without TensorFlow; rebuild it as array_record on a '
+    f'machine with TensorFlow: {_build_command(name, "NEW_DATA_DIR")}, or '
+    f'`tfds convert_format --dataset_version_dir={builder.data_dir} '
+    '--out_file_format=array_record`.'
+  )
 
 
 @contextlib.contextmanager
@@ -230,8 +228,7 @@ def _prepare(builder, name: str, is_embedded: bool) -> None:
   place at the end, so readers never see a half-written dataset; the lock
   additionally stops two processes sharing a data_dir from both generating.
   """
-  lock = os.path.join(os.fspath(builder.data_dir_root),
-                      f'.{_base_name(name)}.prepare.lock')
+  lock = os.path.join(os.fspath(builder.data_dir_root), f'.{_base_name(name)}.prepare.lock')
   with _file_lock(lock):
     if builder.is_prepared():  # Another process finished while we waited.
       return
@@ -241,10 +238,12 @@ def _prepare(builder, name: str, is_embedded: bool) -> None:
       return
     # The embedded sets take about a second: no progress bars or status
     # prints (they go to the log), and no `downloads/` dir in data_dir.
-    with (_quiet_progress_bars(), tempfile.TemporaryDirectory() as scratch,
-          contextlib.redirect_stdout(io.StringIO()) as tfds_stdout):
-      builder.download_and_prepare(
-          download_dir=scratch, file_format='array_record')
+    with (
+      _quiet_progress_bars(),
+      tempfile.TemporaryDirectory() as scratch,
+      contextlib.redirect_stdout(io.StringIO()) as tfds_stdout,
+    ):
+      builder.download_and_prepare(download_dir=scratch, file_format='array_record')
     logging.info('%s', tfds_stdout.getvalue().strip())
 
 
@@ -263,9 +262,10 @@ def _open_builder(name: str, data_dir: str | None, download: bool):
     raise _unknown_dataset_error(name) from None
   except Exception as e:  # Anything else from TFDS: keep it on one line.
     raise DatasetNotFoundError(
-        f"Could not load TFDS builder for data.name='{name}' "
-        f'(data_dir {data_dir}): {type(e).__name__}: '
-        f'{str(e).splitlines()[0] if str(e) else ""}') from e
+      f"Could not load TFDS builder for data.name='{name}' "
+      f'(data_dir {data_dir}): {type(e).__name__}: '
+      f'{str(e).splitlines()[0] if str(e) else ""}'
+    ) from e
 
   if not builder.is_prepared():
     if not (is_embedded or download):
@@ -274,13 +274,19 @@ def _open_builder(name: str, data_dir: str | None, download: bool):
       _prepare(builder, name, is_embedded)
     except Exception as e:
       message = str(e).splitlines()[0] if str(e) else ''
-      advice = ('check that data.data_dir is writable' if is_embedded else (
+      advice = (
+        'check that data.data_dir is writable'
+        if is_embedded
+        else (
           'real TFDS datasets usually need TensorFlow and network to build: '
           f'run {_build_command(name, builder.data_dir_root)} on a machine '
-          'that has them'))
+          'that has them'
+        )
+      )
       raise DatasetNotFoundError(
-          f"Preparing dataset '{name}' into {builder.data_dir_root} failed "
-          f'({type(e).__name__}: {message}); {advice}.') from e
+        f"Preparing dataset '{name}' into {builder.data_dir_root} failed "
+        f'({type(e).__name__}: {message}); {advice}.'
+      ) from e
     # Re-open so the builder reflects the files on disk.
     builder = tfds.builder(name, data_dir=data_dir)
   if not _random_access(builder):
@@ -308,8 +314,11 @@ def _image_feature_shape(feature) -> tuple[Any, ...] | None:
   """(H, W, C) of an image-like feature, else None."""
   if isinstance(feature, tfds.features.Image):
     return tuple(feature.shape)
-  if (isinstance(feature, tfds.features.Tensor) and len(feature.shape) == 3
-      and np.dtype(feature.np_dtype) == np.uint8):
+  if (
+    isinstance(feature, tfds.features.Tensor)
+    and len(feature.shape) == 3
+    and np.dtype(feature.np_dtype) == np.uint8
+  ):
     return tuple(feature.shape)
   return None
 
@@ -317,87 +326,103 @@ def _image_feature_shape(feature) -> tuple[Any, ...] | None:
 def _is_text_feature(feature) -> bool:
   if isinstance(feature, tfds.features.Text):
     return True
-  return (isinstance(feature, tfds.features.Tensor) and feature.shape == ()
-          and np.dtype(feature.np_dtype).kind in 'OSU')
+  return (
+    isinstance(feature, tfds.features.Tensor)
+    and feature.shape == ()
+    and np.dtype(feature.np_dtype).kind in 'OSU'
+  )
 
 
-def _describe(name: str, builder,
-              config: config_lib.DataConfig) -> DatasetInfo:
+def _describe(name: str, builder, config: config_lib.DataConfig) -> DatasetInfo:
   features = builder.info.features
   feature_names = set(features.keys()) if hasattr(features, 'keys') else set()
-  num_examples = {
-      split: info.num_examples for split, info in builder.info.splits.items()}
+  num_examples = {split: info.num_examples for split, info in builder.info.splits.items()}
   common = dict(
-      name=name,
-      num_examples=num_examples,
-      train_split='train' if 'train' in num_examples or not num_examples
-      else sorted(num_examples)[0],
-      eval_split=(_pick_eval_split(list(num_examples)) if num_examples
-                  else 'validation'),
-      data_dir=os.fspath(builder.data_dir),
+    name=name,
+    num_examples=num_examples,
+    train_split='train' if 'train' in num_examples or not num_examples else sorted(num_examples)[0],
+    eval_split=(_pick_eval_split(list(num_examples)) if num_examples else 'validation'),
+    data_dir=os.fspath(builder.data_dir),
   )
 
   image_key, label_key = 'image', 'label'
   supervised = builder.info.supervised_keys
-  if (isinstance(supervised, tuple) and len(supervised) == 2
-      and all(isinstance(k, str) for k in supervised)):
+  if isinstance(supervised, tuple) and len(supervised) == 2 and all(isinstance(k, str) for k in supervised):
     image_key, label_key = supervised
-  image_shape = (_image_feature_shape(features[image_key])
-                 if image_key in feature_names else None)
-  if (image_shape is not None and label_key in feature_names
-      and isinstance(features[label_key], tfds.features.ClassLabel)):
+  image_shape = _image_feature_shape(features[image_key]) if image_key in feature_names else None
+  if (
+    image_shape is not None
+    and label_key in feature_names
+    and isinstance(features[label_key], tfds.features.ClassLabel)
+  ):
     height, width, channels = image_shape
     if config.image_size is not None:
       height = width = config.image_size
     if height is None or width is None:
       raise ValueError(
-          f'data.image_size must be set for dataset {name}, whose images have '
-          f'variable shape {image_shape}')
+        f'data.image_size must be set for dataset {name}, whose images have variable shape {image_shape}'
+      )
     if config.augment and _base_name(name) in _NO_FLIP_DATASETS:
       raise ValueError(
-          f'data.augment=True flips images left-right, which changes the '
-          f'meaning of {name} images; set data.augment=False')
+        f'data.augment=True flips images left-right, which changes the '
+        f'meaning of {name} images; set data.augment=False'
+      )
     mean, std = _IMAGE_STATS.get(_base_name(name), _DEFAULT_IMAGE_STATS)
     if not isinstance(mean, tuple):
       mean, std = (mean,) * channels, (std,) * channels
     return DatasetInfo(
-        kind='image', num_classes=features[label_key].num_classes,
-        image_shape=(height, width, channels),
-        image_mean=tuple(float(m) for m in mean),
-        image_std=tuple(float(s) for s in std),
-        feature_keys={'image': image_key, 'label': label_key}, **common)
+      kind='image',
+      num_classes=features[label_key].num_classes,
+      image_shape=(height, width, channels),
+      image_mean=tuple(float(m) for m in mean),
+      image_std=tuple(float(s) for s in std),
+      feature_keys={'image': image_key, 'label': label_key},
+      **common,
+    )
 
-  if (config.text_key in feature_names
-      and _is_text_feature(features[config.text_key])):
+  if config.text_key in feature_names and _is_text_feature(features[config.text_key]):
     metadata = _stored_metadata(builder)
     tokenizer = tokenizer_lib.load(config.tokenizer)
     if tokenizer.is_bytes:
       return DatasetInfo(
-          kind='text', vocab_size=TEXT_VOCAB_SIZE, seq_len=config.seq_len,
-          separator_byte=DOCUMENT_SEPARATOR_BYTE,
-          num_bytes=metadata.get('num_bytes'),
-          fingerprint=metadata.get('sha256'),
-          feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
-          tokenizer_sha256=tokenizer.sha256,
-          separator_token=DOCUMENT_SEPARATOR_BYTE, **common)
-    # A subword tokenizer: the splits are tokenized once into a cache keyed
-    # by what identifies the prepared data.
-    key = json.dumps([name, str(builder.version), num_examples,
-                      config.text_key, metadata.get('sha256')], sort_keys=True)
-    return DatasetInfo(
-        kind='text', vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
+        kind='text',
+        vocab_size=TEXT_VOCAB_SIZE,
+        seq_len=config.seq_len,
+        separator_byte=DOCUMENT_SEPARATOR_BYTE,
         num_bytes=metadata.get('num_bytes'),
         fingerprint=metadata.get('sha256'),
-        feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
-        tokenizer_sha256=tokenizer.sha256, separator_token=tokenizer.separator,
-        corpus_sha256=hashlib.sha256(key.encode()).hexdigest(),
-        python_version=metadata.get('python_version'), **common)
+        feature_keys={'text': config.text_key},
+        tokenizer=tokenizer.spec,
+        tokenizer_sha256=tokenizer.sha256,
+        separator_token=DOCUMENT_SEPARATOR_BYTE,
+        **common,
+      )
+    # A subword tokenizer: the splits are tokenized once into a cache keyed
+    # by what identifies the prepared data.
+    key = json.dumps(
+      [name, str(builder.version), num_examples, config.text_key, metadata.get('sha256')], sort_keys=True
+    )
+    return DatasetInfo(
+      kind='text',
+      vocab_size=tokenizer.vocab_size,
+      seq_len=config.seq_len,
+      num_bytes=metadata.get('num_bytes'),
+      fingerprint=metadata.get('sha256'),
+      feature_keys={'text': config.text_key},
+      tokenizer=tokenizer.spec,
+      tokenizer_sha256=tokenizer.sha256,
+      separator_token=tokenizer.separator,
+      corpus_sha256=hashlib.sha256(key.encode()).hexdigest(),
+      python_version=metadata.get('python_version'),
+      **common,
+    )
 
   raise ValueError(
-      f'Dataset {name} is neither image classification (an image feature '
-      f'{image_key!r} and a ClassLabel {label_key!r}) nor text (a text '
-      f'feature data.text_key={config.text_key!r}); its features are '
-      f'{sorted(feature_names)}')
+    f'Dataset {name} is neither image classification (an image feature '
+    f'{image_key!r} and a ClassLabel {label_key!r}) nor text (a text '
+    f'feature data.text_key={config.text_key!r}); its features are '
+    f'{sorted(feature_names)}'
+  )
 
 
 def _describe_corpus(config: config_lib.DataConfig) -> DatasetInfo:
@@ -405,18 +430,24 @@ def _describe_corpus(config: config_lib.DataConfig) -> DatasetInfo:
   corpus = corpus_lib.open_corpus(config.name, config.text_key)
   tokenizer = tokenizer_lib.load(config.tokenizer)
   return DatasetInfo(
-      name=config.name, kind='text',
-      num_examples={split: len(keys) for split, keys in corpus.keys.items()},
-      train_split='train', eval_split='validation',
-      data_dir=corpus_lib.cache_dir(config.data_dir, config.name,
-                                    corpus.identity, tokenizer),
-      vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
-      separator_byte=(DOCUMENT_SEPARATOR_BYTE if tokenizer.is_bytes
-                      else None),
-      num_bytes=dict(corpus.num_bytes), fingerprint=dict(corpus.sha256),
-      feature_keys={'text': config.text_key}, tokenizer=tokenizer.spec,
-      tokenizer_sha256=tokenizer.sha256, separator_token=tokenizer.separator,
-      corpus_sha256=corpus.identity, python_version=corpus.python_version)
+    name=config.name,
+    kind='text',
+    num_examples={split: len(keys) for split, keys in corpus.keys.items()},
+    train_split='train',
+    eval_split='validation',
+    data_dir=corpus_lib.cache_dir(config.data_dir, config.name, corpus.identity, tokenizer),
+    vocab_size=tokenizer.vocab_size,
+    seq_len=config.seq_len,
+    separator_byte=(DOCUMENT_SEPARATOR_BYTE if tokenizer.is_bytes else None),
+    num_bytes=dict(corpus.num_bytes),
+    fingerprint=dict(corpus.sha256),
+    feature_keys={'text': config.text_key},
+    tokenizer=tokenizer.spec,
+    tokenizer_sha256=tokenizer.sha256,
+    separator_token=tokenizer.separator,
+    corpus_sha256=corpus.identity,
+    python_version=corpus.python_version,
+  )
 
 
 def open_dataset(data_config) -> tuple[Any, DatasetInfo]:
@@ -443,8 +474,11 @@ def dataset_info(data_config, require_prepared: bool = True) -> DatasetInfo:
     ValueError: invalid config values, or an unsupported dataset.
   """
   config = config_lib.parse_config(data_config)
-  if (not require_prepared and _base_name(config.name) not in embedded.EMBEDDED_DATASETS
-      and not corpus_lib.is_corpus(config.name)):
+  if (
+    not require_prepared
+    and _base_name(config.name) not in embedded.EMBEDDED_DATASETS
+    and not corpus_lib.is_corpus(config.name)
+  ):
     try:
       builder = tfds.builder(config.name, data_dir=config.data_dir)
     except tfds.core.registered.DatasetNotFoundError:

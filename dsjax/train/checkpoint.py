@@ -91,8 +91,11 @@ def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
 def identity_differences(saved: dict, current: dict) -> list[str]:
   """'key: saved → current' for every key whose value differs (missing keys included)."""
   saved, current = _flatten(saved), _flatten(current)
-  return [f'{k}: {saved.get(k, "(absent)")!r} → {current.get(k, "(absent)")!r}'
-          for k in sorted(set(saved) | set(current)) if saved.get(k, '(absent)') != current.get(k, '(absent)')]
+  return [
+    f'{k}: {saved.get(k, "(absent)")!r} → {current.get(k, "(absent)")!r}'
+    for k in sorted(set(saved) | set(current))
+    if saved.get(k, '(absent)') != current.get(k, '(absent)')
+  ]
 
 
 @jax.jit
@@ -105,6 +108,7 @@ def state_fingerprint(state) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # The workdir's single owner.
 # ------------------------------------------------------------------------------------------------
+
 
 class WorkdirLock:
   """An exclusive `flock` on WORKDIR/.dsjax.lock held for the life of a run: a second run on the same
@@ -125,8 +129,10 @@ class WorkdirLock:
       if self._locked_file_is_current():
         return
       self.file.close()
-    raise ValueError(f'--workdir {workdir}: {self.path} kept being replaced while it was locked; '
-                     'is another program removing it?')
+    raise ValueError(
+      f'--workdir {workdir}: {self.path} kept being replaced while it was locked; '
+      'is another program removing it?'
+    )
 
   def _lock(self, workdir: str):
     try:
@@ -140,12 +146,16 @@ class WorkdirLock:
       self.file.seek(0)
       owner = self.file.read().strip() or 'another process'
       self.file.close()
-      raise ValueError(f'--workdir {workdir} is in use by a running dsjax run ({owner}); wait for it '
-                       'to finish or choose another --workdir') from None
+      raise ValueError(
+        f'--workdir {workdir} is in use by a running dsjax run ({owner}); wait for it '
+        'to finish or choose another --workdir'
+      ) from None
     except OSError as e:  # e.g. a file system without flock (ENOSYS, ENOLCK)
       self.file.close()
-      raise ValueError(f'--workdir {workdir}: its file system cannot lock {self.path} ({e.strerror}); '
-                       'choose a --workdir on a local or flock-capable file system') from None
+      raise ValueError(
+        f'--workdir {workdir}: its file system cannot lock {self.path} ({e.strerror}); '
+        'choose a --workdir on a local or flock-capable file system'
+      ) from None
 
   def _locked_file_is_current(self) -> bool:
     try:
@@ -194,8 +204,8 @@ class WorkdirLock:
 # Checkpoints.
 # ------------------------------------------------------------------------------------------------
 
-class Checkpointer:
 
+class Checkpointer:
   def __init__(self, workdir: str, *, keep: int, create: bool = True):
     self.workdir = os.path.abspath(workdir)
     self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
@@ -213,8 +223,9 @@ class Checkpointer:
   def _read_run_item(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))['run']
 
-  def check_compatible(self, config, *, data_info=None, read_by: str | None = None,
-                       remedy: str | None = None) -> int | None:
+  def check_compatible(
+    self, config, *, data_info=None, read_by: str | None = None, remedy: str | None = None
+  ) -> int | None:
     """Before anything is written: the newest step whose run record can be read must be of this
     architecture and data (`run_identity` with `data_info`; else a ValueError naming the differing keys)
     and, for a run that resumes it, not beyond `total_steps`. Returns that step, or None for a fresh
@@ -228,29 +239,44 @@ class Checkpointer:
       differences = identity_differences(saved, run_identity(config, data_info))
       if differences:
         where = f'{read_by}={self.workdir}' if read_by else self.workdir
-        remedy = remedy or ('pass the --config and --config.* overrides it was trained with (its '
-                            'config.json lists them)' if read_by else
-                            'use a new --workdir or the checkpoint\'s settings')
-        other = ('another architecture' if not all(d.startswith('data.') for d in differences)
-                 else 'other data (text or tokenizer)')
-        raise ValueError(f'{where} holds a checkpoint (step {step}) of {other}; differing '
-                         f'keys: {"; ".join(differences)}; {remedy}')
+        remedy = remedy or (
+          'pass the --config and --config.* overrides it was trained with (its config.json lists them)'
+          if read_by
+          else "use a new --workdir or the checkpoint's settings"
+        )
+        other = (
+          'another architecture'
+          if not all(d.startswith('data.') for d in differences)
+          else 'other data (text or tokenizer)'
+        )
+        raise ValueError(
+          f'{where} holds a checkpoint (step {step}) of {other}; differing '
+          f'keys: {"; ".join(differences)}; {remedy}'
+        )
       if read_by is None and step > config.total_steps:
-        raise ValueError(f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
-                         f'{self.workdir} ({step}); raise total_steps or use a new --workdir')
+        raise ValueError(
+          f'total_steps ({config.total_steps}) is below the step of the checkpoint in '
+          f'{self.workdir} ({step}); raise total_steps or use a new --workdir'
+        )
       return step
     return None
 
   def restore_step(self, step: int, abstract_state: Any = None) -> tuple[Any, dict]:
     """(train state, input-pipeline state) of `step`, checked against its saved fingerprint; without
     `abstract_state` the arrays come back as saved."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-        run=ocp.args.JsonRestore()))
+    restored = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=ocp.args.JsonRestore(),
+        run=ocp.args.JsonRestore(),
+      ),
+    )
     fingerprint, saved = float(state_fingerprint(restored['state'])), restored['run']['fingerprint']
     if not np.isclose(fingerprint, saved, rtol=_FINGERPRINT_RTOL, atol=0.0):
-      raise ValueError(f'restored values differ from the saved ones (fingerprint {fingerprint:.6g}, '
-                       f'saved {saved:.6g})')
+      raise ValueError(
+        f'restored values differ from the saved ones (fingerprint {fingerprint:.6g}, saved {saved:.6g})'
+      )
     return restored['state'], restored['data']
 
   def move_steps(self, steps: list[int], target_dir: str, name=lambda step: str(step)) -> list[str]:
@@ -264,8 +290,14 @@ class Checkpointer:
     self.manager.reload()
     return targets
 
-  def restore(self, abstract_state: Any, *, set_aside: bool = True, fresh: bool = False,
-              all_ok: Callable[[bool], bool] = lambda ok: ok) -> tuple[Any, dict] | None:
+  def restore(
+    self,
+    abstract_state: Any,
+    *,
+    set_aside: bool = True,
+    fresh: bool = False,
+    all_ok: Callable[[bool], bool] = lambda ok: ok,
+  ) -> tuple[Any, dict] | None:
     """Restores the newest intact step onto the shardings carried by `abstract_state` (a tree of
     ShapeDtypeStructs); the unreadable steps newer than it are reported in one line each and moved to
     WORKDIR/corrupt_checkpoints/ (by the chief, `set_aside`). None for a workdir without checkpoints.
@@ -298,43 +330,58 @@ class Checkpointer:
       if not all_ok(not machine_failed):
         where = reason if machine_failed else 'on another process: see its log'
         raise ValueError(
-            f'could not restore checkpoint step {step} of {self.workdir} ({where}): out of memory or '
-            f'access denied, nothing was moved aside; free memory or fix the permissions and rerun, or '
-            f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to use the previous '
-            f'step') from error
+          f'could not restore checkpoint step {step} of {self.workdir} ({where}): out of memory or '
+          f'access denied, nothing was moved aside; free memory or fix the permissions and rerun, or '
+          f'move {os.path.join(self.workdir, CHECKPOINT_DIR, str(step))} away to use the previous '
+          f'step'
+        ) from error
       unreadable.append((step, reason))
     if unreadable and not fresh:
       steps = '; '.join(f'step {step} ({reason[:160]})' for step, reason in unreadable)
       raise ValueError(
-          f'every checkpoint in {os.path.join(self.workdir, CHECKPOINT_DIR)} is unreadable: {steps}; '
-          'nothing was changed. Restore them from a copy and rerun, or rerun with --fresh to train '
-          f'again from step 0 (the unreadable checkpoints and the logs are then moved to '
-          f'{os.path.join(self.workdir, EARLIER_DIR)}/)')
+        f'every checkpoint in {os.path.join(self.workdir, CHECKPOINT_DIR)} is unreadable: {steps}; '
+        'nothing was changed. Restore them from a copy and rerun, or rerun with --fresh to train '
+        f'again from step 0 (the unreadable checkpoints and the logs are then moved to '
+        f'{os.path.join(self.workdir, EARLIER_DIR)}/)'
+      )
     return None
 
-  def _set_aside_unreadable(self, unreadable: list[tuple[int, str]], set_aside: bool,
-                            all_ok: Callable[[bool], bool]):
+  def _set_aside_unreadable(
+    self, unreadable: list[tuple[int, str]], set_aside: bool, all_ok: Callable[[bool], bool]
+  ):
     """Moves the unreadable steps newer than the one restored to WORKDIR/corrupt_checkpoints/ (the
     chief; every process waits for it and re-reads the list of steps) and says so, one line each."""
     if not unreadable:
       return
     stamp = time.strftime('%Y%m%d-%H%M%S')
     steps = [step for step, _ in unreadable]
-    targets = (self.move_steps(steps, os.path.join(self.workdir, CORRUPT_DIR), lambda s: f'{s}-{stamp}')
-               if set_aside else [None] * len(steps))
+    targets = (
+      self.move_steps(steps, os.path.join(self.workdir, CORRUPT_DIR), lambda s: f'{s}-{stamp}')
+      if set_aside
+      else [None] * len(steps)
+    )
     all_ok(True)  # Every process waits here until the steps are moved.
     self.manager.reload()
     for (step, reason), target in zip(unreadable, targets):
       where = f'moved to {target}' if target else 'left in place by this process'
-      logging.warning('Checkpoint step %d of %s is unreadable (%s); %s, resumed from an earlier step',
-                      step, self.workdir, reason, where)
+      logging.warning(
+        'Checkpoint step %d of %s is unreadable (%s); %s, resumed from an earlier step',
+        step,
+        self.workdir,
+        reason,
+        where,
+      )
 
   def save(self, step: int, state: Any, data_state: dict, identity: dict):
     """Saves step `step` asynchronously (the caller decides when: `loop.py`)."""
     run = {'identity': identity, 'fingerprint': float(state_fingerprint(state))}
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        run=ocp.args.JsonSave(run)), force=True)
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), run=ocp.args.JsonSave(run)
+      ),
+      force=True,
+    )
 
   def close(self):
     self.manager.wait_until_finished()
@@ -344,10 +391,12 @@ class Checkpointer:
 def describe_error(error: BaseException) -> str:
   """`Type: message` of a failed restore, in one line and without the object reprs (`<bound method
   ...>`) that TensorStore's messages carry; with the innermost cause when it says more."""
+
   def clean(e):
     text = re.sub(r'<(bound method|function|built-in method)[^>]*>?', '', str(e))
     text = re.sub(r'\s*See full TensorStore details:?\s*', ' ', text)
     return f'{type(e).__name__}: {" ".join(text.split())}'.rstrip(': ').rstrip('.')
+
   chain = list(cli.errors_in_chain(error))
   parts = [clean(chain[0])] + ([clean(chain[-1])] if len(chain) > 1 else [])
   return '; '.join(parts)[:300]
@@ -356,8 +405,10 @@ def describe_error(error: BaseException) -> str:
 def _machine_failure(error: BaseException) -> bool:
   """A restore failure that says nothing about the checkpoint's files: host or device memory ran out, or
   the files may not be read (also as the storage layer's status text, which Orbax passes on)."""
-  return any(isinstance(e, (MemoryError, PermissionError)) or cli.out_of_memory(e)
-             or 'PERMISSION_DENIED' in str(e) for e in cli.errors_in_chain(error))
+  return any(
+    isinstance(e, (MemoryError, PermissionError)) or cli.out_of_memory(e) or 'PERMISSION_DENIED' in str(e)
+    for e in cli.errors_in_chain(error)
+  )
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
@@ -384,7 +435,8 @@ def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None
     abstract = jax.eval_shape(setup.create_state)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     restored = checkpointer.restore(
-        abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False)
+      abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False
+    )
   finally:
     checkpointer.close()
   if restored is None:

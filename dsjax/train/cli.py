@@ -147,8 +147,9 @@ def _config_override_error(error: BaseException, argv: list[str]) -> str:
   text = ' '.join(str(error).replace('\\n', '\n').replace("\\'", "'").strip('\'"').split())
   missing = re.match(r"'?([\w-]+)'?", text)
   suggestion = re.search(r'Did you mean "([^"]+)"', text)
-  flag = next((a for a in argv if missing and re.match(rf'--\w+(\.\w+)*\.{missing.group(1)}(\.|=|$)', a)),
-              None)
+  flag = next(
+    (a for a in argv if missing and re.match(rf'--\w+(\.\w+)*\.{missing.group(1)}(\.|=|$)', a)), None
+  )
   where = flag.split('=')[0] if flag else 'a config override'
   hint = f' (did you mean "{suggestion.group(1)}"?)' if suggestion else ''
   name = missing.group(1) if missing else text
@@ -165,11 +166,15 @@ def _parse_error_message(error: BaseException, argv: list[str]) -> str:
     return f'--config: {_config_path(argv)} defines no get_config()'
   if isinstance(error, (KeyError, AttributeError)) and any(re.match(r'--\w+\.\w', a) for a in argv[1:]):
     return _config_override_error(error, argv)
-  if (isinstance(error, flags.IllegalFlagValueError)
-      and 'Flag --config must have a value other than None' in str(error)
-      and _config_path(argv) != 'the config file'):
-    return (f'--config: get_config() of {_config_path(argv)} returned None; it must return the config '
-            '(an ml_collections.ConfigDict)')
+  if (
+    isinstance(error, flags.IllegalFlagValueError)
+    and 'Flag --config must have a value other than None' in str(error)
+    and _config_path(argv) != 'the config file'
+  ):
+    return (
+      f'--config: get_config() of {_config_path(argv)} returned None; it must return the config '
+      '(an ml_collections.ConfigDict)'
+    )
   if isinstance(error, OSError) and 'Failed loading config file' in str(error):
     reason = str(error).strip().splitlines()[-1].strip()
     return f'--config: cannot load {_config_path(argv)}: {reason}'
@@ -195,9 +200,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(_parse_error_message(e, argv))
 
 
-OUT_OF_MEMORY_ADVICE = ('raise microbatches (the same update in smaller pieces), set model.remat, lower '
-                        'batch_size or data.seq_len, or use more devices (dsjax.bench prints the '
-                        'compiled step\'s memory)')
+OUT_OF_MEMORY_ADVICE = (
+  'raise microbatches (the same update in smaller pieces), set model.remat, lower '
+  'batch_size or data.seq_len, or use more devices (dsjax.bench prints the '
+  "compiled step's memory)"
+)
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -207,8 +214,10 @@ def out_of_memory(error: BaseException) -> bool:
 
 def disk_full(error: BaseException) -> bool:
   """A write that found no space (also as the storage layer's status text, which Orbax passes on)."""
-  return any(isinstance(e, OSError) and e.errno == errno.ENOSPC or 'No space left on device' in str(e)
-             for e in errors_in_chain(error))
+  return any(
+    isinstance(e, OSError) and e.errno == errno.ENOSPC or 'No space left on device' in str(e)
+    for e in errors_in_chain(error)
+  )
 
 
 def errors_in_chain(error: BaseException | None) -> Iterator[BaseException]:
@@ -230,8 +239,10 @@ def user_error_message(error: BaseException) -> str | None:
   """The one-line message of a user error, or None for a bug (which keeps its traceback)."""
   if disk_full(error) and _os_error_in_chain(error) is None:  # The storage layer's text (TensorStore).
     where = re.search(r'(?:local file|Failed writing:) "([^"]+)"', ' '.join(str(error).split()))
-    return (f'No space left on device{f" (writing {where.group(1)})" if where else ""}; free space and '
-            'rerun the same command: it resumes from the last complete checkpoint')
+    return (
+      f'No space left on device{f" (writing {where.group(1)})" if where else ""}; free space and '
+      'rerun the same command: it resumes from the last complete checkpoint'
+    )
   if isinstance(error, ValueError) and getattr(error, 'dsjax_user_error', True):
     return str(error)
   error = _os_error_in_chain(error) or error
@@ -370,17 +381,18 @@ def _not_storage_noise(record: std_logging.LogRecord) -> bool:
   """Drops asyncio's 'exception was never retrieved' records of Orbax's reads that a failed restore
   left behind (one traceback per array; the failure itself is reported once), unless `-v 1`."""
   error = record.exc_info[1] if record.exc_info else None  # asyncio logs the exception with the record
-  return (record.name != 'asyncio' or logging.vlog_is_on(1)
-          or not _is_noise(error, background=True))
+  return record.name != 'asyncio' or logging.vlog_is_on(1) or not _is_noise(error, background=True)
 
 
 def _quiet_backend_probe(parse: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
   """`parse` that also silences JAX's INFO lines about the backends it probes and does not find
   ('Unable to initialize backend tpu' on every machine without one), which would otherwise precede a
   one-line error on stderr; `-v 1` keeps them."""
+
   def parse_and_quiet(argv):
     remaining = parse(argv)
     if not logging.vlog_is_on(1):
       std_logging.getLogger('jax._src.xla_bridge').setLevel(std_logging.WARNING)
     return remaining
+
   return parse_and_quiet

@@ -30,24 +30,32 @@ from dsjax.train import optimizers
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import step as step_lib
 
-RUN_INTS = ('total_steps', 'batch_size', 'eval_batch_size', 'eval_every', 'checkpoint_every', 'log_every',
-            'keep_checkpoints', 'microbatches')
+RUN_INTS = (
+  'total_steps',
+  'batch_size',
+  'eval_batch_size',
+  'eval_every',
+  'checkpoint_every',
+  'log_every',
+  'keep_checkpoints',
+  'microbatches',
+)
 
 
 def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.total_steps = 1000
-  c.batch_size = 128              # global, over all processes and devices
+  c.batch_size = 128  # global, over all processes and devices
   # Gradient accumulation: the train step splits each batch into this many microbatches, sums their
   # gradients and applies one update with the batch's mean gradient (the same update, with one
   # microbatch's activations in memory; dsjax/train/step.py). Must divide the per-device batch.
   c.microbatches = 1
-  c.eval_every = 200              # steps; the final step is always evaluated
+  c.eval_every = 200  # steps; the final step is always evaluated
   c.eval_batch_size = 256
-  c.checkpoint_every = 500        # steps; the final step is always saved
+  c.checkpoint_every = 500  # steps; the final step is always saved
   c.keep_checkpoints = 2
-  c.log_every = 50               # steps; progress is also logged at least every ~10 s
+  c.log_every = 50  # steps; progress is also logged at least every ~10 s
   # A step whose loss or gradient norm is NaN/Inf never updates the state. 'stop': the run stops with
   # one line naming the step (exit status 3); 'skip': the update is skipped, counted in
   # train/nonfinite_steps, and the run goes on.
@@ -67,14 +75,16 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
 class ValidatedConfig:
   """A run's config once every section has been checked (`validate_config`), with the sections that
   have a typed form in it: what the run passes down instead of checking a section again."""
-  config: ml_collections.ConfigDict        # the whole config (the run keys, the model section)
+
+  config: ml_collections.ConfigDict  # the whole config (the run keys, the model section)
   optimizer: optimizers.OptimizerConfig
   data: data_config.DataConfig
-  mesh_shape: tuple[int, ...]              # (data, fsdp, tensor), -1 resolved
+  mesh_shape: tuple[int, ...]  # (data, fsdp, tensor), -1 resolved
 
 
-def validate_config(config, num_devices: int, process_count: int = 1, training: bool = True
-                    ) -> ValidatedConfig:
+def validate_config(
+  config, num_devices: int, process_count: int = 1, training: bool = True
+) -> ValidatedConfig:
   """Every check that needs no data: one-line ValueErrors naming the key, the allowed values and the value.
   `training=False` (a tool that only measures the model) skips the learning-rate schedule's."""
   for key in RUN_INTS:
@@ -82,7 +92,9 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
   if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
     raise ValueError(f'seed must be a non-negative integer, got {config.seed!r}')
   if config.on_nonfinite not in step_lib.NONFINITE_POLICIES:
-    raise ValueError(f'on_nonfinite must be one of {step_lib.NONFINITE_POLICIES}, got {config.on_nonfinite!r}')
+    raise ValueError(
+      f'on_nonfinite must be one of {step_lib.NONFINITE_POLICIES}, got {config.on_nonfinite!r}'
+    )
   models.validate_model(config.model)
   schemes.validate(config.model)
   optimizer = optimizers.parse_optimizer_config(config.optimizer)
@@ -96,17 +108,23 @@ def validate_config(config, num_devices: int, process_count: int = 1, training: 
   if config.model.num_heads % tensor_shards:
     # Tensor parallelism gives each device whole heads: a head split over devices would shard the head
     # dimension, which cuDNN's attention refuses and the XLA path pays for in communication.
-    raise ValueError(f'model.num_heads ({config.model.num_heads}) must be divisible by the tensor axis '
-                     f'of mesh.shape ({tensor_shards})')
+    raise ValueError(
+      f'model.num_heads ({config.model.num_heads}) must be divisible by the tensor axis '
+      f'of mesh.shape ({tensor_shards})'
+    )
   batch_shards = math.prod(shape[:2])
   for key in ('batch_size', 'eval_batch_size'):
     if config[key] % batch_shards or config[key] % process_count:
-      raise ValueError(f'{key} ({config[key]}) must be divisible by the data×fsdp mesh size '
-                       f'({batch_shards}) and the process count ({process_count})')
+      raise ValueError(
+        f'{key} ({config[key]}) must be divisible by the data×fsdp mesh size '
+        f'({batch_shards}) and the process count ({process_count})'
+      )
   if (config.batch_size // batch_shards) % config.microbatches:
-    raise ValueError(f'microbatches ({config.microbatches}) must divide the per-device batch: batch_size '
-                     f'({config.batch_size}) / data×fsdp mesh size ({batch_shards}) = '
-                     f'{config.batch_size // batch_shards}')
+    raise ValueError(
+      f'microbatches ({config.microbatches}) must divide the per-device batch: batch_size '
+      f'({config.batch_size}) / data×fsdp mesh size ({batch_shards}) = '
+      f'{config.batch_size // batch_shards}'
+    )
   return ValidatedConfig(config=config, optimizer=optimizer, data=data, mesh_shape=shape)
 
 

@@ -39,13 +39,18 @@ TENSORBOARD_DIR = 'tensorboard'
 EXPORT_MARKER = 'export.json'  # what `dsjax.export` writes next to its checkpoint (see `check_not_a_run`)
 # What each path of a workdir must be, if it exists.
 FILES = (CONFIG_FILE, *LOGS, checkpoint_lib.LOCK_FILE)
-DIRECTORIES = (checkpoint_lib.CHECKPOINT_DIR, checkpoint_lib.CORRUPT_DIR, checkpoint_lib.EARLIER_DIR,
-               TENSORBOARD_DIR)
+DIRECTORIES = (
+  checkpoint_lib.CHECKPOINT_DIR,
+  checkpoint_lib.CORRUPT_DIR,
+  checkpoint_lib.EARLIER_DIR,
+  TENSORBOARD_DIR,
+)
 
 
 # ------------------------------------------------------------------------------------------------
 # Layout.
 # ------------------------------------------------------------------------------------------------
+
 
 def check_layout(workdir: str, *, enabled: bool = True, all_ok: Callable[[bool], bool] = lambda ok: ok):
   """A ValueError naming the path unless the parts of `workdir` that exist are what a run needs them
@@ -63,24 +68,32 @@ def check_layout(workdir: str, *, enabled: bool = True, all_ok: Callable[[bool],
 
 def _check_layout(workdir: str):
   if os.path.exists(os.path.join(workdir, EXPORT_MARKER)):
-    raise ValueError(f'--workdir {workdir} holds a dsjax.export output ({EXPORT_MARKER}), not a training '
-                     'run; choose another --workdir')
+    raise ValueError(
+      f'--workdir {workdir} holds a dsjax.export output ({EXPORT_MARKER}), not a training '
+      'run; choose another --workdir'
+    )
   for name in FILES + DIRECTORIES:
     path = os.path.join(workdir, name)
     if not os.path.lexists(path):
       continue
     if name in FILES and not os.path.isfile(path):
-      raise ValueError(f'--workdir {workdir}: {path} is not a file (a run writes its {name} there); move '
-                       'it away or choose another --workdir')
+      raise ValueError(
+        f'--workdir {workdir}: {path} is not a file (a run writes its {name} there); move '
+        'it away or choose another --workdir'
+      )
     if name in DIRECTORIES and not os.path.isdir(path):
-      raise ValueError(f'--workdir {workdir}: {path} is not a directory (a run keeps its {name} there); '
-                       'move it away or choose another --workdir')
+      raise ValueError(
+        f'--workdir {workdir}: {path} is not a directory (a run keeps its {name} there); '
+        'move it away or choose another --workdir'
+      )
     if not os.access(path, os.W_OK | (os.X_OK if name in DIRECTORIES else 0)):
-      raise ValueError(f'--workdir {workdir}: {path} cannot be written; fix its permissions or choose '
-                       'another --workdir')
+      raise ValueError(
+        f'--workdir {workdir}: {path} cannot be written; fix its permissions or choose another --workdir'
+      )
   if not os.access(workdir, os.W_OK | os.X_OK):
-    raise ValueError(f'--workdir {workdir} cannot be written; fix its permissions or choose another '
-                     '--workdir')
+    raise ValueError(
+      f'--workdir {workdir} cannot be written; fix its permissions or choose another --workdir'
+    )
 
 
 def check_not_a_run(flag: str, path: str, own_marker: str | None = None):
@@ -91,32 +104,38 @@ def check_not_a_run(flag: str, path: str, own_marker: str | None = None):
     return
   owner = checkpoint_lib.WorkdirLock.live_owner(path)
   if owner is not None:
-    raise ValueError(f'{flag}={path} is the workdir of a running dsjax run ({owner}); name another '
-                     'directory')
-  run_parts = [name for name in (checkpoint_lib.CHECKPOINT_DIR, checkpoint_lib.LOCK_FILE)
-               if os.path.lexists(os.path.join(path, name))]
+    raise ValueError(f'{flag}={path} is the workdir of a running dsjax run ({owner}); name another directory')
+  run_parts = [
+    name
+    for name in (checkpoint_lib.CHECKPOINT_DIR, checkpoint_lib.LOCK_FILE)
+    if os.path.lexists(os.path.join(path, name))
+  ]
   own = own_marker is not None and os.path.isfile(os.path.join(path, own_marker))
   if os.path.lexists(os.path.join(path, CONFIG_FILE)) and not own:
     run_parts.insert(0, CONFIG_FILE)
   if run_parts:
-    raise ValueError(f'{flag}={path} holds a training run ({", ".join(run_parts)}), which this would '
-                     'overwrite; name another directory')
+    raise ValueError(
+      f'{flag}={path} holds a training run ({", ".join(run_parts)}), which this would '
+      'overwrite; name another directory'
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Logs.
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Log:
   """What a resumed run keeps of one log file: its rows up to `step` (`kept`, the lines as read)."""
+
   path: str
   step: int
   kept: list[bytes]
-  beyond: int = 0            # rows after `step`, which the run logs again
-  damaged_from: int = 0      # the first damaged line of a damaged tail (1-based), 0 if none
+  beyond: int = 0  # rows after `step`, which the run logs again
+  damaged_from: int = 0  # the first damaged line of a damaged tail (1-based), 0 if none
   damaged_lines: int = 0
-  content: bool = False      # anything but blank lines
+  content: bool = False  # anything but blank lines
 
   @property
   def changes(self) -> bool:
@@ -155,8 +174,10 @@ def read_log(path: str, step: int) -> Log:
     elif row_step > step:
       log.beyond += 1
     elif log.damaged_from:
-      raise ValueError(f'{path}, line {log.damaged_from}: not a complete JSON row, but rows follow it '
-                       f'(line {number}, step {row_step}); repair or remove that line and rerun')
+      raise ValueError(
+        f'{path}, line {log.damaged_from}: not a complete JSON row, but rows follow it '
+        f'(line {number}, step {row_step}); repair or remove that line and rerun'
+      )
     else:
       log.kept.append(line)
   return log
@@ -168,34 +189,51 @@ def _cut(log: Log):
     f.writelines(log.kept)
   os.replace(log.path + '.tmp', log.path)
   if log.damaged_lines:
-    logging.warning('%s: cut back to its last complete row of step <= %d (from line %d on, %d damaged '
-                    'line(s): cut short or unparsable, e.g. by a crash)', log.path, log.step,
-                    log.damaged_from, log.damaged_lines)
+    logging.warning(
+      '%s: cut back to its last complete row of step <= %d (from line %d on, %d damaged '
+      'line(s): cut short or unparsable, e.g. by a crash)',
+      log.path,
+      log.step,
+      log.damaged_from,
+      log.damaged_lines,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # The start of a run: resume, or start again over an earlier history.
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Start:
   """How a run starts in its workdir, from the step it restored: `check` reads everything and raises
   before anything is written; `apply` then cuts the logs (or, with `fresh`, keeps the earlier history
   under WORKDIR/earlier_runs/)."""
+
   workdir: str
   logs: list[Log]
-  fresh_steps: list[int]     # the unreadable checkpoint steps that `fresh` moves with the logs
+  fresh_steps: list[int]  # the unreadable checkpoint steps that `fresh` moves with the logs
 
   @classmethod
-  def check(cls, workdir: str, step: int, checkpointer: checkpoint_lib.Checkpointer, *, fresh: bool = False,
-            enabled: bool = True, all_ok: Callable[[bool], bool] = lambda ok: ok) -> Start:
+  def check(
+    cls,
+    workdir: str,
+    step: int,
+    checkpointer: checkpoint_lib.Checkpointer,
+    *,
+    fresh: bool = False,
+    enabled: bool = True,
+    all_ok: Callable[[bool], bool] = lambda ok: ok,
+  ) -> Start:
     """`step`: the restored step (0 for none). With several processes the chief reads the logs
     (`enabled`) and `all_ok` (a vote) stops every process if it fails."""
     start, error = cls(workdir, [], []), None
     try:
       if fresh and step:
-        raise ValueError(f'--fresh: {workdir} holds an intact checkpoint (step {step}); rerun without '
-                         '--fresh to resume it, or choose another --workdir')
+        raise ValueError(
+          f'--fresh: {workdir} holds an intact checkpoint (step {step}); rerun without '
+          '--fresh to resume it, or choose another --workdir'
+        )
       start.fresh_steps = checkpointer.steps() if fresh else []
       if enabled:
         start.logs = [read_log(os.path.join(workdir, name), step) for name in LOGS]
@@ -203,19 +241,26 @@ class Start:
         if not step and earlier and not fresh:
           names = ', '.join(os.path.basename(log.path) for log in earlier)
           raise ValueError(
-              f'--workdir {workdir} holds the history of an earlier run ({names}) but no checkpoint to '
-              'resume it from; rerun with --fresh to train again from step 0 (that history is then '
-              f'moved to {os.path.join(workdir, checkpoint_lib.EARLIER_DIR)}/), or choose another '
-              '--workdir')
+            f'--workdir {workdir} holds the history of an earlier run ({names}) but no checkpoint to '
+            'resume it from; rerun with --fresh to train again from step 0 (that history is then '
+            f'moved to {os.path.join(workdir, checkpoint_lib.EARLIER_DIR)}/), or choose another '
+            '--workdir'
+          )
     except ValueError as e:
       error = e
     if not all_ok(error is None):
-      raise error or ValueError(f'--workdir {workdir}: process 0 could not resume its history (its error '
-                                'says why)')
+      raise error or ValueError(
+        f'--workdir {workdir}: process 0 could not resume its history (its error says why)'
+      )
     return start
 
-  def apply(self, checkpointer: checkpoint_lib.Checkpointer, *, enabled: bool = True,
-            barrier: Callable[[bool], bool] = lambda ok: ok):
+  def apply(
+    self,
+    checkpointer: checkpoint_lib.Checkpointer,
+    *,
+    enabled: bool = True,
+    barrier: Callable[[bool], bool] = lambda ok: ok,
+  ):
     """Changes the workdir (every check has passed): cuts the logs back to the restored step, or moves
     the earlier history aside (`fresh`). Runs on every process; the chief writes (`enabled`)."""
     if self.fresh_steps or any(log.content and not log.step for log in self.logs):

@@ -47,8 +47,9 @@ def cpu_backend_expected() -> bool:
   platforms = os.environ.get('JAX_PLATFORMS', '').strip()
   if platforms:
     return platforms.split(',')[0].strip() == 'cpu'
-  names = {(dist.metadata['Name'] or '').lower().replace('_', '-')
-           for dist in importlib.metadata.distributions()}
+  names = {
+    (dist.metadata['Name'] or '').lower().replace('_', '-') for dist in importlib.metadata.distributions()
+  }
   return not any(name.startswith(ACCELERATOR_PLUGIN_PREFIXES) for name in names)
 
 
@@ -66,5 +67,7 @@ def keep_freed_memory() -> bool:
     return False
   mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
   # mallopt returns 1 on success.
-  return all(mallopt(param, value) == 1 for param, value in
-             ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM)))
+  return all(
+    mallopt(param, value) == 1
+    for param, value in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM))
+  )

@@ -42,7 +42,6 @@ def exit_now(message: str, status: int):
 
 
 class StopSignals:
-
   def __init__(self):
     self.received: signal.Signals | None = None
     self._received_at = 0.0
@@ -55,8 +54,11 @@ class StopSignals:
       if since < SAME_REQUEST_S:
         return
       if signum == signal.SIGINT:
-        exit_now('interrupted again: stopped at once, without saving the step in flight; rerun the same '
-                 'command to resume from the last checkpoint', status=128 + signal.SIGINT)
+        exit_now(
+          'interrupted again: stopped at once, without saving the step in flight; rerun the same '
+          'command to resume from the last checkpoint',
+          status=128 + signal.SIGINT,
+        )
       if since > REPEAT_GRACE_S:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

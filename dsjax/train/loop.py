@@ -34,10 +34,12 @@ def sharded_loss(loss_fn: Callable, mesh) -> Callable:
   (`sharding.constrain_batch_axis`) and the model's embedding tables and heads gathered over fsdp where
   they are used (`sharding.gather_tables_over_fsdp`). The model lays out its own activations
   (`dsjax.models.partitioning`, under the rules of `sharding.use_mesh`)."""
+
   def loss(model, batch, dropout_key, probe=no_probe):
     model = sharding_lib.gather_tables_over_fsdp(model, mesh)
     batch = jax.tree.map(lambda x: sharding_lib.constrain_batch_axis(x, mesh), batch)
     return loss_fn(model, batch, dropout_key, probe)
+
   return loss
 
 
@@ -49,19 +51,33 @@ def make_train_step(config, setup: state_lib.TrainSetup, mesh, state_shardings, 
   `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver, moments_per_site)."""
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = sharded_loss(step_lib.LOSSES[config.model.name], mesh)
-  step_fn = step_lib.make_train_step(setup.graphdef, setup.tx, loss_fn, config.seed, setup.schedule,
-                                     use_dropout, on_nonfinite=config.on_nonfinite,
-                                     microbatches=config.microbatches, **step_kwargs)
-  return jax.jit(step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-                 out_shardings=(state_shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
+  step_fn = step_lib.make_train_step(
+    setup.graphdef,
+    setup.tx,
+    loss_fn,
+    config.seed,
+    setup.schedule,
+    use_dropout,
+    on_nonfinite=config.on_nonfinite,
+    microbatches=config.microbatches,
+    **step_kwargs,
+  )
+  return jax.jit(
+    step_fn,
+    in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+    out_shardings=(state_shardings, sharding_lib.replicated(mesh)),
+    donate_argnums=0,
+  )
 
 
 def make_eval_step(config, setup: state_lib.TrainSetup, mesh, state_shardings):
   """The run's jitted eval step (summed statistics, replicated)."""
   loss_fn = sharded_loss(step_lib.LOSSES[config.model.name], mesh)
-  return jax.jit(step_lib.make_eval_step(setup.graphdef, loss_fn),
-                 in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
-                 out_shardings=sharding_lib.replicated(mesh))
+  return jax.jit(
+    step_lib.make_eval_step(setup.graphdef, loss_fn),
+    in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+    out_shardings=sharding_lib.replicated(mesh),
+  )
 
 
 def evaluate(eval_step, state, eval_data, mesh, model_name: str) -> dict[str, float]:
@@ -88,10 +104,16 @@ def _memory_summary(compiled) -> str:
   if analysis is None:
     return ''
   gib = lambda n: n / 2**30
-  total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-           + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-  return (f'{gib(total):.2f} GiB per device (arguments {gib(analysis.argument_size_in_bytes):.2f}, '
-          f'temporaries {gib(analysis.temp_size_in_bytes):.2f})')
+  total = (
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    + analysis.temp_size_in_bytes
+    - analysis.alias_size_in_bytes
+  )
+  return (
+    f'{gib(total):.2f} GiB per device (arguments {gib(analysis.argument_size_in_bytes):.2f}, '
+    f'temporaries {gib(analysis.temp_size_in_bytes):.2f})'
+  )
 
 
 def _compile(name: str, step_fn, state, batch):
@@ -101,25 +123,35 @@ def _compile(name: str, step_fn, state, batch):
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, batch).compile()
   memory = _memory_summary(compiled)
-  logging.info('Compiled the %s in %.1fs%s', name, time.perf_counter() - t0,
-               f'; it needs {memory}' if memory else '')
+  logging.info(
+    'Compiled the %s in %.1fs%s', name, time.perf_counter() - t0, f'; it needs {memory}' if memory else ''
+  )
   return compiled, memory
 
 
 def _out_of_memory(error: Exception, memory: str) -> ValueError:
-  return ValueError(f'out of device memory running the train step (compiled estimate: '
-                    f'{memory or "unknown"}); {cli.OUT_OF_MEMORY_ADVICE}')
+  return ValueError(
+    f'out of device memory running the train step (compiled estimate: '
+    f'{memory or "unknown"}); {cli.OUT_OF_MEMORY_ADVICE}'
+  )
 
 
 def _nonfinite_message(step: int, metrics: dict[str, float], where: tuple | None, last_saved) -> str:
   quantity = 'loss' if not np.isfinite(metrics['train/loss']) else 'gradient norm'
   value = metrics['train/loss'] if quantity == 'loss' else metrics['train/grad_norm']
-  place = ('the embedding' if where and where[0] == 'embedding' else
-           f'layer {where[0]}, site {where[1]}' if where else '')
+  place = (
+    'the embedding'
+    if where and where[0] == 'embedding'
+    else f'layer {where[0]}, site {where[1]}'
+    if where
+    else ''
+  )
   site = f' (first non-finite statistic: {place}, {where[2]})' if where else ''
   saved = f'the last checkpoint is step {last_saved}' if last_saved else 'no checkpoint was written'
-  return (f'step {step}: the {quantity} is {value}{site}; stopped without saving this state '
-          f'(on_nonfinite=\'stop\'; \'skip\' skips such steps), {saved}')
+  return (
+    f'step {step}: the {quantity} is {value}{site}; stopped without saving this state '
+    f"(on_nonfinite='stop'; 'skip' skips such steps), {saved}"
+  )
 
 
 def train_and_evaluate(config, workdir: str, devices=None, fresh: bool = False) -> dict[str, float]:
@@ -136,8 +168,9 @@ def train_and_evaluate(config, workdir: str, devices=None, fresh: bool = False) 
     return _train_and_evaluate(config, workdir, devices, signals, guard, fresh)
 
 
-def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopSignals,
-                        guard: run_guard.RunGuard, fresh: bool) -> dict[str, float]:
+def _train_and_evaluate(
+  config, workdir: str, devices, signals: interrupts.StopSignals, guard: run_guard.RunGuard, fresh: bool
+) -> dict[str, float]:
   run = _setup(config, workdir, devices, guard, fresh)
   prepared = _method_preparation(run)
   train_data, eval_data = _pipelines(run)
@@ -146,8 +179,9 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   first_step = int(state['step'])
   # The logs must continue from `first_step`: a damaged tail is cut back to it, a damaged row before it
   # is an error; then, every check passed, the workdir may change.
-  start = history_lib.Start.check(workdir, first_step, run.checkpointer, fresh=fresh, enabled=run.is_chief,
-                                  all_ok=run.all_processes)
+  start = history_lib.Start.check(
+    workdir, first_step, run.checkpointer, fresh=fresh, enabled=run.is_chief, all_ok=run.all_processes
+  )
   start.apply(run.checkpointer, enabled=run.is_chief, barrier=run.all_processes)
   guard.record_run_start(config, prepared)
   # The steps are traced, compiled and run on the mesh, with the logical axis rules the model lays out
@@ -155,10 +189,14 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
   # the method's preparation runs its model on one device (every process alike, on the same rows), and
   # Orbax's restore under a current mesh leaves the reads of a corrupt checkpoint unawaited.
   with sharding_lib.use_mesh(run.mesh):
-    first_batch = (sharding_lib.global_batch(next(train_data), run.mesh)
-                   if first_step < config.total_steps else None)
-    moments = (instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
-               if config.instrument.every else None)
+    first_batch = (
+      sharding_lib.global_batch(next(train_data), run.mesh) if first_step < config.total_steps else None
+    )
+    moments = (
+      instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
+      if config.instrument.every
+      else None
+    )
     steps = _compile_steps(run, model, state, first_batch, moments)
     training = Training(run, steps, train_data, eval_data, moments, signals, first_step, model.num_params)
     state = training.run_steps(state, first_step, first_batch)
@@ -171,19 +209,21 @@ def _train_and_evaluate(config, workdir: str, devices, signals: interrupts.StopS
 # directory come first; `run_guard.RunGuard` removes them again if a check fails.)
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What the setup of a run established, for every later phase."""
-  config: Any                        # the whole config (run keys, model section; written to the workdir)
+
+  config: Any  # the whole config (run keys, model section; written to the workdir)
   validated: config_lib.ValidatedConfig  # its typed sections, each checked once
   workdir: str
   mesh: jax.sharding.Mesh
-  process: dict[str, int]            # process_index and process_count, for the input pipelines
-  is_chief: bool                     # process 0: the one that writes files
-  data_info: Any                     # the dataset's description (`dsjax.data.DatasetInfo`)
+  process: dict[str, int]  # process_index and process_count, for the input pipelines
+  is_chief: bool  # process 0: the one that writes files
+  data_info: Any  # the dataset's description (`dsjax.data.DatasetInfo`)
   checkpointer: checkpoint_lib.Checkpointer
-  identity: dict[str, Any]           # what a checkpoint records of the run (`checkpoint.run_identity`)
-  fresh: bool                        # start from step 0 over an earlier run's history (`--fresh`)
+  identity: dict[str, Any]  # what a checkpoint records of the run (`checkpoint.run_identity`)
+  fresh: bool  # start from step 0 over an earlier run's history (`--fresh`)
 
   def all_processes(self, ok: bool) -> bool:
     """True on every process when `ok` is on all of them (`run_guard.all_processes`)."""
@@ -192,8 +232,7 @@ class Run:
 
 def _setup(config, workdir: str, devices, guard: run_guard.RunGuard, fresh: bool) -> Run:
   devices = jax.devices() if devices is None else list(devices)
-  validated = config_lib.validate_config(config, num_devices=len(devices),
-                                         process_count=jax.process_count())
+  validated = config_lib.validate_config(config, num_devices=len(devices), process_count=jax.process_count())
   mesh = sharding_lib.mesh_over(validated.mesh_shape, devices)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   data_info = data_lib.dataset_info(validated.data)  # A one-line error if the data is missing.
@@ -204,9 +243,18 @@ def _setup(config, workdir: str, devices, guard: run_guard.RunGuard, fresh: bool
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   checkpointer.check_compatible(config, data_info=data_info)
   logging.info('Mesh %s over %d devices (%s)', dict(mesh.shape), len(devices), devices[0].platform)
-  return Run(config=config, validated=validated, workdir=workdir, mesh=mesh, process=process,
-             is_chief=is_chief, data_info=data_info, checkpointer=checkpointer,
-             identity=checkpoint_lib.run_identity(config, data_info), fresh=fresh)
+  return Run(
+    config=config,
+    validated=validated,
+    workdir=workdir,
+    mesh=mesh,
+    process=process,
+    is_chief=is_chief,
+    data_info=data_info,
+    checkpointer=checkpointer,
+    identity=checkpoint_lib.run_identity(config, data_info),
+    fresh=fresh,
+  )
 
 
 def _method_preparation(run: Run):
@@ -224,13 +272,16 @@ def _method_preparation(run: Run):
 # Data: this process's share of each global batch, with a saveable position; the evaluation split.
 # ------------------------------------------------------------------------------------------------
 
+
 def _pipelines(run: Run):
   """(the training pipeline, the evaluation pipeline) of this process."""
   config, data = run.config, run.validated.data
-  train_data = data_lib.make_pipeline(data, global_batch_size=config.batch_size, seed=config.seed,
-                                      train=True, **run.process)
-  eval_data = data_lib.make_pipeline(data, global_batch_size=config.eval_batch_size, seed=config.seed,
-                                     train=False, **run.process)
+  train_data = data_lib.make_pipeline(
+    data, global_batch_size=config.batch_size, seed=config.seed, train=True, **run.process
+  )
+  eval_data = data_lib.make_pipeline(
+    data, global_batch_size=config.eval_batch_size, seed=config.seed, train=False, **run.process
+  )
   return train_data, eval_data
 
 
@@ -239,9 +290,11 @@ def _pipelines(run: Run):
 # the newest intact checkpoint).
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Model:
   """The run's model and optimizer (`state.TrainSetup`) with the shapes and shardings of its state."""
+
   setup: state_lib.TrainSetup
   abstract_state: Any
   state_shardings: Any
@@ -257,18 +310,21 @@ def _model(run: Run, prepared) -> Model:
   for undivided in sharding_lib.undivided_dimensions(abstract_state, model_axes, run.mesh):
     logging.warning('Not sharded (size does not divide the mesh axis): %s', undivided)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state['params']))
-  logging.info('Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6,
-               config.model.depth)
-  return Model(setup=setup, abstract_state=abstract_state, state_shardings=state_shardings,
-               num_params=num_params)
+  logging.info(
+    'Model %s: %.2fM parameters, %d layers', config.model.name, num_params / 1e6, config.model.depth
+  )
+  return Model(
+    setup=setup, abstract_state=abstract_state, state_shardings=state_shardings, num_params=num_params
+  )
 
 
 def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
   """The newest intact checkpoint's state (and the input position, set on `train_data`), or the
   initial state."""
   abstract = checkpoint_lib.abstract_with_shardings(model.abstract_state, model.state_shardings)
-  restored = run.checkpointer.restore(abstract, set_aside=run.is_chief, fresh=run.fresh,
-                                      all_ok=run.all_processes)
+  restored = run.checkpointer.restore(
+    abstract, set_aside=run.is_chief, fresh=run.fresh, all_ok=run.all_processes
+  )
   if restored is None:
     return jax.jit(model.setup.create_state, out_shardings=model.state_shardings)()
   state, data_state = restored
@@ -282,15 +338,17 @@ def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
 # on the first batch (with its time and memory in the log).
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Steps:
   """The run's jitted steps, the train steps compiled on the first batch (not compiled when the run has
   no step left)."""
+
   train: Callable
-  instrumented: Callable | None      # also returns the per-layer moments; None without instrument.every
+  instrumented: Callable | None  # also returns the per-layer moments; None without instrument.every
   eval: Callable
-  memory: str                        # the compiled train step's memory, for an out-of-memory error
-  jit_train_step: Callable           # (**step_kwargs) -> a jitted train step, for a replay
+  memory: str  # the compiled train step's memory, for an out-of-memory error
+  jit_train_step: Callable  # (**step_kwargs) -> a jitted train step, for a replay
 
 
 def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
@@ -298,8 +356,7 @@ def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
   config, mesh = run.config, run.mesh
   jit_train_step = lambda **kw: make_train_step(config, model.setup, mesh, model.state_shardings, **kw)
   # A run resumed at its end has no batch to compile on, and no step to run.
-  compiled = lambda name, step_fn: ((step_fn, '') if batch is None else
-                                    _compile(name, step_fn, state, batch))
+  compiled = lambda name, step_fn: (step_fn, '') if batch is None else _compile(name, step_fn, state, batch)
   train_step, memory = compiled('train step', jit_train_step())
   # Per-layer moments (dsjax.instrument): a second step that also returns them, run at step 1 (the
   # model at initialisation) and every `instrument.every` steps; `every = 0` compiles none of it.
@@ -308,12 +365,17 @@ def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
     receiver = moments if config.instrument.delivery == 'callback' else None
     # A callback after the layer scan can deadlock a step on several devices (instrument/README.md):
     # there each probe site sends its own statistics; on one device the step sends its table once.
-    instrumented, _ = compiled('instrumented train step',
-                               jit_train_step(instrument=True, moments_receiver=receiver,
-                                              moments_per_site=mesh.size > 1))
-  return Steps(train=train_step, instrumented=instrumented,
-               eval=make_eval_step(config, model.setup, mesh, model.state_shardings), memory=memory,
-               jit_train_step=jit_train_step)
+    instrumented, _ = compiled(
+      'instrumented train step',
+      jit_train_step(instrument=True, moments_receiver=receiver, moments_per_site=mesh.size > 1),
+    )
+  return Steps(
+    train=train_step,
+    instrumented=instrumented,
+    eval=make_eval_step(config, model.setup, mesh, model.state_shardings),
+    memory=memory,
+    jit_train_step=jit_train_step,
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,11 +386,21 @@ def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
 # intervals and always at the last step; SIGTERM/SIGINT save the current step and stop.
 # ------------------------------------------------------------------------------------------------
 
+
 class Training:
   """The training steps of a run, from its first step to `total_steps`, and what they write."""
 
-  def __init__(self, run: Run, steps: Steps, train_data, eval_data, moments,
-               signals: interrupts.StopSignals, first_step: int, num_params: int):
+  def __init__(
+    self,
+    run: Run,
+    steps: Steps,
+    train_data,
+    eval_data,
+    moments,
+    signals: interrupts.StopSignals,
+    first_step: int,
+    num_params: int,
+  ):
     self.run, self.config, self.steps = run, run.config, steps
     self.num_params = num_params
     self.train_data, self.eval_data, self.moments = train_data, eval_data, moments
@@ -388,8 +460,11 @@ class Training:
       if config.on_nonfinite == 'stop':
         where = self._first_nonfinite_site(state, record['batch'])
         raise cli.Exit(_nonfinite_message(step, metrics, where, self.last_saved), status=3)
-      logging.warning('step %d: non-finite loss or gradient; update skipped (%d so far)', step,
-                      int(metrics['train/nonfinite_steps']))
+      logging.warning(
+        'step %d: non-finite loss or gradient; update skipped (%d so far)',
+        step,
+        int(metrics['train/nonfinite_steps']),
+      )
     if not (self.progress.due(step, config.log_every) or record['eval']):
       return
     steps_per_sec, eta_s = self.progress.mark(step)
@@ -397,10 +472,18 @@ class Training:
     metrics.update(self._tokens_seen(step))
     self.writer.write(step, {**metrics, **record['eval']})
     eta_s = int(eta_s)
-    logging.info('step %d/%d | loss %.4f | grad_norm %.3g | lr %.3g | %.2f steps/s | ETA %dm%02ds%s',
-                 step, config.total_steps, metrics['train/loss'], metrics['train/grad_norm'],
-                 metrics['train/lr'], steps_per_sec, eta_s // 60, eta_s % 60,
-                 ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()))
+    logging.info(
+      'step %d/%d | loss %.4f | grad_norm %.3g | lr %.3g | %.2f steps/s | ETA %dm%02ds%s',
+      step,
+      config.total_steps,
+      metrics['train/loss'],
+      metrics['train/grad_norm'],
+      metrics['train/lr'],
+      steps_per_sec,
+      eta_s // 60,
+      eta_s % 60,
+      ''.join(f' | {k} {v:.4f}' for k, v in record['eval'].items()),
+    )
 
   def _tokens_seen(self, step: int) -> dict[str, float]:
     """Text: the tokens predicted in steps 1..`step` and per parameter (what compares runs of different
@@ -417,8 +500,11 @@ class Training:
       return None
     # The instrumented step returns the statistics unless they go to a callback; then compile one
     # that returns them. Either may consume the state: the run ends here.
-    replay = (self.steps.instrumented if self.config.instrument.delivery == 'return'
-              else self.steps.jit_train_step(instrument=True))
+    replay = (
+      self.steps.instrumented
+      if self.config.instrument.delivery == 'return'
+      else self.steps.jit_train_step(instrument=True)
+    )
     _, replayed = jax.device_get(replay(state, batch))
     return instrument_lib.first_nonfinite(replayed['moments'])
 
@@ -434,9 +520,12 @@ class Training:
   def _stop(self, step: int, stop_signal: int):
     self.run.checkpointer.close()
     cause = signal.Signals(stop_signal).name + (
-        '' if self.stop_vote.received_here(stop_signal) else ' to another process')
-    raise cli.Exit(f'stopped by {cause} after step {step}; saved checkpoint {step}, rerun the same '
-                   'command to resume', status=128 + stop_signal)
+      '' if self.stop_vote.received_here(stop_signal) else ' to another process'
+    )
+    raise cli.Exit(
+      f'stopped by {cause} after step {step}; saved checkpoint {step}, rerun the same command to resume',
+      status=128 + stop_signal,
+    )
 
   def finish(self, state, guard: run_guard.RunGuard) -> dict[str, float]:
     """Closes the run's files and hands the workdir back; returns the final eval metrics."""

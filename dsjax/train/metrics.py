@@ -16,7 +16,6 @@ PROGRESS_SECONDS = 10.0  # A progress line at least this often, whatever `log_ev
 
 
 class MetricWriter:
-
   def __init__(self, workdir: str, *, enabled: bool = True):
     self.enabled = enabled
     if not enabled:
@@ -52,8 +51,11 @@ class Progress:
     self.excluded += seconds
 
   def due(self, step: int, log_every: int) -> bool:
-    return (step % log_every == 0 or step == self.total_steps
-            or time.perf_counter() - self.last_time >= PROGRESS_SECONDS)
+    return (
+      step % log_every == 0
+      or step == self.total_steps
+      or time.perf_counter() - self.last_time >= PROGRESS_SECONDS
+    )
 
   def mark(self, step: int) -> tuple[float, float]:
     """(steps/s, ETA in seconds) since the previous mark; call it after the step's metrics arrived."""

@@ -34,16 +34,16 @@ The optimizer config (`opt_config`, an ml_collections.ConfigDict) has the fields
 Fields with a default may be missing from the config.
 """
 
-from collections.abc import Callable, Sequence
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 import ml_collections
 import optax
+from flax import nnx
 
 OPTIMIZER_NAMES = ('adamw', 'msgdw')
 SCHEDULE_NAMES = ('cosine', 'constant')
@@ -58,17 +58,25 @@ DECAYED_PARAM_NAMES = ('kernel', 'embedding', 'token_embed', 'token_embedding')
 # `kernel` or an `embedding`: a learned position table built from nnx.Embed is
 # stored as ('pos_embedding', 'embedding') and must not be decayed.
 NEVER_DECAYED_PATH_NAMES = (
-    'pos_embedding', 'pos_embed', 'position_embedding', 'position_embeddings',
-    'cls_token',
+  'pos_embedding',
+  'pos_embed',
+  'position_embedding',
+  'position_embeddings',
+  'cls_token',
 )
 
 # Defaults of the optional fields (see the module docstring).
 _OPTIONAL_DEFAULTS = dict(
-    b1=0.9, b2=0.999, eps=1e-8,
-    momentum=0.9, nesterov=False,
-    warmup_steps=0, init_lr_ratio=0.0,
-    schedule='cosine', min_lr_ratio=0.0,
-    clip_norm=None,
+  b1=0.9,
+  b2=0.999,
+  eps=1e-8,
+  momentum=0.9,
+  nesterov=False,
+  warmup_steps=0,
+  init_lr_ratio=0.0,
+  schedule='cosine',
+  min_lr_ratio=0.0,
+  clip_norm=None,
 )
 
 
@@ -77,6 +85,7 @@ class OptimizerConfig:
   """A validated optimizer section, its absent optional fields at their defaults
   (`parse_optimizer_config`). `make_schedule` and `make_optimizer` take it as
   it is; given a ConfigDict they validate it first."""
+
   name: str
   lr: float
   weight_decay: float
@@ -105,8 +114,8 @@ def _get(opt_config: ml_collections.ConfigDict | OptimizerConfig, key: str) -> A
 # Default configurations (DNT paper, Qi et al. 2025, Tables 3-5).
 # --------------------------------------------------------------------------
 
-def default_optimizer_config(
-    name: str, family: str = 'gpt') -> ml_collections.ConfigDict:
+
+def default_optimizer_config(name: str, family: str = 'gpt') -> ml_collections.ConfigDict:
   """Returns the DNT paper's optimizer settings for `name` and a model family.
 
   Args:
@@ -120,48 +129,47 @@ def default_optimizer_config(
     for AdamW), so a config can be switched with a single `name` override.
   """
   if name not in OPTIMIZER_NAMES:
-    raise ValueError(
-        f'optimizer.name must be one of {list(OPTIMIZER_NAMES)}, got {name!r}')
+    raise ValueError(f'optimizer.name must be one of {list(OPTIMIZER_NAMES)}, got {name!r}')
   if family not in ('gpt', 'vit'):
     raise ValueError(f"family must be one of ['gpt', 'vit'], got {family!r}")
 
   config = ml_collections.ConfigDict()
   config.name = name
-  config.schedule = 'cosine'      # DNT: cosine schedule for every run.
+  config.schedule = 'cosine'  # DNT: cosine schedule for every run.
   # The cosine ends at the paper's minimum learning rate, set below as a
   # ratio to the peak: 6e-5 for GPT (Table 5), 1e-8 for ViT (Table 4).
-  config.init_lr_ratio = 0.0      # Warmup starts from 0.
-  config.eps = 1e-8               # Not stated; the PyTorch AdamW default.
-  config.momentum = 0.9           # DNT Tables 3-5: mSGDW momentum 0.9.
-  config.nesterov = False         # DNT's equation is plain heavy ball (the
-                                  # timm 'sgdw' factory would turn it on).
-  config.b1 = 0.9                 # DNT Tables 3-5: AdamW beta1 = 0.9.
+  config.init_lr_ratio = 0.0  # Warmup starts from 0.
+  config.eps = 1e-8  # Not stated; the PyTorch AdamW default.
+  config.momentum = 0.9  # DNT Tables 3-5: mSGDW momentum 0.9.
+  config.nesterov = False  # DNT's equation is plain heavy ball (the
+  # timm 'sgdw' factory would turn it on).
+  config.b1 = 0.9  # DNT Tables 3-5: AdamW beta1 = 0.9.
   if family == 'gpt':
-    config.b2 = 0.95              # DNT Table 5 (GPT-2): AdamW beta2 = 0.95.
-    config.clip_norm = 1.0        # DNT Table 5 (GPT-2): gradient clipping 1.0.
+    config.b2 = 0.95  # DNT Table 5 (GPT-2): AdamW beta2 = 0.95.
+    config.clip_norm = 1.0  # DNT Table 5 (GPT-2): gradient clipping 1.0.
     if name == 'adamw':
-      config.lr = 6e-4            # DNT Table 5: AdamW lr 6e-4.
-      config.weight_decay = 0.1   # DNT Table 5: AdamW weight decay 0.1.
+      config.lr = 6e-4  # DNT Table 5: AdamW lr 6e-4.
+      config.weight_decay = 0.1  # DNT Table 5: AdamW weight decay 0.1.
       config.warmup_steps = 2000  # DNT Table 5: AdamW warmup 2000 iterations.
-      config.min_lr_ratio = 0.1   # DNT Table 5: minimum lr 6e-5 = 0.1 x 6e-4.
+      config.min_lr_ratio = 0.1  # DNT Table 5: minimum lr 6e-5 = 0.1 x 6e-4.
     else:
-      config.lr = 1.0             # DNT Table 5: mSGDW lr 1.0.
+      config.lr = 1.0  # DNT Table 5: mSGDW lr 1.0.
       config.weight_decay = 1e-4  # DNT Table 5: mSGDW weight decay 1e-4.
-      config.warmup_steps = 0     # DNT Table 5 says 0 for mSGDW (App. B's
-                                  # text says 2000 for all; we keep the table).
+      config.warmup_steps = 0  # DNT Table 5 says 0 for mSGDW (App. B's
+      # text says 2000 for all; we keep the table).
       config.min_lr_ratio = 6e-5  # DNT Table 5: minimum lr 6e-5 = 6e-5 x 1.0.
   else:
-    config.b2 = 0.99              # DNT Table 4 (ViT): AdamW beta2 = 0.99.
-    config.clip_norm = None       # DNT ViT runs: no gradient clipping.
+    config.b2 = 0.99  # DNT Table 4 (ViT): AdamW beta2 = 0.99.
+    config.clip_norm = None  # DNT ViT runs: no gradient clipping.
     # DNT Table 4 warms up for 60 of 150 epochs; how many steps that is depends
     # on the dataset and batch size, so the caller sets warmup_steps from it.
     config.warmup_steps = 0
     if name == 'adamw':
-      config.lr = 1e-3            # DNT Tables 3-4: AdamW lr 1e-3.
-      config.weight_decay = 0.1   # DNT Tables 3-4: AdamW weight decay 0.1.
+      config.lr = 1e-3  # DNT Tables 3-4: AdamW lr 1e-3.
+      config.weight_decay = 0.1  # DNT Tables 3-4: AdamW weight decay 0.1.
       config.min_lr_ratio = 1e-5  # DNT Table 4: minimum lr 1e-8 = 1e-5 x 1e-3.
     else:
-      config.lr = 0.5             # DNT Table 4 (ViT-L, batch 1024): mSGDW lr 0.5
+      config.lr = 0.5  # DNT Table 4 (ViT-L, batch 1024): mSGDW lr 0.5
       config.weight_decay = 2e-4  # and weight decay 2e-4 (ViT-H: 0.1 / 1e-3).
       config.min_lr_ratio = 2e-8  # DNT Table 4: minimum lr 1e-8 = 2e-8 x 0.5.
   return config
@@ -170,6 +178,7 @@ def default_optimizer_config(
 # --------------------------------------------------------------------------
 # Validation.
 # --------------------------------------------------------------------------
+
 
 def _is_real(value: Any) -> bool:
   # bool is an int subclass; `lr=True` is a config mistake, not a number.
@@ -202,8 +211,7 @@ def validate_optimizer_config(opt_config: ml_collections.ConfigDict) -> None:
 
   name = opt_config.name
   if name not in OPTIMIZER_NAMES:
-    raise ValueError(
-        f'optimizer.name must be one of {list(OPTIMIZER_NAMES)}, got {name!r}')
+    raise ValueError(f'optimizer.name must be one of {list(OPTIMIZER_NAMES)}, got {name!r}')
 
   lr = opt_config.lr
   _check_real('lr', lr)
@@ -213,33 +221,24 @@ def validate_optimizer_config(opt_config: ml_collections.ConfigDict) -> None:
   weight_decay = opt_config.weight_decay
   _check_real('weight_decay', weight_decay)
   if weight_decay < 0:
-    raise ValueError(
-        f'optimizer.weight_decay must be >= 0, got {weight_decay!r}')
+    raise ValueError(f'optimizer.weight_decay must be >= 0, got {weight_decay!r}')
 
   schedule = _get(opt_config, 'schedule')
   if schedule not in SCHEDULE_NAMES:
-    raise ValueError(
-        f'optimizer.schedule must be one of {list(SCHEDULE_NAMES)}, '
-        f'got {schedule!r}')
+    raise ValueError(f'optimizer.schedule must be one of {list(SCHEDULE_NAMES)}, got {schedule!r}')
 
   warmup_steps = _get(opt_config, 'warmup_steps')
-  if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or (
-      warmup_steps < 0):
-    raise ValueError(
-        f'optimizer.warmup_steps must be an integer >= 0, got {warmup_steps!r}')
+  if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or (warmup_steps < 0):
+    raise ValueError(f'optimizer.warmup_steps must be an integer >= 0, got {warmup_steps!r}')
 
-  _check_in_unit_interval(
-      'init_lr_ratio', _get(opt_config, 'init_lr_ratio'), upper_inclusive=True)
-  _check_in_unit_interval(
-      'min_lr_ratio', _get(opt_config, 'min_lr_ratio'), upper_inclusive=True)
+  _check_in_unit_interval('init_lr_ratio', _get(opt_config, 'init_lr_ratio'), upper_inclusive=True)
+  _check_in_unit_interval('min_lr_ratio', _get(opt_config, 'min_lr_ratio'), upper_inclusive=True)
 
   clip_norm = _get(opt_config, 'clip_norm')
   if clip_norm is not None:
     _check_real('clip_norm', clip_norm)
     if clip_norm < 0:
-      raise ValueError(
-          f'optimizer.clip_norm must be >= 0 (0 or None = off), '
-          f'got {clip_norm!r}')
+      raise ValueError(f'optimizer.clip_norm must be >= 0 (0 or None = off), got {clip_norm!r}')
 
   if name == 'adamw':
     _check_in_unit_interval('b1', _get(opt_config, 'b1'), upper_inclusive=False)
@@ -249,31 +248,31 @@ def validate_optimizer_config(opt_config: ml_collections.ConfigDict) -> None:
     if eps <= 0:
       raise ValueError(f'optimizer.eps must be > 0, got {eps!r}')
   else:  # msgdw
-    _check_in_unit_interval(
-        'momentum', _get(opt_config, 'momentum'), upper_inclusive=False)
+    _check_in_unit_interval('momentum', _get(opt_config, 'momentum'), upper_inclusive=False)
     nesterov = _get(opt_config, 'nesterov')
     if not isinstance(nesterov, bool):
       raise ValueError(f'optimizer.nesterov must be a bool, got {nesterov!r}')
 
 
-def parse_optimizer_config(
-    opt_config: ml_collections.ConfigDict | OptimizerConfig) -> OptimizerConfig:
+def parse_optimizer_config(opt_config: ml_collections.ConfigDict | OptimizerConfig) -> OptimizerConfig:
   """The optimizer section as an OptimizerConfig: validated
   (`validate_optimizer_config`) unless it already is one."""
   if isinstance(opt_config, OptimizerConfig):
     return opt_config
   validate_optimizer_config(opt_config)
-  return OptimizerConfig(**{field.name: _get(opt_config, field.name)
-                            for field in dataclasses.fields(OptimizerConfig)})
+  return OptimizerConfig(
+    **{field.name: _get(opt_config, field.name) for field in dataclasses.fields(OptimizerConfig)}
+  )
 
 
 # --------------------------------------------------------------------------
 # Learning-rate schedule.
 # --------------------------------------------------------------------------
 
+
 def make_schedule(
-    opt_config: ml_collections.ConfigDict | OptimizerConfig,
-    total_steps: int) -> optax.Schedule:
+  opt_config: ml_collections.ConfigDict | OptimizerConfig, total_steps: int
+) -> optax.Schedule:
   """Linear warmup, then cosine decay (or a constant) over `total_steps`.
 
   With lr = opt_config.lr, W = warmup_steps and T = total_steps, the learning
@@ -296,27 +295,28 @@ def make_schedule(
   schedule_name = _get(opt_config, 'schedule')
   if schedule_name == 'cosine' and warmup_steps >= total_steps:
     raise ValueError(
-        f'optimizer.warmup_steps must be < total_steps ({total_steps}) for a '
-        f'cosine schedule, got {warmup_steps}')
+      f'optimizer.warmup_steps must be < total_steps ({total_steps}) for a '
+      f'cosine schedule, got {warmup_steps}'
+    )
   if warmup_steps > total_steps:
-    raise ValueError(
-        f'optimizer.warmup_steps must be <= total_steps ({total_steps}), '
-        f'got {warmup_steps}')
+    raise ValueError(f'optimizer.warmup_steps must be <= total_steps ({total_steps}), got {warmup_steps}')
 
   if schedule_name == 'cosine':
     after_warmup = optax.cosine_decay_schedule(
-        init_value=peak_lr,
-        decay_steps=total_steps - warmup_steps,
-        alpha=float(_get(opt_config, 'min_lr_ratio')))
+      init_value=peak_lr,
+      decay_steps=total_steps - warmup_steps,
+      alpha=float(_get(opt_config, 'min_lr_ratio')),
+    )
   else:
     after_warmup = optax.constant_schedule(peak_lr)
 
   if warmup_steps == 0:
     return after_warmup
   warmup = optax.linear_schedule(
-      init_value=float(_get(opt_config, 'init_lr_ratio')) * peak_lr,
-      end_value=peak_lr,
-      transition_steps=warmup_steps)
+    init_value=float(_get(opt_config, 'init_lr_ratio')) * peak_lr,
+    end_value=peak_lr,
+    transition_steps=warmup_steps,
+  )
   # join_schedules calls the second schedule with (t - warmup_steps).
   return optax.join_schedules([warmup, after_warmup], [warmup_steps])
 
@@ -324,6 +324,7 @@ def make_schedule(
 # --------------------------------------------------------------------------
 # Weight-decay mask.
 # --------------------------------------------------------------------------
+
 
 def _key_name(key: Any) -> str | int:
   """The name (or index) carried by one jax.tree_util path entry."""
@@ -345,9 +346,9 @@ def _path_names(path: Sequence[Any]) -> list[str]:
 
 
 def is_decayed_path(
-    path: Sequence[Any],
-    decayed_names: Sequence[str] = DECAYED_PARAM_NAMES,
-    never_decayed_path_names: Sequence[str] = NEVER_DECAYED_PATH_NAMES,
+  path: Sequence[Any],
+  decayed_names: Sequence[str] = DECAYED_PARAM_NAMES,
+  never_decayed_path_names: Sequence[str] = NEVER_DECAYED_PATH_NAMES,
 ) -> bool:
   """Whether the parameter at `path` (a jax.tree_util key path) is decayed.
 
@@ -366,9 +367,9 @@ def is_decayed_path(
 
 
 def weight_decay_mask(
-    params: Any,
-    decayed_names: Sequence[str] = DECAYED_PARAM_NAMES,
-    never_decayed_path_names: Sequence[str] = NEVER_DECAYED_PATH_NAMES,
+  params: Any,
+  decayed_names: Sequence[str] = DECAYED_PARAM_NAMES,
+  never_decayed_path_names: Sequence[str] = NEVER_DECAYED_PATH_NAMES,
 ) -> Any:
   """True for parameters that receive weight decay, False for all others.
 
@@ -402,16 +403,17 @@ def weight_decay_mask(
   make_optimizer passes this function itself (a callable) as the optax mask, so
   the mask is recomputed from whatever tree optax is given.
   """
+
   def leaf_mask(path, _):
     return is_decayed_path(path, decayed_names, never_decayed_path_names)
 
-  return jax.tree_util.tree_map_with_path(
-      leaf_mask, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree_util.tree_map_with_path(leaf_mask, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 # --------------------------------------------------------------------------
 # Optimizers.
 # --------------------------------------------------------------------------
+
 
 def _clip_or_identity(clip_norm: float | None) -> optax.GradientTransformation:
   if clip_norm:  # 0 and None both switch clipping off.
@@ -420,11 +422,11 @@ def _clip_or_identity(clip_norm: float | None) -> optax.GradientTransformation:
 
 
 def msgdw(
-    learning_rate: optax.ScalarOrSchedule,
-    weight_decay: float,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    mask: Any | Callable[[Any], Any] | None = weight_decay_mask,
+  learning_rate: optax.ScalarOrSchedule,
+  weight_decay: float,
+  momentum: float = 0.9,
+  nesterov: bool = False,
+  mask: Any | Callable[[Any], Any] | None = weight_decay_mask,
 ) -> optax.GradientTransformation:
   """SGD with momentum and decoupled, lr-coupled weight decay (timm SGDW).
 
@@ -460,23 +462,26 @@ def msgdw(
       returning one; `weight_decay_mask` by default.
   """
   return optax.chain(
-      optax.trace(decay=momentum, nesterov=nesterov),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    optax.trace(decay=momentum, nesterov=nesterov),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )
 
 
 def scale_by_tree(factors: Any) -> optax.GradientTransformation:
   """Multiplies each update leaf by its factor (a tree shaped like the params)."""
+
   def update(updates, state, params=None):
     del params
     return jax.tree.map(lambda u, f: u * f, updates, factors), state
+
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_optimizer(
-    opt_config: ml_collections.ConfigDict | OptimizerConfig, total_steps: int,
-    lr_scale: Any | None = None,
+  opt_config: ml_collections.ConfigDict | OptimizerConfig,
+  total_steps: int,
+  lr_scale: Any | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the optimizer named by opt_config and its learning-rate schedule.
 
@@ -502,19 +507,21 @@ def make_optimizer(
     # scale_by_learning_rate): the same order as mSGDW, hence the PyTorch
     # AdamW update theta <- theta*(1 - lr_t*wd) - lr_t*m_hat/(sqrt(v_hat)+eps).
     optimizer = optax.adamw(
-        learning_rate=schedule,
-        b1=float(_get(opt_config, 'b1')),
-        b2=float(_get(opt_config, 'b2')),
-        eps=float(_get(opt_config, 'eps')),
-        weight_decay=weight_decay,
-        mask=weight_decay_mask)
+      learning_rate=schedule,
+      b1=float(_get(opt_config, 'b1')),
+      b2=float(_get(opt_config, 'b2')),
+      eps=float(_get(opt_config, 'eps')),
+      weight_decay=weight_decay,
+      mask=weight_decay_mask,
+    )
   else:
     optimizer = msgdw(
-        learning_rate=schedule,
-        weight_decay=weight_decay,
-        momentum=float(_get(opt_config, 'momentum')),
-        nesterov=bool(_get(opt_config, 'nesterov')),
-        mask=weight_decay_mask)
+      learning_rate=schedule,
+      weight_decay=weight_decay,
+      momentum=float(_get(opt_config, 'momentum')),
+      nesterov=bool(_get(opt_config, 'nesterov')),
+      mask=weight_decay_mask,
+    )
   tx = optax.chain(_clip_or_identity(_get(opt_config, 'clip_norm')), optimizer)
   if lr_scale is not None:
     tx = optax.chain(tx, scale_by_tree(lr_scale))
@@ -526,8 +533,10 @@ def with_float32_state(tx: optax.GradientTransformation) -> optax.GradientTransf
   the parameters are stored in bfloat16 (`model.param_dtype`); the updates come out in float32 and
   `optax.apply_updates` rounds the new parameters to their own dtype. With float32 parameters this is
   `tx` itself, up to no-op casts."""
+
   def update(grads, state, params=None):
     return tx.update(as_float32(grads), state, None if params is None else as_float32(params))
+
   return optax.GradientTransformation(lambda params: tx.init(as_float32(params)), update)
 
 

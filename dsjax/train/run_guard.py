@@ -32,17 +32,26 @@ class RunGuard:
     self.workdir = workdir
     # The paths the run creates before all checks have passed (the lock is taken first, Orbax creates
     # the checkpoint directory), where they are new; contents before their parent.
-    self.created = [p for p in (os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR),
-                                os.path.join(workdir, checkpoint_lib.LOCK_FILE), workdir)
-                    if not os.path.exists(p)]
+    self.created = [
+      p
+      for p in (
+        os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR),
+        os.path.join(workdir, checkpoint_lib.LOCK_FILE),
+        workdir,
+      )
+      if not os.path.exists(p)
+    ]
     self.lock: checkpoint_lib.WorkdirLock | None = None  # process 0's, once taken
 
   def __enter__(self) -> RunGuard:
     return self
 
   def __exit__(self, exc_type, exc, traceback) -> bool:
-    if exc_type is not None and self.lock is not None and not checkpoint_lib.WorkdirLock.owner_recorded(
-        self.workdir):
+    if (
+      exc_type is not None
+      and self.lock is not None
+      and not checkpoint_lib.WorkdirLock.owner_recorded(self.workdir)
+    ):
       remove_if_unused(self.created)
       self.lock.release()
     return False

@@ -38,12 +38,20 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
-AXIS_RULES = {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor',
-              'patch': None, 'seq': None, None: None}
+AXIS_RULES = {
+  'embed': 'fsdp',
+  'heads': 'tensor',
+  'mlp': 'tensor',
+  'vocab': 'tensor',
+  'patch': None,
+  'seq': None,
+  None: None,
+}
 # Logical axes of activations, for the model code that lays them out (`dsjax.models.partitioning`, and a
 # fused attention kernel that runs per device inside `jax.shard_map`), as Flax's logical axis rules
 # (`use_mesh`).
@@ -54,7 +62,7 @@ def mesh_config() -> ml_collections.ConfigDict:
   """The `mesh` config section (checked by `resolve_mesh_shape`; the run's checks also ask the tensor
   axis to divide model.num_heads, so that each device holds whole heads)."""
   c = ml_collections.ConfigDict()
-  c.shape = (-1, 1, 1)            # (data, fsdp, tensor); -1 = all remaining devices
+  c.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
   return c
 
 
@@ -114,11 +122,13 @@ def check_process_layout(process_of_device_DFT: np.ndarray):
   split = any(len(np.unique(row_T)) > 1 for row_T in process_of_shard_ST)
   shards_per_process = {int((process_of_shard_ST[:, 0] == p).sum()) for p in processes}
   if split or len(shards_per_process) > 1:
-    raise ValueError(f'mesh.shape {shape} does not fit {len(processes)} processes of '
-                     f'{process_of_device_DFT.size // len(processes)} devices: each data×fsdp position '
-                     f'must sit in one process and each process hold as many; make data×fsdp '
-                     f'({batch_shards}) a multiple of the process count and tensor at most the devices '
-                     'per process')
+    raise ValueError(
+      f'mesh.shape {shape} does not fit {len(processes)} processes of '
+      f'{process_of_device_DFT.size // len(processes)} devices: each data×fsdp position '
+      f'must sit in one process and each process hold as many; make data×fsdp '
+      f'({batch_shards}) a multiple of the process count and tensor at most the devices '
+      'per process'
+    )
 
 
 def _key_name(entry) -> str | None:
@@ -142,8 +152,10 @@ def logical_axes(abstract_model: nnx.Module) -> dict[tuple[str, ...], tuple[str 
     names = _names(path)
     declared = variable.get_metadata().get('axes') if isinstance(variable, nnx.Variable) else None
     if declared is None:
-      raise ValueError(f'model array {"/".join(names)} declares no logical axes (create it with '
-                       'dsjax.models.layers.param or .constant and axes=...)')
+      raise ValueError(
+        f'model array {"/".join(names)} declares no logical axes (create it with '
+        'dsjax.models.layers.param or .constant and axes=...)'
+      )
     axes[names] = tuple(declared)
   return axes
 
@@ -163,8 +175,9 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -
   return P(*spec)
 
 
-def undivided_dimensions(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple],
-                         mesh: Mesh) -> list[str]:
+def undivided_dimensions(
+  abstract_state: Any, model_axes: dict[tuple[str, ...], tuple], mesh: Mesh
+) -> list[str]:
   """'path: axis size N kept whole (mesh axis M of size S)' for every parameter dimension whose rule
   names a mesh axis of more than one device that does not divide it, so `spec_for` leaves it whole."""
   found = []
@@ -173,12 +186,13 @@ def undivided_dimensions(abstract_state: Any, model_axes: dict[tuple[str, ...], 
     if names not in model_axes:
       continue
     axes, shape = model_axes[names], tuple(leaf.shape)
-    spec = spec_for(axes, shape, mesh)[len(shape) - len(axes):]  # the per-layer dimensions
-    for dim, name, given in zip(shape[len(shape) - len(axes):], axes, spec):
+    spec = spec_for(axes, shape, mesh)[len(shape) - len(axes) :]  # the per-layer dimensions
+    for dim, name, given in zip(shape[len(shape) - len(axes) :], axes, spec):
       wanted = AXIS_RULES[name]
       if wanted and given is None:  # spec_for keeps an axis that divides (one of size 1 always does)
-        found.append(f'{"/".join(names)}: {name} size {dim} kept whole ({wanted} axis of '
-                     f'{mesh.shape[wanted]})')
+        found.append(
+          f'{"/".join(names)}: {name} size {dim} kept whole ({wanted} axis of {mesh.shape[wanted]})'
+        )
   return found
 
 
@@ -201,8 +215,11 @@ def state_shardings(abstract_state: Any, model_axes: dict[tuple[str, ...], tuple
           return NamedSharding(mesh, spec_for(model_axes[names[-n:]], shape, mesh))
     if shape == ():
       return NamedSharding(mesh, P())
-    raise ValueError(f'train-state array {"/".join(names)} of shape {shape} matches no model array; '
-                     'give it a sharding rule in dsjax.train.sharding')
+    raise ValueError(
+      f'train-state array {"/".join(names)} of shape {shape} matches no model array; '
+      'give it a sharding rule in dsjax.train.sharding'
+    )
+
   return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
@@ -266,8 +283,9 @@ def max_over_processes(value: int, mesh: Mesh) -> jax.Array:
   process says so. It is dispatched like any step, so a loop can read one step's vote (`read_vote`) a
   step later without waiting for the device."""
   votes = np.full((len(mesh.local_devices),), value, np.int32)
-  return _max_vote(jax.make_array_from_process_local_data(NamedSharding(mesh, P(MESH_AXES)), votes,
-                                                          (mesh.devices.size,)))
+  return _max_vote(
+    jax.make_array_from_process_local_data(NamedSharding(mesh, P(MESH_AXES)), votes, (mesh.devices.size,))
+  )
 
 
 def read_vote(vote: jax.Array) -> int:
@@ -280,11 +298,16 @@ def read_vote(vote: jax.Array) -> int:
 # ------------------------------------------------------------------------------------------------
 
 # flag name → the environment variable it defaults to.
-DISTRIBUTED_ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_NUM_PROCESSES',
-                   'process_id': 'JAX_PROCESS_ID'}
-_NEEDED = ('a multi-process run needs --coordinator_address, --num_processes and --process_id (or '
-           'JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), or --jax_distributed to detect '
-           'them on a Cloud TPU pod, SLURM or Open MPI')
+DISTRIBUTED_ENV = {
+  'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
+  'num_processes': 'JAX_NUM_PROCESSES',
+  'process_id': 'JAX_PROCESS_ID',
+}
+_NEEDED = (
+  'a multi-process run needs --coordinator_address, --num_processes and --process_id (or '
+  'JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), or --jax_distributed to detect '
+  'them on a Cloud TPU pod, SLURM or Open MPI'
+)
 
 
 def _int_setting(name: str, flag_value: int | None, environ: Mapping[str, str], least: int):
@@ -305,30 +328,41 @@ def _int_setting(name: str, flag_value: int | None, environ: Mapping[str, str], 
   return value, where
 
 
-def distributed_settings(coordinator_address: str | None, num_processes: int | None,
-                         process_id: int | None, detect: bool,
-                         environ: Mapping[str, str] = os.environ) -> dict | None:
+def distributed_settings(
+  coordinator_address: str | None,
+  num_processes: int | None,
+  process_id: int | None,
+  detect: bool,
+  environ: Mapping[str, str] = os.environ,
+) -> dict | None:
   """The keyword arguments of `jax.distributed.initialize` that the flags (or their environment
   variables) ask for; None for a single-process run. A ValueError naming the flag (or variable) for a
   value that cannot work, or a multi-process run that misses one of them without `detect`."""
   settings, where = {}, {}
   address = coordinator_address or environ.get(DISTRIBUTED_ENV['coordinator_address'], '').strip() or None
   if address is not None:
-    where['coordinator_address'] = (f'--coordinator_address={address}' if coordinator_address
-                                    else f'JAX_COORDINATOR_ADDRESS={address}')
+    where['coordinator_address'] = (
+      f'--coordinator_address={address}' if coordinator_address else f'JAX_COORDINATOR_ADDRESS={address}'
+    )
     host, _, port = address.rpartition(':')
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ValueError(f'{where["coordinator_address"]}: expected HOST:PORT with a port in 1…65535, '
-                       'e.g. 10.0.0.1:1234 (the address of process 0)')
+      raise ValueError(
+        f'{where["coordinator_address"]}: expected HOST:PORT with a port in 1…65535, '
+        'e.g. 10.0.0.1:1234 (the address of process 0)'
+      )
     settings['coordinator_address'] = address
   for name, value, least in (('num_processes', num_processes, 1), ('process_id', process_id, 0)):
     value, where[name] = _int_setting(name, value, environ, least)
     if value is not None:
       settings[name] = value
-  if 'process_id' in settings and 'num_processes' in settings and (
-      settings['process_id'] >= settings['num_processes']):
-    raise ValueError(f'{where["process_id"]}: must be below the number of processes '
-                     f'({where["num_processes"]})')
+  if (
+    'process_id' in settings
+    and 'num_processes' in settings
+    and (settings['process_id'] >= settings['num_processes'])
+  ):
+    raise ValueError(
+      f'{where["process_id"]}: must be below the number of processes ({where["num_processes"]})'
+    )
   if detect:
     return settings
   if not settings:
@@ -351,8 +385,10 @@ def initialize_distributed(settings: dict, detect: bool):
   except (ValueError, RuntimeError) as e:
     reason = ' '.join(str(e).split()) or type(e).__name__
     if detect:
-      raise ValueError(f'--jax_distributed: JAX could not set up the processes ({reason}); outside a Cloud '
-                       'TPU pod, SLURM or Open MPI give --coordinator_address, --num_processes and '
-                       '--process_id') from None
+      raise ValueError(
+        f'--jax_distributed: JAX could not set up the processes ({reason}); outside a Cloud '
+        'TPU pod, SLURM or Open MPI give --coordinator_address, --num_processes and '
+        '--process_id'
+      ) from None
     given = ' '.join(f'--{k}={v}' for k, v in settings.items())
     raise ValueError(f'jax.distributed.initialize with {given} failed: {reason}') from None

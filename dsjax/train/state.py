@@ -29,8 +29,8 @@ from dsjax.train import optimizers
 @dataclasses.dataclass(frozen=True)
 class TrainSetup:
   graphdef: nnx.GraphDef
-  create_state: Callable[[], dict[str, Any]]   # the initial train state (jit it with out_shardings)
-  abstract_model: nnx.Module                   # shapes, dtypes and metadata (logical axes, lr scales)
+  create_state: Callable[[], dict[str, Any]]  # the initial train state (jit it with out_shardings)
+  abstract_model: nnx.Module  # shapes, dtypes and metadata (logical axes, lr scales)
   tx: optax.GradientTransformation
   schedule: optax.Schedule
 
@@ -39,8 +39,11 @@ def param_lr_scales(abstract_model: nnx.Module) -> dict | None:
   """Learning-rate multipliers of the parameters (their `lr_scale` metadata, set by the method's plan,
   e.g. μP) as a pure dict shaped like the params, or None when every multiplier is 1."""
   params = nnx.state(abstract_model, nnx.Param)
-  scales = jax.tree.map(lambda v: float(v.get_metadata().get('lr_scale', 1.0)), params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  scales = jax.tree.map(
+    lambda v: float(v.get_metadata().get('lr_scale', 1.0)),
+    params,
+    is_leaf=lambda x: isinstance(x, nnx.Variable),
+  )
   scales = nnx.to_pure_dict(scales) if isinstance(scales, nnx.State) else scales
   if all(s == 1.0 for s in jax.tree.leaves(scales)):
     return None
@@ -52,8 +55,14 @@ def first_model_inputs(config, data_config=None):
   a method's preparation step); a generator, so it reads only what is consumed. `data_config`: the
   run's validated data section (default `config.data`, validated here)."""
   data_config = config.data if data_config is None else data_config
-  pipeline = data_lib.make_pipeline(data_config, global_batch_size=config.batch_size, seed=config.seed,
-                                    process_index=0, process_count=1, train=True)
+  pipeline = data_lib.make_pipeline(
+    data_config,
+    global_batch_size=config.batch_size,
+    seed=config.seed,
+    process_index=0,
+    process_count=1,
+    train=True,
+  )
   for batch in pipeline:
     yield model_inputs(config.model.name, batch)
 
@@ -63,25 +72,39 @@ def method_preparation(config, data_info, workdir: str | None = None, data_confi
   measured input correlation, ADMIN's profiling pass), computed on the model inputs of the run's first
   training batches (`first_model_inputs`, read only when it is computed) or read back from `workdir`;
   None for a method without one. `data_config`: as for `first_model_inputs`."""
-  return schemes.preparation_for_run(config, data_info, lambda: first_model_inputs(config, data_config),
-                                     workdir)
+  return schemes.preparation_for_run(
+    config, data_info, lambda: first_model_inputs(config, data_config), workdir
+  )
 
 
-def make_setup(config, data_info, prepared: dict | None = None,
-               optimizer: optimizers.OptimizerConfig | None = None) -> TrainSetup:
+def make_setup(
+  config, data_info, prepared: dict | None = None, optimizer: optimizers.OptimizerConfig | None = None
+) -> TrainSetup:
   """Model (by `config.model.scheme`, with its preparation result `prepared`), optimizer and the
   function creating the initial state. `optimizer`: the run's validated optimizer section (default:
   `config.optimizer`, validated here)."""
   build = lambda: schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), prepared)
   abstract_model = nnx.eval_shape(build)
   optimizer = config.optimizer if optimizer is None else optimizer
-  tx, schedule = optimizers.make_optimizer(optimizer, config.total_steps,
-                                           lr_scale=param_lr_scales(abstract_model))
+  tx, schedule = optimizers.make_optimizer(
+    optimizer, config.total_steps, lr_scale=param_lr_scales(abstract_model)
+  )
 
   def create():
     _, params, rest = nnx.split(build(), nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-    return {'params': params, 'rest': rest, 'opt_state': tx.init(params),
-            'step': jnp.zeros((), jnp.int32), 'nonfinite_steps': jnp.zeros((), jnp.int32)}
-  return TrainSetup(graphdef=nnx.graphdef(abstract_model), create_state=create,
-                    abstract_model=abstract_model, tx=tx, schedule=schedule)
+    return {
+      'params': params,
+      'rest': rest,
+      'opt_state': tx.init(params),
+      'step': jnp.zeros((), jnp.int32),
+      'nonfinite_steps': jnp.zeros((), jnp.int32),
+    }
+
+  return TrainSetup(
+    graphdef=nnx.graphdef(abstract_model),
+    create_state=create,
+    abstract_model=abstract_model,
+    tx=tx,
+    schedule=schedule,
+  )

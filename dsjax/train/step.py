@@ -69,8 +69,9 @@ def dropout_key_for_step(seed: int, step: jax.Array) -> jax.Array:
 NONFINITE_POLICIES = ('stop', 'skip')
 
 
-def guard_nonfinite(state: TrainState, updated: TrainState, finite: jax.Array, on_nonfinite: str
-                    ) -> TrainState:
+def guard_nonfinite(
+  state: TrainState, updated: TrainState, finite: jax.Array, on_nonfinite: str
+) -> TrainState:
   """The state after a step whose loss and gradient norm are `finite` (a bool scalar) or not.
 
   A non-finite step never reaches the state: its update is dropped (params and optimizer state keep
@@ -80,10 +81,13 @@ def guard_nonfinite(state: TrainState, updated: TrainState, finite: jax.Array, o
   """
   apply = finite if on_nonfinite == 'skip' else finite & (state['nonfinite_steps'] == 0)
   keep = lambda new, old: jnp.where(apply, new, old)
-  return {'params': jax.tree.map(keep, updated['params'], state['params']), 'rest': state['rest'],
-          'opt_state': jax.tree.map(keep, updated['opt_state'], state['opt_state']),
-          'step': state['step'] + 1 if on_nonfinite == 'skip' else keep(updated['step'], state['step']),
-          'nonfinite_steps': state['nonfinite_steps'] + jnp.logical_not(apply).astype(jnp.int32)}
+  return {
+    'params': jax.tree.map(keep, updated['params'], state['params']),
+    'rest': state['rest'],
+    'opt_state': jax.tree.map(keep, updated['opt_state'], state['opt_state']),
+    'step': state['step'] + 1 if on_nonfinite == 'skip' else keep(updated['step'], state['step']),
+    'nonfinite_steps': state['nonfinite_steps'] + jnp.logical_not(apply).astype(jnp.int32),
+  }
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -91,8 +95,10 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   m + 2M, …: under the batch sharding every device holds a contiguous block of rows, so when M divides
   the per-device batch each microbatch takes the same number of rows from every device and no device
   idles or exchanges rows (contiguous microbatches would sit on a fraction of the devices each)."""
+
   def split(x):
     return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+
   return jax.tree.map(split, batch)
 
 
@@ -107,9 +113,14 @@ def _zero_with_gradient(params: Any, grads: Any) -> jax.Array:
   return dot - jax.lax.stop_gradient(dot)
 
 
-def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microbatches: int,
-                            key: jax.Array | None, instrumented: Callable | None = None
-                            ) -> tuple[jax.Array, Any, Any]:
+def accumulate_microbatches(
+  sums_fn: Callable,
+  params: Any,
+  batch: dict,
+  microbatches: int,
+  key: jax.Array | None,
+  instrumented: Callable | None = None,
+) -> tuple[jax.Array, Any, Any]:
   """(loss, grads, moments) of the whole batch, computed one microbatch at a time.
 
   `sums_fn(params, batch, key, probe)` returns a loss function's sums ('loss_sum' and 'count', the
@@ -135,6 +146,7 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
     def loss_sum(params):
       sums = sums_fn(params, microbatch, microbatch_dropout_key(key, index), no_probe)
       return sums['loss_sum'], sums
+
     return jax.grad(loss_sum, has_aux=True)(params)
 
   def add(carry, xs):
@@ -145,8 +157,9 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
 
   zero = jnp.zeros((), jnp.float32)
   carry = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params), zero, zero)
-  carry, _ = jax.lax.scan(add, carry, (jnp.arange(first, microbatches),
-                                       jax.tree.map(lambda x: x[first:], split)))
+  carry, _ = jax.lax.scan(
+    add, carry, (jnp.arange(first, microbatches), jax.tree.map(lambda x: x[first:], split))
+  )
   grad_sum, loss_sum, count = carry
   as_params = lambda grads: jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
@@ -168,11 +181,19 @@ def accumulate_microbatches(sums_fn: Callable, params: Any, batch: dict, microba
   return loss, grads, moments
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
-                    seed: int, schedule: optax.Schedule, use_dropout: bool,
-                    instrument: bool = False, moments_receiver: Any = None,
-                    moments_per_site: bool = True, on_nonfinite: str = 'stop', microbatches: int = 1
-                    ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+def make_train_step(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  loss_fn: Callable,
+  seed: int,
+  schedule: optax.Schedule,
+  use_dropout: bool,
+  instrument: bool = False,
+  moments_receiver: Any = None,
+  moments_per_site: bool = True,
+  on_nonfinite: str = 'stop',
+  microbatches: int = 1,
+) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
   as metrics['moments']; the default step computes none of it. With a `moments_receiver`
   (instrument.delivery='callback', e.g. a `Collector`) the per-site statistics go to it by
@@ -191,16 +212,24 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
     # The loop numbers steps from 1: the step that starts from state['step'] = t is loop step t + 1.
-    instrumented = (functools.partial(instrument_lib.value_and_grad, receiver=moments_receiver,
-                                      step=state['step'] + 1, per_site=moments_per_site)
-                    if instrument else None)
+    instrumented = (
+      functools.partial(
+        instrument_lib.value_and_grad,
+        receiver=moments_receiver,
+        step=state['step'] + 1,
+        per_site=moments_per_site,
+      )
+      if instrument
+      else None
+    )
 
     def losses(params, batch, key, probe: Probe = no_probe):  # (mean loss, sums)
       return loss_fn(nnx.merge(graphdef, params, state['rest']), batch, key, probe)
 
     if microbatches > 1:
-      loss, grads, moments = accumulate_microbatches(lambda *args: losses(*args)[1], state['params'], batch,
-                                                     microbatches, key, instrumented)
+      loss, grads, moments = accumulate_microbatches(
+        lambda *args: losses(*args)[1], state['params'], batch, microbatches, key, instrumented
+      )
     else:
       loss_of_params = lambda params, probe=no_probe: losses(params, batch, key, probe)[0]
       if instrument:
@@ -210,14 +239,20 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     grad_norm = optax.tree.norm(optimizers.as_float32(grads))  # float32 also for bf16 parameters
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updated = {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state,
-               'step': state['step'] + 1}
+    updated = {
+      'params': optax.apply_updates(state['params'], updates),
+      'opt_state': opt_state,
+      'step': state['step'] + 1,
+    }
     new_state = guard_nonfinite(state, updated, finite, on_nonfinite)
-    metrics = {'train/loss': loss, 'train/grad_norm': grad_norm,
-               'train/param_norm': optax.tree.norm(optimizers.as_float32(state['params'])),
-               'train/lr': schedule(state['step']),
-               'train/nonfinite': jnp.logical_not(finite).astype(jnp.float32),
-               'train/nonfinite_steps': new_state['nonfinite_steps'].astype(jnp.float32)}
+    metrics = {
+      'train/loss': loss,
+      'train/grad_norm': grad_norm,
+      'train/param_norm': optax.tree.norm(optimizers.as_float32(state['params'])),
+      'train/lr': schedule(state['step']),
+      'train/nonfinite': jnp.logical_not(finite).astype(jnp.float32),
+      'train/nonfinite_steps': new_state['nonfinite_steps'].astype(jnp.float32),
+    }
     if instrument:
       metrics['moments'] = moments
     return new_state, metrics

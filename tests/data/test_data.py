@@ -37,17 +37,19 @@ class DsjaxTestPngImages(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     return tfds.core.DatasetInfo(
-        builder=self,
-        features=tfds.features.FeaturesDict({
-            'image': tfds.features.Image(shape=(None, None, 3)),
-            'label': tfds.features.ClassLabel(num_classes=3),
-        }),
-        supervised_keys=('image', 'label'),
-        disable_shuffling=True)
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {
+          'image': tfds.features.Image(shape=(None, None, 3)),
+          'label': tfds.features.ClassLabel(num_classes=3),
+        }
+      ),
+      supervised_keys=('image', 'label'),
+      disable_shuffling=True,
+    )
 
   def _split_generators(self, dl_manager):
-    return {'train': self._generate_examples(24, 1),
-            'test': self._generate_examples(10, 2)}
+    return {'train': self._generate_examples(24, 1), 'test': self._generate_examples(10, 2)}
 
   def _generate_examples(self, num, seed):
     rng = np.random.RandomState(seed)
@@ -66,14 +68,13 @@ class DsjaxTestSentences(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     return tfds.core.DatasetInfo(
-        builder=self,
-        features=tfds.features.FeaturesDict(
-            {'sentence': tfds.features.Text()}),
-        disable_shuffling=True)
+      builder=self,
+      features=tfds.features.FeaturesDict({'sentence': tfds.features.Text()}),
+      disable_shuffling=True,
+    )
 
   def _split_generators(self, dl_manager):
-    return {'train': self._generate_examples(40, 1),
-            'test': self._generate_examples(12, 2)}
+    return {'train': self._generate_examples(40, 1), 'test': self._generate_examples(12, 2)}
 
   def _generate_examples(self, num, seed):
     rng = np.random.RandomState(seed)
@@ -96,8 +97,7 @@ def data_dir(tmp_path_factory):
   for name in data.EMBEDDED_DATASETS:  # Prepared on first use.
     data.dataset_info(_config(name, directory))
   for builder_cls in (DsjaxTestPngImages, DsjaxTestSentences):
-    builder_cls(data_dir=os.fspath(directory)).download_and_prepare(
-        file_format='array_record')
+    builder_cls(data_dir=os.fspath(directory)).download_and_prepare(file_format='array_record')
   return directory
 
 
@@ -167,22 +167,31 @@ def test_docs_info_and_corpus(docs):
   joined = lambda docs: ''.join(text for _, text in docs)
   topics = pydoc_data.topics.topics
   assert joined(documents['train']) + joined(documents['validation']) == (
-      ''.join(topics[name] for name in sorted(topics)))
+    ''.join(topics[name] for name in sorted(topics))
+  )
   stored = [r['text'] for r in _source(docs, 'validation')]
   assert stored == [text.encode() for _, text in documents['validation']]
 
 
 def test_concurrent_preparation_is_safe(tmp_path):
   # Two processes preparing into one data_dir: both succeed, one dataset.
-  script = ('import sys; from dsjax import data; print(data.dataset_info('
-            "{'name': 'sklearn_digits', 'data_dir': sys.argv[1]})"
-            '.num_examples)')
+  script = (
+    'import sys; from dsjax import data; print(data.dataset_info('
+    "{'name': 'sklearn_digits', 'data_dir': sys.argv[1]})"
+    '.num_examples)'
+  )
   repo_root = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
-      filter(None, [repo_root, os.environ.get('PYTHONPATH')]))}
-  procs = [subprocess.Popen([sys.executable, '-c', script, str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env) for _ in range(2)]
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [repo_root, os.environ.get('PYTHONPATH')]))}
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-c', script, str(tmp_path)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    for _ in range(2)
+  ]
   for proc in procs:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -195,8 +204,8 @@ def test_concurrent_preparation_is_safe(tmp_path):
 
 def test_image_train_batch_shapes(digits):
   pipeline = data.make_pipeline(
-      digits, split='train', global_batch_size=32, seed=0, process_index=0,
-      process_count=1)
+    digits, split='train', global_batch_size=32, seed=0, process_index=0, process_count=1
+  )
   batch = next(pipeline)
   assert set(batch) == {'image', 'label'}
   chex.assert_shape(batch['image'], (32, 8, 8, 1))
@@ -209,8 +218,8 @@ def test_image_train_batch_shapes(digits):
 def test_image_epoch_is_a_permutation_and_normalised(digits):
   # 1497 = 3 * 499: three steps are exactly one epoch.
   pipeline = data.make_pipeline(
-      digits, split='train', global_batch_size=499, seed=3, process_index=0,
-      process_count=1)
+    digits, split='train', global_batch_size=499, seed=3, process_index=0, process_count=1
+  )
   epoch = _take(pipeline, 3)
   images = np.concatenate([b['image'] for b in epoch])
   assert pipeline.epoch == 1
@@ -226,8 +235,8 @@ def test_image_epoch_is_a_permutation_and_normalised(digits):
 
 def test_same_seed_same_batches_other_seed_differs(digits):
   make = lambda seed: data.make_pipeline(
-      digits, split='train', global_batch_size=16, seed=seed,
-      process_index=0, process_count=1)
+    digits, split='train', global_batch_size=16, seed=seed, process_index=0, process_count=1
+  )
   _assert_batches_equal(_take(make(7), 3), _take(make(7), 3))
   assert not np.array_equal(next(make(7))['image'], next(make(8))['image'])
   # Grain reseeds epoch e with seed + e; the run seed is hashed first, so
@@ -244,21 +253,20 @@ def test_grain_order_is_pinned(digits):
   # first rows so that a Grain upgrade that changes it is noticed. Update the
   # numbers when such a change is intended.
   pipeline = data.make_pipeline(
-      digits, split='train', global_batch_size=8, seed=0, process_index=0,
-      process_count=1)
+    digits, split='train', global_batch_size=8, seed=0, process_index=0, process_count=1
+  )
   rows = pipeline._train_rows()  # pylint: disable=protected-access
   assert [int(rows[i]['index']) for i in range(8)] == PINNED_DIGITS_ORDER
   stored = _source(digits, 'train').__getitems__(PINNED_DIGITS_ORDER)
-  np.testing.assert_array_equal(next(pipeline)['label'],
-                                [r['label'] for r in stored])
+  np.testing.assert_array_equal(next(pipeline)['label'], [r['label'] for r in stored])
 
 
 @pytest.mark.parametrize('name', ['sklearn_digits', 'python_docs_bytes'])
 def test_state_restore_continues_bitwise(data_dir, name):
   config = _config(name, data_dir, seq_len=16)
   make = lambda: data.make_pipeline(
-      config, split='train', global_batch_size=64, seed=5, process_index=0,
-      process_count=1)
+    config, split='train', global_batch_size=64, seed=5, process_index=0, process_count=1
+  )
   pipeline = make()
   _take(pipeline, 30)  # 30 * 64 > 1497: past an epoch boundary for digits.
   state = json.loads(json.dumps(pipeline.get_state()))
@@ -272,13 +280,16 @@ def test_state_restore_continues_bitwise(data_dir, name):
   pipeline.set_state(state)
   _assert_batches_equal(_take(pipeline, 4), expected)
   # A state from another pipeline, or not a state, is refused in one line.
-  other = data.make_pipeline(config, split='train', global_batch_size=64,
-                             seed=6, process_index=0, process_count=1)
+  other = data.make_pipeline(
+    config, split='train', global_batch_size=64, seed=6, process_index=0, process_count=1
+  )
   with pytest.raises(ValueError, match='seed: state has 5, pipeline has 6'):
     other.set_state(state)
-  for bad in ({**state, 'iterator': {'next_index': -1}},
-              {**state, 'iterator': None},
-              {**state, 'version': 1, 'step': 30}):
+  for bad in (
+    {**state, 'iterator': {'next_index': -1}},
+    {**state, 'iterator': None},
+    {**state, 'version': 1, 'step': 30},
+  ):
     with pytest.raises(ValueError) as error:
       resumed.set_state(bad)
     assert '\n' not in str(error.value)
@@ -286,8 +297,8 @@ def test_state_restore_continues_bitwise(data_dir, name):
 
 def test_eval_state_resumes_mid_pass(digits):
   make = lambda: data.make_pipeline(
-      digits, split='test', global_batch_size=64, process_index=0,
-      process_count=1, train=False)
+    digits, split='test', global_batch_size=64, process_index=0, process_count=1, train=False
+  )
   full = list(make())
   pipeline = make()
   _take(pipeline, 2)
@@ -299,28 +310,39 @@ def test_eval_state_resumes_mid_pass(digits):
     resumed.set_state({**state, 'iterator': {'next_index': 6}})  # 5 batches.
 
 
-@pytest.mark.parametrize('name,train', [
-    ('sklearn_digits', True), ('sklearn_digits', False),
-    ('python_docs_bytes', True), ('python_docs_bytes', False),
-    ('dsjax_test_png_images', True), ('dsjax_test_sentences', True),
-])
+@pytest.mark.parametrize(
+  'name,train',
+  [
+    ('sklearn_digits', True),
+    ('sklearn_digits', False),
+    ('python_docs_bytes', True),
+    ('python_docs_bytes', False),
+    ('dsjax_test_png_images', True),
+    ('dsjax_test_sentences', True),
+  ],
+)
 def test_process_shares_concatenate_to_global_batch(data_dir, name, train):
-  config = _config(name, data_dir, seq_len=16, image_size=12,
-                   text_key='sentence' if 'sentences' in name else 'text',
-                   augment=name == 'dsjax_test_png_images')  # With flips.
+  config = _config(
+    name,
+    data_dir,
+    seq_len=16,
+    image_size=12,
+    text_key='sentence' if 'sentences' in name else 'text',
+    augment=name == 'dsjax_test_png_images',
+  )  # With flips.
   if name in data.EMBEDDED_DATASETS:
     config.image_size = None
   make = lambda index, count: data.make_pipeline(  # Default split.
-      config, global_batch_size=8, seed=1, process_index=index,
-      process_count=count, train=train)
+    config, global_batch_size=8, seed=1, process_index=index, process_count=count, train=train
+  )
   single = _take(make(0, 1), 3)
   shares = [_take(make(index, 2), 3) for index in range(2)]
   for step in range(3):
     for key in single[step]:
       assert shares[0][step][key].shape[0] == 4
       np.testing.assert_array_equal(
-          np.concatenate([shares[0][step][key], shares[1][step][key]]),
-          single[step][key])
+        np.concatenate([shares[0][step][key], shares[1][step][key]]), single[step][key]
+      )
 
 
 class _CountingSource:
@@ -341,8 +363,8 @@ class _CountingSource:
 @pytest.mark.parametrize('train', [True, False])
 def test_each_process_reads_only_its_rows(digits, train):
   make = lambda index, count: data.make_pipeline(
-      digits, global_batch_size=16, seed=4, process_index=index,
-      process_count=count, train=train)
+    digits, global_batch_size=16, seed=4, process_index=index, process_count=count, train=train
+  )
   single = make(0, 1)
   expected = np.concatenate([b['label'] for b in _take(single, 3)])
   for index in range(4):
@@ -350,21 +372,20 @@ def test_each_process_reads_only_its_rows(digits, train):
     share._source = counting = _CountingSource(share._source)  # pylint: disable=protected-access
     labels = np.concatenate([b['label'] for b in _take(share, 3)])
     assert len(counting.read) == 3 * 4  # Read lazily, per batch, its rows.
-    stored = np.array([r['label'] for r in
-                       _source(digits, 'train' if train else 'test')
-                       .__getitems__(counting.read)])
+    stored = np.array(
+      [r['label'] for r in _source(digits, 'train' if train else 'test').__getitems__(counting.read)]
+    )
     np.testing.assert_array_equal(labels, stored)
-    rows = np.arange(48).reshape(3, 16)[:, index * 4:(index + 1) * 4]
+    rows = np.arange(48).reshape(3, 16)[:, index * 4 : (index + 1) * 4]
     np.testing.assert_array_equal(labels, expected[rows.ravel()])
 
 
 def test_threaded_reading_gives_the_same_batches(digits, monkeypatch):
   make = lambda: data.make_pipeline(
-      digits, split='train', global_batch_size=32, seed=1, process_index=1,
-      process_count=2)
+    digits, split='train', global_batch_size=32, seed=1, process_index=1, process_count=2
+  )
   expected = _take(make(), 5)
-  monkeypatch.setattr(pipeline_lib, 'READ_OPTIONS', grain.ReadOptions(
-      num_threads=2, prefetch_buffer_size=3))
+  monkeypatch.setattr(pipeline_lib, 'READ_OPTIONS', grain.ReadOptions(num_threads=2, prefetch_buffer_size=3))
   threaded = make()
   _assert_batches_equal(_take(threaded, 5), expected)
   state = threaded.get_state()  # Counts returned, not prefetched, batches.
@@ -376,22 +397,21 @@ def test_threaded_reading_gives_the_same_batches(digits, monkeypatch):
 
 def test_resume_with_another_process_count(digits):
   make = lambda index, count: data.make_pipeline(
-      digits, split='train', global_batch_size=8, seed=2,
-      process_index=index, process_count=count)
+    digits, split='train', global_batch_size=8, seed=2, process_index=index, process_count=count
+  )
   single = make(0, 1)
   _take(single, 5)
   state = single.get_state()
   expected = next(single)
   second_host = make(1, 2)
   second_host.set_state(state)
-  np.testing.assert_array_equal(next(second_host)['label'],
-                                expected['label'][4:])
+  np.testing.assert_array_equal(next(second_host)['label'], expected['label'][4:])
 
 
 def test_image_eval_covers_each_example_once(digits):
   pipeline = data.make_pipeline(
-      digits, split='test', global_batch_size=64, process_index=0,
-      process_count=1, train=False)
+    digits, split='test', global_batch_size=64, process_index=0, process_count=1, train=False
+  )
   batches = list(pipeline)
   assert len(batches) == len(pipeline) == 5  # ceil(300 / 64)
   mask = np.concatenate([b['mask'] for b in batches])
@@ -407,50 +427,58 @@ def test_image_eval_covers_each_example_once(digits):
 
 def test_eval_with_two_processes_masks_the_same_rows(digits):
   make = lambda index: data.make_pipeline(
-      digits, split='test', global_batch_size=64, process_index=index,
-      process_count=2, train=False)
+    digits, split='test', global_batch_size=64, process_index=index, process_count=2, train=False
+  )
   shares = [list(make(index)) for index in range(2)]
   assert len(shares[0]) == len(shares[1]) == 5  # Same number of steps.
-  mask = np.concatenate([np.concatenate([a['mask'], b['mask']])
-                         for a, b in zip(*shares)])
+  mask = np.concatenate([np.concatenate([a['mask'], b['mask']]) for a, b in zip(*shares)])
   assert mask.sum() == 300
 
 
 def test_real_style_png_dataset_resize_and_flip(data_dir):
-  config = _config('dsjax_test_png_images', data_dir, image_size=12,
-                   augment=True)
+  config = _config('dsjax_test_png_images', data_dir, image_size=12, augment=True)
   info = data.dataset_info(config)
   assert (info.image_shape, info.num_classes) == ((12, 12, 3), 3)
   assert info.image_mean == (127.5,) * 3  # Unknown dataset: maps to [-1, 1].
   make = lambda augment: data.make_pipeline(
-      _config('dsjax_test_png_images', data_dir, image_size=12,
-              augment=augment),
-      split='train', global_batch_size=8, seed=0, process_index=0,
-      process_count=1)
+    _config('dsjax_test_png_images', data_dir, image_size=12, augment=augment),
+    split='train',
+    global_batch_size=8,
+    seed=0,
+    process_index=0,
+    process_count=1,
+  )
   flipped, plain = next(make(True)), next(make(False))
   chex.assert_shape(flipped['image'], (8, 12, 12, 3))
   chex.assert_type(flipped['image'], np.float32)
   np.testing.assert_array_equal(flipped['label'], plain['label'])
-  is_flip = [np.array_equal(f, p[:, ::-1]) and not np.array_equal(f, p)
-             for f, p in zip(flipped['image'], plain['image'])]
-  is_same = [np.array_equal(f, p)
-             for f, p in zip(flipped['image'], plain['image'])]
+  is_flip = [
+    np.array_equal(f, p[:, ::-1]) and not np.array_equal(f, p)
+    for f, p in zip(flipped['image'], plain['image'])
+  ]
+  is_same = [np.array_equal(f, p) for f, p in zip(flipped['image'], plain['image'])]
   assert all(a or b for a, b in zip(is_flip, is_same))
   assert any(is_flip) and any(is_same)
   # A row's flip is drawn per stream position (Grain random_map), so it does
   # not depend on the batch the row lands in.
   halves = data.make_pipeline(
-      _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
-      split='train', global_batch_size=4, seed=0, process_index=0,
-      process_count=1)
-  np.testing.assert_array_equal(
-      np.concatenate([b['image'] for b in _take(halves, 2)]),
-      flipped['image'])
+    _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
+    split='train',
+    global_batch_size=4,
+    seed=0,
+    process_index=0,
+    process_count=1,
+  )
+  np.testing.assert_array_equal(np.concatenate([b['image'] for b in _take(halves, 2)]), flipped['image'])
   # Another seed flips other rows.
   reseeded = data.make_pipeline(
-      _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
-      split='train', global_batch_size=8, seed=1, process_index=0,
-      process_count=1)
+    _config('dsjax_test_png_images', data_dir, image_size=12, augment=True),
+    split='train',
+    global_batch_size=8,
+    seed=1,
+    process_index=0,
+    process_count=1,
+  )
   assert not np.array_equal(next(reseeded)['image'], flipped['image'])
   # Variable-size images need a target size.
   with pytest.raises(ValueError, match='data.image_size'):
@@ -469,8 +497,8 @@ def test_resize_and_centre_crop():
 
 def test_text_train_windows(docs):
   pipeline = data.make_pipeline(
-      docs, split='train', global_batch_size=16, seed=0, process_index=0,
-      process_count=1)
+    docs, split='train', global_batch_size=16, seed=0, process_index=0, process_count=1
+  )
   batch = next(pipeline)
   assert set(batch) == {'tokens'}
   chex.assert_shape(batch['tokens'], (16, 33))
@@ -486,32 +514,28 @@ def test_text_train_windows(docs):
 def test_text_train_windows_are_a_shuffle_of_the_start_offsets(data_dir):
   # Rows are Grain's shuffled stream over window starts: one epoch uses each
   # start once, the next epoch is another order.
-  config = _config('dsjax_test_sentences', data_dir, text_key='sentence',
-                   seq_len=20)
+  config = _config('dsjax_test_sentences', data_dir, text_key='sentence', seq_len=20)
   make = lambda seed: data.make_pipeline(
-      config, split='train', global_batch_size=8, seed=seed,
-      process_index=0, process_count=1)
+    config, split='train', global_batch_size=8, seed=seed, process_index=0, process_count=1
+  )
   pipeline = make(3)
   stream = pipeline.stream
   num_starts = len(stream) - 20
   rows = pipeline._train_rows()  # pylint: disable=protected-access
   starts = np.array([rows[i] for i in range(2 * num_starts)])
-  np.testing.assert_array_equal(np.sort(starts[:num_starts]),
-                                np.arange(num_starts))
-  np.testing.assert_array_equal(np.sort(starts[num_starts:]),
-                                np.arange(num_starts))
+  np.testing.assert_array_equal(np.sort(starts[:num_starts]), np.arange(num_starts))
+  np.testing.assert_array_equal(np.sort(starts[num_starts:]), np.arange(num_starts))
   assert not np.array_equal(starts[:num_starts], starts[num_starts:])
   tokens = np.concatenate([b['tokens'] for b in _take(pipeline, 3)])
-  np.testing.assert_array_equal(
-      tokens, stream[starts[:24, None] + np.arange(21)])
+  np.testing.assert_array_equal(tokens, stream[starts[:24, None] + np.arange(21)])
   other = make(4)._train_rows()  # pylint: disable=protected-access
   assert [other[i] for i in range(8)] != list(starts[:8])
 
 
 def test_text_eval_windows_tile_the_validation_stream(docs):
   pipeline = data.make_pipeline(
-      docs, split='validation', global_batch_size=64, process_index=0,
-      process_count=1, train=False)
+    docs, split='validation', global_batch_size=64, process_index=0, process_count=1, train=False
+  )
   batches = list(pipeline)
   tokens = np.concatenate([b['tokens'] for b in batches])
   mask = np.concatenate([b['mask'] for b in batches]).astype(bool)
@@ -520,20 +544,18 @@ def test_text_eval_windows_tile_the_validation_stream(docs):
   assert mask.sum() == num_windows and np.all(mask[:num_windows])
   real = tokens[mask]
   # Consecutive windows share one byte: every target appears exactly once.
-  np.testing.assert_array_equal(real[:, 1:].ravel(),
-                                stream[1:1 + num_windows * 32])
-  np.testing.assert_array_equal(real[:, 0], stream[0:num_windows * 32:32])
+  np.testing.assert_array_equal(real[:, 1:].ravel(), stream[1 : 1 + num_windows * 32])
+  np.testing.assert_array_equal(real[:, 0], stream[0 : num_windows * 32 : 32])
   assert np.all(tokens[~mask] == 0)
 
 
 def test_text_with_other_key_and_document_mode(data_dir, monkeypatch):
-  config = _config('dsjax_test_sentences', data_dir, text_key='sentence',
-                   seq_len=20)
+  config = _config('dsjax_test_sentences', data_dir, text_key='sentence', seq_len=20)
   info = data.dataset_info(config)
   assert (info.kind, info.eval_split, info.num_bytes) == ('text', 'test', None)
   make = lambda: data.make_pipeline(
-      config, split='train', global_batch_size=8, seed=0, process_index=0,
-      process_count=1)
+    config, split='train', global_batch_size=8, seed=0, process_index=0, process_count=1
+  )
   in_memory = make()
   assert in_memory.streamed
   # Large-corpus mode: rows start at documents of an epoch permutation.
@@ -560,8 +582,9 @@ def test_text_with_other_key_and_document_mode(data_dir, monkeypatch):
 
 def test_missing_dataset_error(tmp_path):
   with pytest.raises(data.DatasetNotFoundError) as error:
-    data.make_pipeline(_config('cifar10', tmp_path), split='train',
-                       global_batch_size=8, process_index=0, process_count=1)
+    data.make_pipeline(
+      _config('cifar10', tmp_path), split='train', global_batch_size=8, process_index=0, process_count=1
+    )
   message = str(error.value)
   assert isinstance(error.value, ValueError)
   assert 'cifar10' in message and str(tmp_path) in message
@@ -570,8 +593,7 @@ def test_missing_dataset_error(tmp_path):
 
 
 def test_unknown_dataset_error(tmp_path):
-  with pytest.raises(data.DatasetNotFoundError,
-                     match="'no_such_dataset'.*sklearn_digits"):
+  with pytest.raises(data.DatasetNotFoundError, match="'no_such_dataset'.*sklearn_digits"):
     data.dataset_info(_config('no_such_dataset', tmp_path))
 
 
@@ -585,30 +607,29 @@ def test_tfrecord_only_dataset_error(data_dir, tmp_path):
   info_path.write_text(json.dumps(info))
   for path in version_dir.glob('*.array_record-*'):
     path.rename(str(path).replace('array_record', 'tfrecord'))
-  with pytest.raises(data.DatasetNotFoundError,
-                     match='tfrecord.*rebuild it as array_record'):
-    data.dataset_info(_config('dsjax_test_sentences', tmp_path,
-                              text_key='sentence'))
+  with pytest.raises(data.DatasetNotFoundError, match='tfrecord.*rebuild it as array_record'):
+    data.dataset_info(_config('dsjax_test_sentences', tmp_path, text_key='sentence'))
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     (dict(seq_len=0), 'data.seq_len must be a positive integer, got 0'),
     (dict(image_size=-3), 'data.image_size must be None or a positive'),
     (dict(download='yes'), 'data.download must be a bool'),
     (dict(name=''), 'data.name must be a non-empty string'),
-])
+  ],
+)
 def test_bad_config_values(data_dir, overrides, message):
-  config = {'name': 'python_docs_bytes', 'data_dir': os.fspath(data_dir),
-            **overrides}
+  config = {'name': 'python_docs_bytes', 'data_dir': os.fspath(data_dir), **overrides}
   with pytest.raises(ValueError, match=message):
-    data.make_pipeline(config, split='train', global_batch_size=8,
-                       process_index=0, process_count=1)
+    data.make_pipeline(config, split='train', global_batch_size=8, process_index=0, process_count=1)
 
 
 def test_bad_pipeline_arguments(digits):
   make = lambda **kw: data.make_pipeline(
-      digits, **{'split': 'train', 'global_batch_size': 8,
-                 'process_index': 0, 'process_count': 1, **kw})
+    digits, **{'split': 'train', 'global_batch_size': 8, 'process_index': 0, 'process_count': 1, **kw}
+  )
   with pytest.raises(ValueError, match='divisible by process_count'):
     make(global_batch_size=9, process_count=2)
   with pytest.raises(ValueError, match='process_index must be < '):
@@ -618,8 +639,7 @@ def test_bad_pipeline_arguments(digits):
   with pytest.raises(ValueError, match='seed'):
     make(seed=-1)
   with pytest.raises(ValueError, match='unknown data config keys'):
-    data.make_pipeline({'name': 'sklearn_digits', 'seqlen': 3},
-                       split='train', global_batch_size=8)
+    data.make_pipeline({'name': 'sklearn_digits', 'seqlen': 3}, split='train', global_batch_size=8)
   digits.augment = True
   with pytest.raises(ValueError, match='data.augment'):
     make()
@@ -629,8 +649,6 @@ def test_random_bits_are_fixed():
   # Philox raw output is a fixed algorithm: pin it, so that a NumPy change
   # (which would silently change every data order) is caught.
   words = random_bits.random_words(3, random_bits.Purpose.TEXT_OFFSETS, 5, 2)
-  np.testing.assert_array_equal(
-      words, np.array([1419007209105727032, 8906194455581044852], np.uint64))
-  perm = random_bits.permutation(0, random_bits.Purpose.EPOCH_PERMUTATION, 0,
-                                 10)
+  np.testing.assert_array_equal(words, np.array([1419007209105727032, 8906194455581044852], np.uint64))
+  perm = random_bits.permutation(0, random_bits.Purpose.EPOCH_PERMUTATION, 0, 10)
   np.testing.assert_array_equal(perm, [0, 8, 6, 9, 5, 2, 3, 1, 7, 4])

@@ -35,24 +35,37 @@ RTOL = 1e-4
 # Flags and environment.
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('flags,environ,expected', [
-    ((None, None, None, False), {}, None),                       # one process: no jax.distributed
-    (('10.0.0.1:1234', 2, 1, False), {},
-     {'coordinator_address': '10.0.0.1:1234', 'num_processes': 2, 'process_id': 1}),
-    ((None, None, None, False),
-     {'JAX_COORDINATOR_ADDRESS': 'host:99', 'JAX_NUM_PROCESSES': '4', 'JAX_PROCESS_ID': '3'},
-     {'coordinator_address': 'host:99', 'num_processes': 4, 'process_id': 3}),
-    ((None, None, 0, False),                                      # a flag wins over its variable
-     {'JAX_COORDINATOR_ADDRESS': '[::1]:99', 'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '1'},
-     {'coordinator_address': '[::1]:99', 'num_processes': 2, 'process_id': 0}),
-    ((None, None, None, True), {}, {}),                           # all from the cluster (TPU, SLURM, MPI)
+
+@pytest.mark.parametrize(
+  'flags,environ,expected',
+  [
+    ((None, None, None, False), {}, None),  # one process: no jax.distributed
+    (
+      ('10.0.0.1:1234', 2, 1, False),
+      {},
+      {'coordinator_address': '10.0.0.1:1234', 'num_processes': 2, 'process_id': 1},
+    ),
+    (
+      (None, None, None, False),
+      {'JAX_COORDINATOR_ADDRESS': 'host:99', 'JAX_NUM_PROCESSES': '4', 'JAX_PROCESS_ID': '3'},
+      {'coordinator_address': 'host:99', 'num_processes': 4, 'process_id': 3},
+    ),
+    (
+      (None, None, 0, False),  # a flag wins over its variable
+      {'JAX_COORDINATOR_ADDRESS': '[::1]:99', 'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '1'},
+      {'coordinator_address': '[::1]:99', 'num_processes': 2, 'process_id': 0},
+    ),
+    ((None, None, None, True), {}, {}),  # all from the cluster (TPU, SLURM, MPI)
     ((None, 8, None, True), {}, {'num_processes': 8}),
-])
+  ],
+)
 def test_distributed_settings_come_from_flags_then_environment(flags, environ, expected):
   assert sharding_lib.distributed_settings(*flags, environ=environ) == expected
 
 
-@pytest.mark.parametrize('flags,environ,message', [
+@pytest.mark.parametrize(
+  'flags,environ,message',
+  [
     ((None, 2, 0, False), {}, '--coordinator_address not given: a multi-process run needs'),
     (('h:1', None, None, False), {}, '--num_processes and --process_id not given'),
     (('nohost', 2, 0, False), {}, '--coordinator_address=nohost: expected HOST:PORT'),
@@ -61,9 +74,13 @@ def test_distributed_settings_come_from_flags_then_environment(flags, environ, e
     (('h:1', 2, -1, False), {}, '--process_id=-1: expected an integer ≥ 0'),
     (('h:1', 2, 2, False), {}, '--process_id=2: must be below the number of processes (--num_processes=2)'),
     (('h:1', None, 0, False), {'JAX_NUM_PROCESSES': 'two'}, 'JAX_NUM_PROCESSES=two: expected an integer'),
-    ((None, None, None, False), {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': '2'},
-     '--process_id not given'),
-])
+    (
+      (None, None, None, False),
+      {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': '2'},
+      '--process_id not given',
+    ),
+  ],
+)
 def test_bad_distributed_settings_name_the_flag_or_variable(flags, environ, message):
   with pytest.raises(ValueError, match=re.escape(message)) as error:
     sharding_lib.distributed_settings(*flags, environ=environ)
@@ -81,9 +98,22 @@ def _env(devices_per_process: int) -> dict[str, str]:
 
 def test_a_multi_process_run_missing_a_flag_fails_in_one_line_and_writes_nothing(tmp_path):
   workdir = tmp_path / 'w'
-  proc = subprocess.run([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
-                         '--num_processes=2', '--process_id=0'],
-                        cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'dsjax.main',
+      f'--config={CONFIG}',
+      f'--workdir={workdir}',
+      '--num_processes=2',
+      '--process_id=0',
+    ],
+    cwd=ROOT,
+    env=_env(4),
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT_S,
+  )
   assert proc.returncode == 2, proc.stderr
   assert 'Traceback' not in proc.stderr, proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
@@ -95,6 +125,7 @@ def test_a_multi_process_run_missing_a_flag_fails_in_one_line_and_writes_nothing
 # Two processes × 4 devices against one process × 8 devices.
 # ------------------------------------------------------------------------------------------------
 
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -104,11 +135,27 @@ def _free_port() -> int:
 def _run_two_processes(workdir, *overrides) -> list[subprocess.CompletedProcess]:
   """`python -m dsjax.main` as processes 0 and 1 of one run; both must finish within TIMEOUT_S."""
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
-                             f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-                             f'--process_id={i}', *overrides],
-                            cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        '-m',
+        'dsjax.main',
+        f'--config={CONFIG}',
+        f'--workdir={workdir}',
+        f'--coordinator_address=127.0.0.1:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+        *overrides,
+      ],
+      cwd=ROOT,
+      env=_env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   results = []
   try:
     for proc in procs:
@@ -134,8 +181,12 @@ def _subword_text(tmp_path) -> dict[str, str]:
   processes tokenize it into one shared cache, once)."""
   corpus = write_text_corpus(tmp_path / 'corpus')
   tokenizer_cli.train(f'text:{corpus}/*.txt', 300, str(tmp_path / 'tokenizer'))
-  return {'name': f'text:{corpus}/*.txt', 'tokenizer': str(tmp_path / 'tokenizer' / 'tokenizer.json'),
-          'data_dir': str(tmp_path / 'cache'), 'seq_len': 16}
+  return {
+    'name': f'text:{corpus}/*.txt',
+    'tokenizer': str(tmp_path / 'tokenizer' / 'tokenizer.json'),
+    'data_dir': str(tmp_path / 'cache'),
+    'seq_len': 16,
+  }
 
 
 @pytest.mark.slow  # About 2 minutes on 2 cores each: two runs of two fresh processes, and the reference.
@@ -167,7 +218,7 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, text):
 
   # Only process 0 writes the files and logs progress; the checkpoints are the processes' together.
   assert sorted(os.listdir(two / 'checkpoints')) == ['4', '6']
-  assert len(os.listdir(two / 'tensorboard')) == 2              # one event file per invocation
+  assert len(os.listdir(two / 'tensorboard')) == 2  # one event file per invocation
   assert (two / 'config.json').exists()
   assert (two / '.dsjax.lock').read_text().startswith(f'pid {second[2]} ')
   for run in (first, second):
@@ -175,15 +226,31 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, text):
     assert not re.search(r'step \d/\d \| loss', run[1].stderr), run[1].stderr[-2000:]
 
 
-def _start_two_processes(workdir, *overrides, stderr_files=None,
-                         extra_env=({}, {})) -> list[subprocess.Popen]:
+def _start_two_processes(
+  workdir, *overrides, stderr_files=None, extra_env=({}, {})
+) -> list[subprocess.Popen]:
   port = _free_port()
-  return [subprocess.Popen([sys.executable, '-m', 'dsjax.main', f'--config={CONFIG}', f'--workdir={workdir}',
-                            f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-                            f'--process_id={i}', *overrides],
-                           cwd=ROOT, env={**_env(4), **extra_env[i]}, stdout=subprocess.DEVNULL,
-                           stderr=stderr_files[i], text=True)
-          for i in range(2)]
+  return [
+    subprocess.Popen(
+      [
+        sys.executable,
+        '-m',
+        'dsjax.main',
+        f'--config={CONFIG}',
+        f'--workdir={workdir}',
+        f'--coordinator_address=127.0.0.1:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+        *overrides,
+      ],
+      cwd=ROOT,
+      env={**_env(4), **extra_env[i]},
+      stdout=subprocess.DEVNULL,
+      stderr=stderr_files[i],
+      text=True,
+    )
+    for i in range(2)
+  ]
 
 
 @contextlib.contextmanager
@@ -264,16 +331,18 @@ def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp
   hook = tmp_path / 'hook'
   hook.mkdir()
   (hook / 'sitecustomize.py').write_text(
-      f'import sys\nsys.path.insert(0, {str(ROOT)!r})\n'
-      'from dsjax.train import checkpoint\n'
-      'read = checkpoint.Checkpointer.restore_step\n'
-      'def restore_step(self, step, abstract_state=None):\n'
-      '  read(self, step, abstract_state)\n'
-      '  raise MemoryError()\n'
-      'checkpoint.Checkpointer.restore_step = restore_step\n')
+    f'import sys\nsys.path.insert(0, {str(ROOT)!r})\n'
+    'from dsjax.train import checkpoint\n'
+    'read = checkpoint.Checkpointer.restore_step\n'
+    'def restore_step(self, step, abstract_state=None):\n'
+    '  read(self, step, abstract_state)\n'
+    '  raise MemoryError()\n'
+    'checkpoint.Checkpointer.restore_step = restore_step\n'
+  )
   path = os.pathsep.join(filter(None, [str(hook), os.environ.get('PYTHONPATH')]))
-  with _two_logged_processes(tmp_path, workdir, '--config.total_steps=6',
-                             extra_env=({}, {'PYTHONPATH': path})) as (procs, logs):
+  with _two_logged_processes(
+    tmp_path, workdir, '--config.total_steps=6', extra_env=({}, {'PYTHONPATH': path})
+  ) as (procs, logs):
     codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
   stderr = [log.read_text() for log in logs]
   assert codes == [2, 2], [s[-2000:] for s in stderr]

@@ -23,8 +23,11 @@ ROOT = str(REPO_ROOT)
 # One device, in this process and in the training subprocesses, so their states compare bit for bit
 # (and compile in seconds).
 ONE_DEVICE = jax.devices()[:1]
-SUBPROCESS_ENV = {**os.environ, 'XLA_FLAGS': os.environ.get('XLA_FLAGS', '').replace(
-    '--xla_force_host_platform_device_count=8', ''), 'JAX_PLATFORMS': 'cpu'}
+SUBPROCESS_ENV = {
+  **os.environ,
+  'XLA_FLAGS': os.environ.get('XLA_FLAGS', '').replace('--xla_force_host_platform_device_count=8', ''),
+  'JAX_PLATFORMS': 'cpu',
+}
 
 
 def _train(config, workdir):
@@ -44,6 +47,7 @@ def _config(**overrides):
 def _strict_json_rows(path):
   def reject(constant):
     raise ValueError(f'{path} holds {constant}, which is not JSON')
+
   with open(path) as f:
     return [json.loads(line, parse_constant=reject) for line in f]
 
@@ -67,14 +71,20 @@ def _steps(workdir):
 
 
 def _snapshot(path):
-  return {os.path.relpath(os.path.join(d, f), path): (os.path.getsize(os.path.join(d, f)),
-                                                         os.path.getmtime(os.path.join(d, f)))
-          for d, _, files in os.walk(path) for f in files}
+  return {
+    os.path.relpath(os.path.join(d, f), path): (
+      os.path.getsize(os.path.join(d, f)),
+      os.path.getmtime(os.path.join(d, f)),
+    )
+    for d, _, files in os.walk(path)
+    for f in files
+  }
 
 
 # ------------------------------------------------------------------------------------------------
 # Non-finite loss or gradient.
 # ------------------------------------------------------------------------------------------------
+
 
 def test_nonfinite_step_stops_the_run_without_saving_it(tmp_path):
   config = _config(total_steps=8, **{'optimizer.lr': 1e6, 'instrument.every': 1})
@@ -110,19 +120,39 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path):
 # Signals and kills: a real training subprocess.
 # ------------------------------------------------------------------------------------------------
 
+
 def _cli_args(workdir, total_steps, checkpoint_every):
-  return [sys.executable, '-m', 'dsjax.main', '--config=configs/gpt_preln.py', f'--workdir={workdir}',
-          f'--config.total_steps={total_steps}', f'--config.checkpoint_every={checkpoint_every}',
-          '--config.model.depth=1', '--config.model.width=32', '--config.model.num_heads=2',
-          '--config.model.dropout=0.1',
-          '--config.batch_size=8', '--config.data.seq_len=16', '--config.eval_every=100000',
-          '--config.log_every=1', '--config.optimizer.schedule=constant',
-          '--config.optimizer.warmup_steps=0', '--config.keep_checkpoints=100']
+  return [
+    sys.executable,
+    '-m',
+    'dsjax.main',
+    '--config=configs/gpt_preln.py',
+    f'--workdir={workdir}',
+    f'--config.total_steps={total_steps}',
+    f'--config.checkpoint_every={checkpoint_every}',
+    '--config.model.depth=1',
+    '--config.model.width=32',
+    '--config.model.num_heads=2',
+    '--config.model.dropout=0.1',
+    '--config.batch_size=8',
+    '--config.data.seq_len=16',
+    '--config.eval_every=100000',
+    '--config.log_every=1',
+    '--config.optimizer.schedule=constant',
+    '--config.optimizer.warmup_steps=0',
+    '--config.keep_checkpoints=100',
+  ]
 
 
 def _start(workdir, total_steps, checkpoint_every):
-  return subprocess.Popen(_cli_args(workdir, total_steps, checkpoint_every), cwd=ROOT, text=True,
-                          env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  return subprocess.Popen(
+    _cli_args(workdir, total_steps, checkpoint_every),
+    cwd=ROOT,
+    text=True,
+    env=SUBPROCESS_ENV,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+  )
 
 
 def _wait_until(condition, process, timeout=120):
@@ -169,8 +199,9 @@ def test_repeated_kill_9_during_saves_loses_nothing(tmp_path, kills):
   for _ in range(kills):
     process = _start(killed, total_steps=100000, checkpoint_every=1)
     before = max(_steps(killed), default=0) if (killed / 'checkpoints').exists() else 0
-    _wait_until(lambda: (killed / 'checkpoints').exists() and max(_steps(killed), default=0) > before,
-                process)
+    _wait_until(
+      lambda: (killed / 'checkpoints').exists() and max(_steps(killed), default=0) > before, process
+    )
     time.sleep(rng.uniform(0.0, 0.5))  # Checkpoints every step: the kill lands in or between saves.
     process.kill()
     process.wait()
@@ -187,6 +218,7 @@ def test_repeated_kill_9_during_saves_loses_nothing(tmp_path, kills):
 # Checkpoints: corrupt latest step, another architecture, total_steps below the checkpoint.
 # ------------------------------------------------------------------------------------------------
 
+
 def _truncate(path):
   with open(path, 'r+b') as f:
     f.truncate(max(os.path.getsize(path) // 2, 1))
@@ -201,13 +233,6 @@ def _zero_fill(path):
 def _largest_file(directory):
   files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
   return max(files, key=os.path.getsize)
-
-
-@pytest.fixture(scope='module')
-def four_step_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('four_steps')
-  _train(_config(total_steps=4, keep_checkpoints=5), workdir)
-  return workdir
 
 
 @pytest.mark.parametrize('damage', ['truncate', 'zero_fill', 'remove_metadata'])
@@ -227,10 +252,15 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, fou
   _assert_same_state(workdir, four_step_run, 4)  # Retrained from step 2 to the same step 4.
 
 
-@pytest.mark.parametrize('failure', [MemoryError(), RuntimeError('RESOURCE_EXHAUSTED: Out of memory'),
-                                     PermissionError(errno.EACCES, 'Permission denied')])
-def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_step_run, monkeypatch,
-                                                               failure):
+@pytest.mark.parametrize(
+  'failure',
+  [
+    MemoryError(),
+    RuntimeError('RESOURCE_EXHAUSTED: Out of memory'),
+    PermissionError(errno.EACCES, 'Permission denied'),
+  ],
+)
+def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_step_run, monkeypatch, failure):
   """Out of memory or denied access is the machine's failure, not the files': the step is not set aside
   (which would drop every good checkpoint in turn), the run stops with one line naming the step."""
   workdir = tmp_path / 'run'
@@ -239,6 +269,7 @@ def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_st
 
   def fail(self, step, abstract_state=None):
     raise failure
+
   monkeypatch.setattr(checkpoint_lib.Checkpointer, 'restore_step', fail)
   with pytest.raises(ValueError, match='could not restore checkpoint step 4 of') as error:
     _train(_config(total_steps=6, keep_checkpoints=5), workdir)
@@ -249,10 +280,12 @@ def test_a_restore_that_runs_out_of_memory_moves_nothing_aside(tmp_path, four_st
   assert after == before
 
 
-@pytest.mark.parametrize('key,value', [('model.num_heads', 4), ('model.width', 64),
-                                       ('model.block', 'postln')])
+@pytest.mark.parametrize(
+  'key,value', [('model.num_heads', 4), ('model.width', 64), ('model.block', 'postln')]
+)
 def test_checkpoint_of_another_architecture_is_refused_before_anything_is_written(
-    tmp_path, four_step_run, key, value):
+  tmp_path, four_step_run, key, value
+):
   workdir = tmp_path / 'run'
   shutil.copytree(four_step_run, workdir)
   before = _snapshot(workdir)
@@ -279,6 +312,7 @@ def test_failing_rerun_leaves_the_workdir_as_it_was(tmp_path, four_step_run):
 def test_a_workdir_that_cannot_be_locked_is_a_one_line_error(tmp_path, monkeypatch):
   def no_flock(*args):
     raise OSError(errno.ENOSYS, 'Function not implemented')
+
   monkeypatch.setattr(checkpoint_lib.fcntl, 'flock', no_flock)
   with pytest.raises(ValueError, match='its file system cannot lock') as error:
     checkpoint_lib.WorkdirLock(str(tmp_path / 'run'))
@@ -307,6 +341,7 @@ def test_a_lock_file_removed_before_it_is_locked_is_locked_again(tmp_path, monke
       os.remove(tmp_path / checkpoint_lib.LOCK_FILE)  # the failing owner cleans up in between
     calls.append(operation)
     return real_flock(file, operation)
+
   monkeypatch.setattr(checkpoint_lib.fcntl, 'flock', flock_after_removal)
   lock = checkpoint_lib.WorkdirLock(str(tmp_path))
   try:
@@ -323,15 +358,16 @@ def test_a_lock_file_removed_before_it_is_locked_is_locked_again(tmp_path, monke
 # Progress numbers.
 # ------------------------------------------------------------------------------------------------
 
+
 def test_progress_times_training_only(monkeypatch):
   clock = iter([0.0, 10.0, 13.0, 14.0]).__next__
   monkeypatch.setattr(metrics_lib.time, 'perf_counter', clock)
   progress = metrics_lib.Progress(step=0, total_steps=100)  # t = 0
-  progress.exclude(4.0)                                     # 4 s of evaluation / checkpointing
-  steps_per_sec, eta = progress.mark(12)                    # t = 10: 12 steps in 10 - 4 s
+  progress.exclude(4.0)  # 4 s of evaluation / checkpointing
+  steps_per_sec, eta = progress.mark(12)  # t = 10: 12 steps in 10 - 4 s
   assert steps_per_sec == pytest.approx(2.0) and eta == pytest.approx(44.0)
-  assert progress.mark(15) == pytest.approx((1.0, 85.0))    # t = 13
-  assert not progress.due(16, log_every=50)                 # t = 14: 1 s since the last line
+  assert progress.mark(15) == pytest.approx((1.0, 85.0))  # t = 13
+  assert not progress.due(16, log_every=50)  # t = 14: 1 s since the last line
   monkeypatch.setattr(metrics_lib.time, 'perf_counter', lambda: 13.0 + metrics_lib.PROGRESS_SECONDS)
   assert progress.due(16, log_every=50) and progress.due(50, log_every=50)
 

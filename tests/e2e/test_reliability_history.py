@@ -10,8 +10,14 @@ import pytest
 
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import loop
-from tests.e2e.test_reliability import ONE_DEVICE, ROOT, _config, _largest_file, _snapshot, _truncate
-from tests.e2e.test_reliability import four_step_run  # noqa: F401  (a fixture)
+from tests.e2e.test_reliability import (
+  ONE_DEVICE,
+  ROOT,
+  _config,
+  _largest_file,
+  _snapshot,
+  _truncate,
+)
 
 
 def _train(config, workdir, **kwargs):
@@ -81,8 +87,9 @@ def test_logs_without_a_checkpoint_are_an_error_that_changes_nothing(tmp_path, f
   assert _without_lock(_snapshot(workdir)) == before
 
 
-@pytest.mark.parametrize('tail', [b'{"step": 5, "train/loss": 2.', b'\0' * 300, b'null\n',
-                                  b'{"step": 5}\n{"ste'])
+@pytest.mark.parametrize(
+  'tail', [b'{"step": 5, "train/loss": 2.', b'\0' * 300, b'null\n', b'{"step": 5}\n{"ste']
+)
 @pytest.mark.parametrize('log', ['metrics.jsonl', 'moments.jsonl'])
 def test_a_damaged_log_tail_is_cut_back_to_the_restored_step(tmp_path, four_step_run, caplog, tail, log):
   workdir = tmp_path / 'run'
@@ -109,9 +116,16 @@ def test_a_damaged_row_in_the_middle_is_an_error_naming_file_and_line(tmp_path, 
   assert _snapshot(workdir) == before
 
 
-@pytest.mark.parametrize('name,kind', [('checkpoints', 'file'), ('metrics.jsonl', 'directory'),
-                                       ('moments.jsonl', 'directory'), ('tensorboard', 'file'),
-                                       ('config.json', 'directory')])
+@pytest.mark.parametrize(
+  'name,kind',
+  [
+    ('checkpoints', 'file'),
+    ('metrics.jsonl', 'directory'),
+    ('moments.jsonl', 'directory'),
+    ('tensorboard', 'file'),
+    ('config.json', 'directory'),
+  ],
+)
 def test_a_workdir_of_the_wrong_layout_is_refused_before_anything_is_written(tmp_path, name, kind):
   workdir = tmp_path / 'run'
   workdir.mkdir()

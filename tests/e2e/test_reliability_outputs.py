@@ -9,8 +9,9 @@ import pytest
 
 from dsjax import export
 from dsjax.train import checkpoint as checkpoint_lib
-from tests.e2e.test_reliability import _snapshot
-from tests.e2e.test_reliability import four_step_run  # noqa: F401  (a fixture)
+from tests.e2e.test_reliability import (
+  _snapshot,
+)
 
 
 def test_export_refuses_another_training_workdir_as_out(tmp_path, four_step_run):

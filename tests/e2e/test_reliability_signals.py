@@ -12,11 +12,21 @@ from tests.e2e.test_reliability import ROOT, SUBPROCESS_ENV
 
 
 def _start(workdir, stderr_path, *overrides):
-  args = [sys.executable, '-m', 'dsjax.main', '--config=configs/gpt_preln.py', f'--workdir={workdir}',
-          '--config.batch_size=8', '--config.data.seq_len=16', '--config.eval_every=100000',
-          '--config.log_every=1', *overrides]
-  return subprocess.Popen(args, cwd=ROOT, env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL,
-                          stderr=open(stderr_path, 'w'), text=True)
+  args = [
+    sys.executable,
+    '-m',
+    'dsjax.main',
+    '--config=configs/gpt_preln.py',
+    f'--workdir={workdir}',
+    '--config.batch_size=8',
+    '--config.data.seq_len=16',
+    '--config.eval_every=100000',
+    '--config.log_every=1',
+    *overrides,
+  ]
+  return subprocess.Popen(
+    args, cwd=ROOT, env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL, stderr=open(stderr_path, 'w'), text=True
+  )
 
 
 def _wait_for(text, stderr_path, process, timeout=180):
@@ -32,9 +42,15 @@ def _wait_for(text, stderr_path, process, timeout=180):
 def test_a_second_sigint_while_compiling_exits_at_once_with_130(tmp_path):
   stderr_path = tmp_path / 'stderr.txt'
   # A model whose compilation takes seconds: the signals arrive while XLA compiles.
-  process = _start(tmp_path / 'run', stderr_path, '--config.model.depth=24', '--config.model.width=256',
-                   '--config.model.num_heads=4', '--config.model.scan_layers=False',
-                   '--config.instrument.every=1')
+  process = _start(
+    tmp_path / 'run',
+    stderr_path,
+    '--config.model.depth=24',
+    '--config.model.width=256',
+    '--config.model.num_heads=4',
+    '--config.model.scan_layers=False',
+    '--config.instrument.every=1',
+  )
   _wait_for('Compiling the train step', stderr_path, process)
   process.send_signal(signal.SIGINT)
   time.sleep(5.0)  # Well past the same-request window; still compiling (the instrumented step follows).
@@ -54,8 +70,12 @@ def small_disk(tmp_path):
   mount_point = tmp_path / 'disk'
   mount_point.mkdir()
   try:
-    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3m', 'tmpfs', str(mount_point)], check=True,
-                   capture_output=True, timeout=30)
+    subprocess.run(
+      ['mount', '-t', 'tmpfs', '-o', 'size=3m', 'tmpfs', str(mount_point)],
+      check=True,
+      capture_output=True,
+      timeout=30,
+    )
   except (OSError, subprocess.SubprocessError):
     pytest.skip('cannot mount a tmpfs here (needs root)')
   yield mount_point
@@ -65,10 +85,17 @@ def small_disk(tmp_path):
 @pytest.mark.slow  # Kept out of the default suite for its time (~15 s).
 def test_a_full_disk_is_one_line_and_the_last_line_is_dsjax_s_own(tmp_path, small_disk):
   stderr_path = tmp_path / 'stderr.txt'
-  process = _start(small_disk / 'run', stderr_path, '--config.model.depth=4', '--config.model.width=128',
-                   '--config.model.num_heads=2', '--config.model.scan_layers=False', '--config.total_steps=6',
-                   '--config.checkpoint_every=2',
-                   '--config.optimizer.warmup_steps=1')
+  process = _start(
+    small_disk / 'run',
+    stderr_path,
+    '--config.model.depth=4',
+    '--config.model.width=128',
+    '--config.model.num_heads=2',
+    '--config.model.scan_layers=False',
+    '--config.total_steps=6',
+    '--config.checkpoint_every=2',
+    '--config.optimizer.warmup_steps=1',
+  )
   process.wait(timeout=300)
   stderr = stderr_path.read_text()
   assert process.returncode == 2, stderr[-3000:]
@@ -87,9 +114,15 @@ def _largest_file(directory):
 def test_damaged_checkpoints_print_no_tracebacks(tmp_path):
   workdir, stderr_path = tmp_path / 'run', tmp_path / 'stderr.txt'
   # Unscanned layers: many arrays, so many of Orbax's reads are in flight when one fails.
-  model = ['--config.model.depth=4', '--config.model.width=128', '--config.model.num_heads=2',
-           '--config.model.scan_layers=False', '--config.checkpoint_every=2', '--config.keep_checkpoints=5',
-           '--config.optimizer.warmup_steps=1']
+  model = [
+    '--config.model.depth=4',
+    '--config.model.width=128',
+    '--config.model.num_heads=2',
+    '--config.model.scan_layers=False',
+    '--config.checkpoint_every=2',
+    '--config.keep_checkpoints=5',
+    '--config.optimizer.warmup_steps=1',
+  ]
 
   def run(total_steps):
     process = _start(workdir, stderr_path, *model, f'--config.total_steps={total_steps}')

@@ -18,13 +18,13 @@ from tests.helpers import tiny_config
 
 # The function that validates each section (and the run keys).
 VALIDATORS = {
-    'run': config_lib.validate_config,
-    'model': models.validate_model,
-    'model.scheme': schemes.validate,
-    'optimizer': optimizers.validate_optimizer_config,
-    'data': data_config.validate_data_config,
-    'instrument': instrument.validate_instrument_config,
-    'mesh': sharding_lib.resolve_mesh_shape,
+  'run': config_lib.validate_config,
+  'model': models.validate_model,
+  'model.scheme': schemes.validate,
+  'optimizer': optimizers.validate_optimizer_config,
+  'data': data_config.validate_data_config,
+  'instrument': instrument.validate_instrument_config,
+  'mesh': sharding_lib.resolve_mesh_shape,
 }
 
 
@@ -38,6 +38,7 @@ def _count_calls(monkeypatch, functions: dict) -> collections.Counter:
     def counted(*args, **kwargs):
       counts[key] += 1
       return fn(*args, **kwargs)
+
     return counted
 
   for key, fn in functions.items():

@@ -41,8 +41,14 @@ def _run(extra_env: dict[str, str]) -> tuple[bool, int]:
   ours = (*host_memory.GLIBC_VARIABLES, host_memory.OPT_OUT_VARIABLE)
   env = {k: v for k, v in os.environ.items() if k not in ours}
   env['JAX_PLATFORMS'] = 'cpu'
-  out = subprocess.run([sys.executable, '-c', REUSE], cwd=ROOT, env={**env, **extra_env}, text=True,
-                       capture_output=True, check=True).stdout.split()
+  out = subprocess.run(
+    [sys.executable, '-c', REUSE],
+    cwd=ROOT,
+    env={**env, **extra_env},
+    text=True,
+    capture_output=True,
+    check=True,
+  ).stdout.split()
   return out[0] == 'True', int(out[1])
 
 
@@ -54,8 +60,9 @@ def test_freed_block_is_reused_without_page_faults():
 
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc settings: Linux only')
-@pytest.mark.parametrize('opt_out', [{'DSJAX_KEEP_FREED_MEMORY': '0'}, {'MALLOC_ARENA_MAX': '4'},
-                                     {'JAX_PLATFORMS': 'cuda,cpu'}])
+@pytest.mark.parametrize(
+  'opt_out', [{'DSJAX_KEEP_FREED_MEMORY': '0'}, {'MALLOC_ARENA_MAX': '4'}, {'JAX_PLATFORMS': 'cuda,cpu'}]
+)
 def test_opted_out_or_off_the_cpu_glibc_is_left_as_it_was(opt_out):
   # glibc's default: the block is mapped afresh and every page faults again.
   applied, faults = _run(opt_out)

@@ -41,12 +41,22 @@ def _setup(model_name):
   if model_name == 'gpt':
     batch = {'tokens': jax.random.randint(keys[0], (BATCH, config.data.seq_len + 1), 0, 256)}
   else:
-    batch = {'image': jax.random.normal(keys[0], (BATCH, 8, 8, 1)),
-             'label': jax.random.randint(keys[1], (BATCH,), 0, 10)}
+    batch = {
+      'image': jax.random.normal(keys[0], (BATCH, 8, 8, 1)),
+      'label': jax.random.randint(keys[1], (BATCH,), 0, 10),
+    }
   batch['mask'] = jnp.ones((BATCH,), jnp.float32)
-  make = lambda **kw: jax.jit(step_lib.make_train_step(
-      setup.graphdef, setup.tx, step_lib.LOSSES[model_name], config.seed, setup.schedule, use_dropout=False,
-      **kw))
+  make = lambda **kw: jax.jit(
+    step_lib.make_train_step(
+      setup.graphdef,
+      setup.tx,
+      step_lib.LOSSES[model_name],
+      config.seed,
+      setup.schedule,
+      use_dropout=False,
+      **kw,
+    )
+  )
   return make, state, batch
 
 
@@ -70,7 +80,7 @@ def test_each_microbatch_draws_its_own_dropout_masks():
   key = step_lib.dropout_key_for_step(0, jnp.asarray(5))
   keys = [step_lib.microbatch_dropout_key(key, i) for i in range(4)]
   masks = [np.asarray(jax.random.bernoulli(k, 0.5, (64,))) for k in [key, *keys]]
-  assert all(not np.array_equal(a, b) for n, a in enumerate(masks) for b in masks[n + 1:])
+  assert all(not np.array_equal(a, b) for n, a in enumerate(masks) for b in masks[n + 1 :])
   assert step_lib.microbatch_dropout_key(None, 2) is None  # no dropout, no key
 
 
@@ -95,9 +105,13 @@ def test_instrumented_microbatches_measure_microbatch_0_against_the_whole_batch(
   copies = jax.tree.map(lambda x: jnp.concatenate([x[::4]] * 4), batch)  # rows 0, 4, 0, 4, …
   table = np.asarray(step_1(state, copies)[1]['moments']['activations'])  # (depth + 1, sites, statistics)
   names = instrument_lib.FORWARD_STATS + instrument_lib.GRAD_STATS
-  expected = {(row - 1, site, stat): table[row, i, j]
-              for row in range(table.shape[0]) for i, site in enumerate(instrument_lib.SITES)
-              for j, stat in enumerate(names) if (row == 0) == (site == 'embedding')}
+  expected = {
+    (row - 1, site, stat): table[row, i, j]
+    for row in range(table.shape[0])
+    for i, site in enumerate(instrument_lib.SITES)
+    for j, stat in enumerate(names)
+    if (row == 0) == (site == 'embedding')
+  }
   records = [r for r in collector.records if r['step'] == 1 and not r['site'].startswith('weight/')]
   delivered = {(r['layer'], r['site'], r['stat']): r['value'] for r in records}
   assert len(delivered) == len(records) and delivered.keys() == expected.keys()

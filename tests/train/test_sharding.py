@@ -36,10 +36,10 @@ def test_every_model_array_declares_logical_axes_and_they_reach_the_optimizer_st
   mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
   shardings = sharding_lib.state_shardings(state, axes, mesh)
   layer = shardings['params']['trunk']['stack']['layers']
-  assert layer['attn']['q']['kernel'].spec == P(None, 'fsdp', 'tensor')   # (layer, embed, heads)
-  assert layer['attn']['o']['kernel'].spec == P(None, 'tensor', 'fsdp')   # (layer, heads, embed)
+  assert layer['attn']['q']['kernel'].spec == P(None, 'fsdp', 'tensor')  # (layer, embed, heads)
+  assert layer['attn']['o']['kernel'].spec == P(None, 'tensor', 'fsdp')  # (layer, heads, embed)
   assert layer['ffn']['ffn1']['kernel'].spec == P(None, 'fsdp', 'tensor')
-  assert layer['pre_attn_norm']['scale'].spec == P(None, None)            # replicated by decision
+  assert layer['pre_attn_norm']['scale'].spec == P(None, None)  # replicated by decision
   assert shardings['params']['token_embed'].spec == P('tensor', 'fsdp')
   # AdamW moments follow their parameter (the optimizer state is sharded like the model).
   adam = shardings['opt_state'][1][0]
@@ -62,7 +62,7 @@ def test_a_dimension_that_does_not_divide_its_mesh_axis_is_listed():
 def test_an_array_without_logical_axes_is_an_error():
   class Bare(nnx.Module):
     def __init__(self):
-      self.w = nnx.Param(jnp.ones((4, 4)))             # no axes metadata
+      self.w = nnx.Param(jnp.ones((4, 4)))  # no axes metadata
       self.v = layers.param(jnp.ones((4, 4)), ('embed', 'mlp'))
 
   with pytest.raises(ValueError, match='w declares no logical axes'):
@@ -96,13 +96,16 @@ def test_a_logical_axis_without_a_rule_is_an_error():
     sharding_lib.spec_for(('embed', 'heads_kv'), (32, 32), mesh)
 
 
-@pytest.mark.parametrize('processes_DFT,ok', [
-    (np.array([0, 0, 0, 0, 1, 1, 1, 1]).reshape(2, 2, 2), True),    # process p holds data row p
-    (np.array([0, 0, 1, 1, 0, 0, 1, 1]).reshape(2, 2, 2), True),    # interleaved fsdp rows: still whole
-    (np.array([0, 1, 0, 1, 0, 1, 0, 1]).reshape(2, 2, 2), False),   # tensor spans the processes
-    (np.array([0, 0, 0, 0, 0, 0, 1, 1]).reshape(4, 1, 2), False),   # 3 batch shards against 1
-    (np.zeros((1, 1, 8), int), True),                                # one process: anything goes
-])
+@pytest.mark.parametrize(
+  'processes_DFT,ok',
+  [
+    (np.array([0, 0, 0, 0, 1, 1, 1, 1]).reshape(2, 2, 2), True),  # process p holds data row p
+    (np.array([0, 0, 1, 1, 0, 0, 1, 1]).reshape(2, 2, 2), True),  # interleaved fsdp rows: still whole
+    (np.array([0, 1, 0, 1, 0, 1, 0, 1]).reshape(2, 2, 2), False),  # tensor spans the processes
+    (np.array([0, 0, 0, 0, 0, 0, 1, 1]).reshape(4, 1, 2), False),  # 3 batch shards against 1
+    (np.zeros((1, 1, 8), int), True),  # one process: anything goes
+  ],
+)
 def test_every_batch_shard_lives_in_one_process(processes_DFT, ok):
   if ok:
     sharding_lib.check_process_layout(processes_DFT)
@@ -121,8 +124,9 @@ RTOL = 1e-4
 # ((data, fsdp, tensor), dropout). (2, 2, 2) uses every axis at once and runs by default, without
 # dropout (its random bits take a third of the compilation; tests/train/test_train.py runs dropout on this
 # mesh through the whole loop); the slow set runs every mesh with dropout.
-MESHES = [((2, 2, 2), 0.0)] + [pytest.param(shape, 0.1, marks=pytest.mark.slow)
-                               for shape in ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))]
+MESHES = [((2, 2, 2), 0.0)] + [
+  pytest.param(shape, 0.1, marks=pytest.mark.slow) for shape in ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))
+]
 
 
 def _config(model_name, dropout=0.0, microbatches=1, attention='auto'):
@@ -134,10 +138,17 @@ def _config(model_name, dropout=0.0, microbatches=1, attention='auto'):
 def _batches(model_name, config):
   rng = np.random.default_rng(0)
   if model_name == 'gpt':
-    return [{'tokens': rng.integers(0, 256, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)}
-            for _ in range(STEPS)]
-  return [{'image': rng.standard_normal((config.batch_size, 8, 8, 1), dtype=np.float32),
-           'label': rng.integers(0, 10, (config.batch_size,), dtype=np.int32)} for _ in range(STEPS)]
+    return [
+      {'tokens': rng.integers(0, 256, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)}
+      for _ in range(STEPS)
+    ]
+  return [
+    {
+      'image': rng.standard_normal((config.batch_size, 8, 8, 1), dtype=np.float32),
+      'label': rng.integers(0, 10, (config.batch_size,), dtype=np.int32),
+    }
+    for _ in range(STEPS)
+  ]
 
 
 def _setup(model_name, dropout):
@@ -157,9 +168,10 @@ def _train(model_name, shape, dropout=0.0, microbatches=1, attention='auto'):
   """(the losses of STEPS steps, the final train state on its mesh)."""
   config = _config(model_name, dropout, microbatches, attention)
   setup = state_lib.make_setup(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO)
-  mesh = sharding_lib.make_mesh(shape, jax.devices()[:math.prod(shape)])
-  shardings = sharding_lib.state_shardings(jax.eval_shape(setup.create_state),
-                                           sharding_lib.logical_axes(setup.abstract_model), mesh)
+  mesh = sharding_lib.make_mesh(shape, jax.devices()[: math.prod(shape)])
+  shardings = sharding_lib.state_shardings(
+    jax.eval_shape(setup.create_state), sharding_lib.logical_axes(setup.abstract_model), mesh
+  )
   state = jax.device_put(_initial_state(model_name, dropout), shardings)
   train_step = loop.make_train_step(config, setup, mesh, shardings)
   losses = []
@@ -209,7 +221,8 @@ def _assert_sharded(array, spec, mesh_shape):
   block = tuple(dim // (sizes[axis] if axis else 1) for dim, axis in zip(array.shape, spec))
   assert {shard.data.shape for shard in array.addressable_shards} == {block}
   assert len({str(shard.index) for shard in array.addressable_shards}) == math.prod(
-      sizes[axis] for axis in spec if axis)
+    sizes[axis] for axis in spec if axis
+  )
 
 
 @pytest.mark.parametrize('shape,dropout', MESHES)
@@ -220,12 +233,18 @@ def test_gpt_on_a_mesh_trains_like_one_device_with_sharded_params_and_adam_momen
   # embedding lookup did, before `sharding.gather_tables_over_fsdp`).
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   layer = ('trunk', 'stack', 'layers')
-  q, o, ffn1 = layer + ('attn', 'q', 'kernel'), layer + ('attn', 'o', 'kernel'), layer + ('ffn', 'ffn1', 'kernel')
-  expected = {q: P(None, 'fsdp', 'tensor'),             # (layer, embed, heads)
-              o: P(None, 'tensor', 'fsdp'),             # (layer, heads, embed)
-              ffn1: P(None, 'fsdp', 'tensor'),          # (layer, embed, mlp)
-              ('token_embed',): P('tensor', 'fsdp'),    # (vocab, embed)
-              layer + ('pre_attn_norm', 'scale'): P(None, None)}  # replicated by decision
+  q, o, ffn1 = (
+    layer + ('attn', 'q', 'kernel'),
+    layer + ('attn', 'o', 'kernel'),
+    layer + ('ffn', 'ffn1', 'kernel'),
+  )
+  expected = {
+    q: P(None, 'fsdp', 'tensor'),  # (layer, embed, heads)
+    o: P(None, 'tensor', 'fsdp'),  # (layer, heads, embed)
+    ffn1: P(None, 'fsdp', 'tensor'),  # (layer, embed, mlp)
+    ('token_embed',): P('tensor', 'fsdp'),  # (vocab, embed)
+    layer + ('pre_attn_norm', 'scale'): P(None, None),
+  }  # replicated by decision
   adam = state['opt_state'][1][0]
   for path, spec in expected.items():
     param = _leaf(state['params'], *path)
@@ -247,8 +266,9 @@ def test_vit_on_a_mesh_trains_like_one_device(capfd):
   losses, state = _train('vit', (2, 2, 2), dropout=0.1)
   _assert_same_training('vit', 0.1, losses, state)
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
-  _assert_sharded(state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'),
-                  (2, 2, 2))
+  _assert_sharded(
+    state['params']['trunk']['stack']['layers']['attn']['q']['kernel'], P(None, 'fsdp', 'tensor'), (2, 2, 2)
+  )
 
 
 def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(monkeypatch):
@@ -293,8 +313,9 @@ def test_evaluation_runs_on_the_mesh_with_its_axis_rules():
     return {'loss_sum': 1.0, 'count': 1.0}
 
   config = tiny_config('gpt')
-  eval_data = data_lib.make_pipeline(config.data, global_batch_size=8, train=False, process_index=0,
-                                     process_count=1)
+  eval_data = data_lib.make_pipeline(
+    config.data, global_batch_size=8, train=False, process_index=0, process_count=1
+  )
   with sharding_lib.use_mesh(mesh):
     loop.evaluate(eval_step, None, eval_data, mesh, 'gpt')
   assert seen and all(size == 8 and rules['batch'] == sharding_lib.BATCH_AXES for size, rules in seen)
@@ -305,8 +326,9 @@ def test_a_kernel_sharded_over_its_output_axis_multiplies_without_communication(
   multiplies the batch-sharded tokens with no collective: a reshape of it to (d, 3·inner) would gather it."""
   mesh = sharding_lib.make_mesh((4, 1, 2), jax.devices()[:8])
   x_ND = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P(('data', 'fsdp'))))
-  kernel_D3I = jax.ShapeDtypeStruct((32, 3, 16), jnp.float32,
-                                    sharding=NamedSharding(mesh, P(None, None, 'tensor')))
+  kernel_D3I = jax.ShapeDtypeStruct(
+    (32, 3, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, None, 'tensor'))
+  )
   hlo = jax.jit(layers.matmul_last_axis).lower(x_ND, kernel_D3I).compile().as_text()
   assert not re.search(r'all-gather|all-reduce|all-to-all|collective-permute', hlo), hlo
 
@@ -322,11 +344,12 @@ def test_the_train_step_constrains_the_batch_axis_of_inputs_activations_and_logi
   batch = {'tokens': jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32)}
   with sharding_lib.use_mesh(mesh):
     hlo = loop.make_train_step(config, setup, mesh, shardings).trace(abstract, batch).lower().as_text()
-  constrained = re.findall(r'sdy.sharding_constraint \S+ <@mesh, \[\{"data", "fsdp"\}[^>]*> : tensor<([\dx]+)x\w+>',
-                           hlo)
+  constrained = re.findall(
+    r'sdy.sharding_constraint \S+ <@mesh, \[\{"data", "fsdp"\}[^>]*> : tensor<([\dx]+)x\w+>', hlo
+  )
   b, l, d = config.batch_size, config.data.seq_len, config.model.width
-  assert f'{b}x{l + 1}' in constrained                 # the tokens
-  assert f'{b}x{l}x256' in constrained                 # the logits
+  assert f'{b}x{l + 1}' in constrained  # the tokens
+  assert f'{b}x{l}x256' in constrained  # the logits
   # The embedding table is gathered over fsdp before the lookup; its vocabulary stays over tensor.
   assert re.search(r'sdy.sharding_constraint \S+ <@mesh, \[\{"tensor"\}, \{\}\]> : tensor<256x32xf32>', hlo)
   # The residual stream: the embedding and, inside the layer scan, every probe site (forward and

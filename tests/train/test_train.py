@@ -69,9 +69,15 @@ def test_resume_after_interruption_is_bitwise_exact(tmp_path):
   assert _train_losses(resumed)[4] == _train_losses(straight)[4]
 
 
-@pytest.mark.parametrize('model_name,optimizer', [
-    ('gpt', 'adamw'), ('vit', 'msgdw'),
-    pytest.param('vit', 'adamw', marks=pytest.mark.slow), pytest.param('gpt', 'msgdw', marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  'model_name,optimizer',
+  [
+    ('gpt', 'adamw'),
+    ('vit', 'msgdw'),
+    pytest.param('vit', 'adamw', marks=pytest.mark.slow),
+    pytest.param('gpt', 'msgdw', marks=pytest.mark.slow),
+  ],
+)
 def test_both_optimizers_train_both_models(tmp_path, model_name, optimizer):
   config = tiny_config(model_name, block='dnt')
   config.optimizer.name = optimizer
@@ -84,7 +90,9 @@ def test_both_optimizers_train_both_models(tmp_path, model_name, optimizer):
   assert last < 0.9 * first, (first, last)
 
 
-@pytest.mark.parametrize('override,key', [
+@pytest.mark.parametrize(
+  'override,key',
+  [
     (('model', 'width', 30), 'model.width'),
     (('model', 'depth', 0), 'model.depth'),
     (('optimizer', 'lr', -1.0), 'optimizer.lr'),
@@ -93,7 +101,8 @@ def test_both_optimizers_train_both_models(tmp_path, model_name, optimizer):
     (('data', 'name', 'no_such_dataset'), 'no_such_dataset'),
     (('mesh', 'shape', (3, 1, 1)), 'mesh.shape'),
     (('mesh', 'shape', (1, 1, 8)), 'model.num_heads'),  # 4 heads over 8 tensor shards
-])
+  ],
+)
 def test_bad_config_fails_before_anything_is_written(tmp_path, override, key):
   config = tiny_config('vit')
   section, name, value = override
@@ -134,7 +143,8 @@ from dsjax.train import checkpoint
 from tests.helpers import tiny_config
 config = tiny_config('gpt', depth=2, width=32, num_heads=4)
 config.total_steps = 2
-model = checkpoint.restore_model(config, data.dataset_info(config.data), {str(tmp_path / 'run')!r}, '--checkpoint')
+info = data.dataset_info(config.data)
+model = checkpoint.restore_model(config, info, {str(tmp_path / 'run')!r}, '--checkpoint')
 leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
 assert jax.device_count() == 1 and all(x.devices() == {{jax.devices()[0]}} for x in leaves)
 print('restored', sum(x.size for x in leaves))
