@@ -32,6 +32,7 @@ from dsjax.data import pipeline as pipeline_lib
 from dsjax.data import sources
 from dsjax.data import tokenizer as tokenizer_lib
 from dsjax.train import cli
+from dsjax.train import history as history_lib
 
 TOKENIZER_FILE = 'tokenizer.json'
 INFO_FILE = 'tokenizer_info.json'
@@ -93,6 +94,7 @@ def train(
       f'{MAX_VOCAB_SIZE}] (the 256 bytes and the end-of-document token come first)'
     )
   cli.check_output_dir('--out', out)
+  history_lib.check_not_a_run('--out', out)
   data = data_config_lib.validate_data_config({'name': data_name, 'data_dir': data_dir, 'text_key': text_key})
   documents, train_bytes, identity = _split_documents(data, 'train')
   validation = _split_documents(data, _eval_split(data))
@@ -189,6 +191,9 @@ def _define_flags():
 def main(argv):
   del argv
   args = flags.FLAGS
+  # --out is created before the training whose result goes there (and removed again if it fails).
+  history_lib.check_not_a_run('--out', args.out)
+  cli.create_output_dir('--out', args.out)
   train(args.data, args.vocab_size, args.out, args.data_dir, args.text_key)
 
 

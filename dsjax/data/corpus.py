@@ -123,7 +123,7 @@ class Corpus:
   def _files(self) -> list[str]:
     return sorted(
       {
-        key.split(':')[0] if _is_json_lines(key.split(':')[0]) else key
+        key.rsplit(':', 1)[0] if _is_json_lines(key.rsplit(':', 1)[0]) else key
         for keys in self.keys.values()
         for key in keys
       }
@@ -195,7 +195,7 @@ def _scan(
     encoded_key = key.encode('utf-8')
     digests[split].update(len(encoded_key).to_bytes(8, 'little') + encoded_key)
     digests[split].update(len(document).to_bytes(8, 'little') + document)
-    seen_files.add(key.split(':')[0] if _is_json_lines(key.split(':')[0]) else key)
+    seen_files.add(key.rsplit(':', 1)[0] if _is_json_lines(key.rsplit(':', 1)[0]) else key)
   sha256 = {split: digest.hexdigest() for split, digest in digests.items()}
   identity = hashlib.sha256(json.dumps(sha256, sort_keys=True).encode()).hexdigest()
   skipped = tuple(f for f in files if f not in seen_files and not _is_json_lines(f))

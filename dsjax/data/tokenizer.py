@@ -68,12 +68,18 @@ class TextTokenizer:
     if self.backend is None:
       return np.ones(_BYTE_VOCAB_SIZE, np.int64)
     sizes = np.ones(self.vocab_size, np.int64)
-    byte_level = frozenset(pre_tokenizers.ByteLevel.alphabet())  # The characters bytes are written as.
+    # A byte-level tokenizer (GPT-2's scheme, what `dsjax.tokenizer` trains) writes each byte as one
+    # character of its alphabet, and a token may hold part of a character's bytes, which decoding it
+    # alone would replace: its size is its length. Any other tokenizer's tokens are decoded.
+    is_byte_level = isinstance(self.backend.pre_tokenizer, pre_tokenizers.ByteLevel) or isinstance(
+      self.backend.decoder, decoders.ByteLevel
+    )
+    byte_level = frozenset(pre_tokenizers.ByteLevel.alphabet()) if is_byte_level else frozenset()
     specials = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
     for token, index in self.backend.get_vocab().items():
       if token in specials:
         continue
-      if all(c in byte_level for c in token):  # A byte-level BPE token: one character per byte.
+      if byte_level and all(c in byte_level for c in token):  # One character per byte.
         sizes[index] = len(token)
       else:
         sizes[index] = max(1, len(self.backend.decode([index], skip_special_tokens=False).encode('utf-8')))

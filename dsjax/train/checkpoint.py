@@ -56,6 +56,8 @@ _FINGERPRINT_RTOL = 1e-4  # Restoring onto another mesh may sum in another order
 # Any other run key (learning rate, schedule, batch size, intervals, total_steps above the checkpoint's
 # step) may change.
 IDENTITY_KEYS = ('data.name', 'data.seq_len', 'optimizer.name')
+# What a checkpoint records of tokenized text beyond the config (`DatasetInfo.checkpoint_identity`).
+DATA_HASH_KEYS = ('data.corpus_sha256', 'data.tokenizer_sha256', 'data.vocab_size')
 
 
 def resumable_model_keys() -> tuple[str, ...]:
@@ -246,7 +248,7 @@ class Checkpointer:
         )
         other = (
           'another architecture'
-          if not all(d.startswith('data.') for d in differences)
+          if not all(d.split(':')[0] in ('data.name', *DATA_HASH_KEYS) for d in differences)
           else 'other data (text or tokenizer)'
         )
         raise ValueError(

@@ -30,6 +30,7 @@ from typing import Callable
 from absl import logging
 
 from dsjax import instrument as instrument_lib
+from dsjax import schemes
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import metrics as metrics_lib
 
@@ -268,7 +269,7 @@ class Start:
       if enabled:
         if self.fresh_steps:
           checkpointer.move_steps(self.fresh_steps, os.path.join(target, checkpoint_lib.CHECKPOINT_DIR))
-        for name in (*LOGS, TENSORBOARD_DIR, CONFIG_FILE):
+        for name in (*LOGS, TENSORBOARD_DIR, CONFIG_FILE, schemes.PREPARATION_FILE):
           if os.path.lexists(os.path.join(self.workdir, name)):
             os.makedirs(target, exist_ok=True)
             shutil.move(os.path.join(self.workdir, name), os.path.join(target, name))

@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: setup → data → model and optimizer → restore → compile → train.
+"""The training loop, top to bottom: setup → the method's preparation → data → model and optimizer →
+restore → the logs continued → compile → train → finish.
 
 `train_and_evaluate(config, workdir)` is what `python -m dsjax.main` runs. Rerunning it with the same
 workdir resumes from the latest checkpoint, bit-for-bit (input position and dropout keys included).
@@ -262,7 +263,11 @@ def _method_preparation(run: Run):
   profiling pass), run on the first training batches or read back from the workdir when resuming;
   None for a method without one."""
   config = run.config
-  prepared = state_lib.method_preparation(config, run.data_info, run.workdir, run.validated.data)
+  # Read back only by a run that continues a checkpoint; a fresh start computes it again.
+  resumes = run.checkpointer.latest_step() is not None and not run.fresh
+  prepared = state_lib.method_preparation(
+    config, run.data_info, run.workdir if resumes else None, run.validated.data
+  )
   if prepared is not None:
     logging.info('Preparation of model.scheme=%s: %s', config.model.scheme, prepared)
   return prepared

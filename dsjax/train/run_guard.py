@@ -1,8 +1,9 @@
 """What keeps a run's workdir consistent, apart from the training itself.
 
 A run takes the workdir's lock before it writes anything (one run per workdir), removes what it created
-again when one of its checks fails (so a failed check leaves the workdir as it was found), records
-itself as the workdir's owner once every check has passed, and only then writes its files. With several
+again when one of its checks fails (so a failed check leaves the workdir as it was found), and once
+every check has passed (the logs then cut back to the restored step by `history.Start.apply`) records
+itself as the workdir's owner and writes config.json and the method's preparation. With several
 processes, the decisions that must be the same on every process (the lock could be taken, every
 checkpoint could be read, a stop signal arrived) are votes over the mesh (`all_processes`, `StopVote`),
 so that every process stops at the same point, before any of them waits in a collective for the others.

@@ -57,10 +57,14 @@ def test_fresh_starts_again_and_keeps_the_earlier_history(tmp_path, four_step_ru
   workdir = tmp_path / 'run'
   shutil.copytree(four_step_run, workdir)
   _damage_every_checkpoint(workdir)
+  # An earlier run's method preparation (DSLM's measured input, ADMIN's profile) is not reused.
+  (workdir / 'scheme_preparation.json').write_text('{"scheme": "dslm", "result": {}}')
   _train(_config(total_steps=4, keep_checkpoints=5), workdir, fresh=True)
   assert [r['step'] for r in _rows(workdir / 'metrics.jsonl')] == [1, 2, 3, 4]
   earlier = workdir / 'earlier_runs'
   (kept,) = os.listdir(earlier)
+  assert not (workdir / 'scheme_preparation.json').exists()
+  assert (earlier / kept / 'scheme_preparation.json').exists()
   assert [r['step'] for r in _rows(earlier / kept / 'metrics.jsonl')] == [1, 2, 3, 4]
   assert sorted(os.listdir(earlier / kept / 'checkpoints')) == ['2', '4']
   assert sorted(d for d in os.listdir(workdir / 'checkpoints') if d.isdigit()) == ['2', '4']
