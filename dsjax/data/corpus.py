@@ -289,7 +289,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 @contextlib.contextmanager
-def _file_lock(path: str):
+def file_lock(path: str):
+  """Exclusive advisory lock on the file `path`, so that processes sharing a directory write into it once."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, 'a') as lock_file:
     fcntl.flock(lock_file, fcntl.LOCK_EX)
@@ -350,7 +351,7 @@ def tokenize_split(
   stream = _open_stream(directory, split)
   if stream is not None:
     return stream
-  with _file_lock(os.path.join(directory, f'.{split}.lock')):
+  with file_lock(os.path.join(directory, f'.{split}.lock')):
     stream = _open_stream(directory, split)  # Another process finished while we waited.
     if stream is not None:
       return stream

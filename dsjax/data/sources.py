@@ -8,7 +8,6 @@ was looked for, where, and what to run, instead of a trace from inside TFDS.
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import glob
 import hashlib
@@ -200,18 +199,6 @@ def _not_random_access_error(name: str, builder) -> DatasetNotFoundError:
 
 
 @contextlib.contextmanager
-def _file_lock(path: str):
-  """Exclusive advisory lock, so concurrent processes prepare only once."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, 'a') as lock_file:
-    fcntl.flock(lock_file, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
 def _quiet_progress_bars():
   was_active = getattr(tfds.core.utils.tqdm_utils, '_active', True)
   tfds.display_progress_bar(False)
@@ -229,7 +216,7 @@ def _prepare(builder, name: str, is_embedded: bool) -> None:
   additionally stops two processes sharing a data_dir from both generating.
   """
   lock = os.path.join(os.fspath(builder.data_dir_root), f'.{_base_name(name)}.prepare.lock')
-  with _file_lock(lock):
+  with corpus_lib.file_lock(lock):  # Concurrent processes prepare it once.
     if builder.is_prepared():  # Another process finished while we waited.
       return
     logging.info('Preparing %s into %s', name, builder.data_dir_root)

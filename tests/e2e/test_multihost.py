@@ -132,22 +132,27 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _process_args(workdir, port: int, process_id: int, overrides) -> list[str]:
+  """The command line of process `process_id` of a two-process run coordinated on `port`."""
+  return [
+    sys.executable,
+    '-m',
+    'dsjax.main',
+    f'--config={CONFIG}',
+    f'--workdir={workdir}',
+    f'--coordinator_address=127.0.0.1:{port}',
+    '--num_processes=2',
+    f'--process_id={process_id}',
+    *overrides,
+  ]
+
+
 def _run_two_processes(workdir, *overrides) -> list[subprocess.CompletedProcess]:
   """`python -m dsjax.main` as processes 0 and 1 of one run; both must finish within TIMEOUT_S."""
   port = _free_port()
   procs = [
     subprocess.Popen(
-      [
-        sys.executable,
-        '-m',
-        'dsjax.main',
-        f'--config={CONFIG}',
-        f'--workdir={workdir}',
-        f'--coordinator_address=127.0.0.1:{port}',
-        '--num_processes=2',
-        f'--process_id={i}',
-        *overrides,
-      ],
+      _process_args(workdir, port, i, overrides),
       cwd=ROOT,
       env=_env(4),
       stdout=subprocess.PIPE,
@@ -232,17 +237,7 @@ def _start_two_processes(
   port = _free_port()
   return [
     subprocess.Popen(
-      [
-        sys.executable,
-        '-m',
-        'dsjax.main',
-        f'--config={CONFIG}',
-        f'--workdir={workdir}',
-        f'--coordinator_address=127.0.0.1:{port}',
-        '--num_processes=2',
-        f'--process_id={i}',
-        *overrides,
-      ],
+      _process_args(workdir, port, i, overrides),
       cwd=ROOT,
       env={**_env(4), **extra_env[i]},
       stdout=subprocess.DEVNULL,
