@@ -27,8 +27,9 @@ The optimizer config (`opt_config`, an ml_collections.ConfigDict) has the fields
   nesterov       Nesterov momentum (msgdw)                        default False
   warmup_steps   linear warmup length in steps                    default 0
   init_lr_ratio  warmup starts at init_lr_ratio * lr              default 0.0
-  schedule       'cosine' | 'constant' (after the warmup)         default 'cosine'
-  min_lr_ratio   cosine ends at min_lr_ratio * lr at total_steps  default: the paper's minimum lr / lr
+  schedule       'cosine' | 'linear' | 'constant' (after warmup)  default 'cosine'
+  min_lr_ratio   cosine/linear end at min_lr_ratio * lr at         default: the paper's minimum lr / lr
+                 total_steps
   clip_norm      global-norm clipping threshold; 0 or None = off  default None
 
 Fields with a default may be missing from the config.
@@ -46,7 +47,7 @@ import optax
 from flax import nnx
 
 OPTIMIZER_NAMES = ('adamw', 'msgdw')
-SCHEDULE_NAMES = ('cosine', 'constant')
+SCHEDULE_NAMES = ('cosine', 'linear', 'constant')
 
 # Leaf names (last key of the parameter path) that receive weight decay: the
 # weight matrices of Linear / Conv / Dense layers (`kernel`) and token
@@ -273,13 +274,14 @@ def parse_optimizer_config(opt_config: ml_collections.ConfigDict | OptimizerConf
 def make_schedule(
   opt_config: ml_collections.ConfigDict | OptimizerConfig, total_steps: int
 ) -> optax.Schedule:
-  """Linear warmup, then cosine decay (or a constant) over `total_steps`.
+  """Linear warmup, then cosine or linear decay (or a constant) over `total_steps`.
 
   With lr = opt_config.lr, W = warmup_steps and T = total_steps, the learning
   rate used by update number t (0-based: the first update uses t = 0) is
 
     t <  W:  lr * (r0 + (1 - r0) * t / W)               r0 = init_lr_ratio
     t >= W:  cosine: lr * (m + (1 - m) * (1 + cos(pi * (t - W) / (T - W))) / 2)
+             linear: lr * (1 - (1 - m) * (t - W) / (T - W))
              constant: lr                               m = min_lr_ratio
 
   so it reaches lr at t = W and min_lr_ratio * lr at t = T (and stays there
@@ -293,10 +295,10 @@ def make_schedule(
   peak_lr = float(opt_config.lr)
   warmup_steps = _get(opt_config, 'warmup_steps')
   schedule_name = _get(opt_config, 'schedule')
-  if schedule_name == 'cosine' and warmup_steps >= total_steps:
+  if schedule_name in ('cosine', 'linear') and warmup_steps >= total_steps:
     raise ValueError(
       f'optimizer.warmup_steps must be < total_steps ({total_steps}) for a '
-      f'cosine schedule, got {warmup_steps}'
+      f'{schedule_name} schedule, got {warmup_steps}'
     )
   if warmup_steps > total_steps:
     raise ValueError(f'optimizer.warmup_steps must be <= total_steps ({total_steps}), got {warmup_steps}')
@@ -306,6 +308,12 @@ def make_schedule(
       init_value=peak_lr,
       decay_steps=total_steps - warmup_steps,
       alpha=float(_get(opt_config, 'min_lr_ratio')),
+    )
+  elif schedule_name == 'linear':  # BERT's (Devlin et al. 2019) and the DSLM paper's (Table 25) decay
+    after_warmup = optax.linear_schedule(
+      init_value=peak_lr,
+      end_value=float(_get(opt_config, 'min_lr_ratio')) * peak_lr,
+      transition_steps=total_steps - warmup_steps,
     )
   else:
     after_warmup = optax.constant_schedule(peak_lr)

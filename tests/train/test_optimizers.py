@@ -359,6 +359,14 @@ def test_schedule_variants():
   np.testing.assert_allclose(constant(4), 1e-3, rtol=1e-6)
   np.testing.assert_allclose(constant(100), 1e-3, rtol=1e-6)
 
+  linear = optimizers.make_schedule(
+    _config('adamw', lr=1e-3, warmup_steps=10, schedule='linear', min_lr_ratio=0.1), 110
+  )
+  np.testing.assert_allclose(linear(10), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(linear(60), 0.55e-3, rtol=1e-6)  # halfway down to min_lr_ratio · lr
+  np.testing.assert_allclose(linear(110), 1e-4, rtol=1e-6)
+  np.testing.assert_allclose(linear(500), 1e-4, rtol=1e-6)
+
   with pytest.raises(ValueError, match='optimizer.warmup_steps must be <'):
     optimizers.make_schedule(_config('adamw', warmup_steps=100), 100)
 
@@ -392,8 +400,8 @@ def test_default_configs_are_valid(name, family):
     ('adamw', dict(b2=1.5), 'optimizer.b2 must be in [0, 1), got 1.5'),
     (
       'adamw',
-      dict(schedule='linear'),
-      "optimizer.schedule must be one of ['cosine', 'constant'], got 'linear'",
+      dict(schedule='exponential'),
+      "optimizer.schedule must be one of ['cosine', 'linear', 'constant'], got 'exponential'",
     ),
     ('adamw', dict(warmup_steps=-1), 'optimizer.warmup_steps must be an integer >= 0, got -1'),
     ('msgdw', dict(clip_norm=-1.0), 'optimizer.clip_norm must be >= 0'),
