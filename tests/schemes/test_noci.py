@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.models import layers
 from dsjax.schemes import noci
 from dsjax.train import config as config_lib
+from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
 from tests.schemes.common import (
@@ -244,6 +246,18 @@ def test_train_step_warms_up_and_eval_step_uses_the_final_temperature():
   sums = step_lib.make_eval_step(setup.graphdef, step_lib.lm_loss)(state, batch)
   final = loss(_tau_model(8.0, 0)[1])
   np.testing.assert_allclose(float(sums['loss_sum'] / sums['count']), final, rtol=1e-5)
+
+
+def test_warmup_factor_is_a_replicated_constant_of_the_state():
+  """The factor lives in the non-trainable state, one per layer, and shards (replicated) on a mesh."""
+  config, _ = _tau_model(8.0, 10)
+  setup = state_lib.make_setup(config, INFO['gpt'])
+  state = jax.eval_shape(setup.create_state)
+  assert state['rest']['trunk']['stack']['layers']['attn']['logit_factor'].shape == (2,)
+  assert 'logit_factor' not in state['params']['trunk']['stack']['layers']['attn']
+  mesh = sharding_lib.make_mesh((2, 2, 2), jax.devices()[:8])
+  shardings = sharding_lib.state_shardings(state, sharding_lib.logical_axes(setup.abstract_model), mesh)
+  assert shardings['rest']['trunk']['stack']['layers']['attn']['logit_factor'].spec == P(None)
 
 
 def test_tiny_gpt_measures_tau_and_trains_finite():
