@@ -39,6 +39,7 @@ __all__ = [
   'model_dims',
   'model_inputs',
   'nonstandard_residual',
+  'set_training_step',
   'transformer_config',
   'validate_against_data',
   'validate_model',
@@ -79,6 +80,7 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
     skip_scale=plan.skip,
     branch_scale=plan.branch,
     attn_logit_scale=plan.attn_logit_scale,
+    attn_logit_warmup_steps=plan.attn_logit_warmup_steps,
     attn_identity=plan.attn_identity,
     lr_scale=tuple(sorted(plan.lr_scale.items())),
   )
@@ -90,6 +92,17 @@ def attention_implementations(model: nnx.Module) -> list[str]:
   return sorted(
     {node.implementation for _, node in nnx.iter_graph(model) if isinstance(node, layers.Attention)}
   )
+
+
+def set_training_step(model: nnx.Module, step) -> None:
+  """Sets what the model's plan makes depend on the training step — the attention logit-scale warm-up
+  (`InitPlan.attn_logit_warmup_steps`) — for the step that starts after `step` completed steps (a
+  scalar, traced or not). The train step calls it on the model it rebuilds from the state; a model it is
+  not called on keeps its values as built, those after the warm-up (evaluation, the measuring tools).
+  A model without a step-dependent value is left as it is, and its step computes exactly what it did."""
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, layers.Attention):
+      node.set_training_step(step)
 
 
 def model_dims(model_config, data_info, *, seq_len: int) -> ModelDims:

@@ -91,6 +91,7 @@ class ConcatLayer(nnx.Module):
       causal=cfg.causal,
       attn_dropout=cfg.attn_dropout,
       logit_scale=cfg.attn_logit_scale,
+      logit_warmup_steps=cfg.attn_logit_warmup_steps,
       identity_mix=cfg.attn_identity,
       lr_scale=lr_scale,
       inner_width=concat.attn_width,

@@ -202,13 +202,23 @@ ATTENTION_IMPLEMENTATIONS = {
 }
 
 
+def warmup_factor(step: Any, warmup_steps: int) -> jax.Array:
+  """min(1, step/warmup_steps) in float32: 0 at step 0, rising linearly to 1 at `warmup_steps`."""
+  return jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / float(warmup_steps))
+
+
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v/o projections and optional QKNorm (DNT).
 
   Separate projection parameters (rather than one fused qkv kernel) keep each weight's initial
   variance a single knob, as the DSLM recipe needs (Kedia et al. 2024 §3.5: q, k at 1/d; v, o per
   layer). `logit_scale` multiplies q·k (default 1/sqrt(d_head); μP uses 1/d_head, Noci et al. 2022
-  τ/sqrt(d_head)). `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1)
+  τ/sqrt(d_head)). `logit_warmup_steps` > 0: during training the logit scale is multiplied by
+  `warmup_factor(step, logit_warmup_steps)` (Noci et al. 2022, App. C.3, warm up τ): a non-trainable
+  factor, `logit_factor`, that the train step sets from its step count (`set_training_step`) and that is
+  1 as built, so evaluation and every other caller see the full scale. It multiplies the queries, so the
+  attention implementations keep their static scale; without a warm-up there is no factor at all.
+  `identity_mix`: the attention matrix is α·I + β·A(X) with learnable scalars α (init 1)
   and β (init 0), Value-SkipInit (He et al. 2023, arXiv:2302.10322 §4). `implementation`: the key of
   `ATTENTION_IMPLEMENTATIONS` that computes softmax(scale·q·kᵀ)·v from the heads ('plain' is
   `plain_attention`, the definition; the others are its fast forms).
@@ -229,6 +239,7 @@ class Attention(nnx.Module):
     attn_dropout: float,
     rngs: nnx.Rngs,
     logit_scale: float | None = None,
+    logit_warmup_steps: int = 0,
     identity_mix: bool = False,
     lr_scale: dict[str, float] | None = None,
     inner_width: int | None = None,
@@ -245,6 +256,8 @@ class Attention(nnx.Module):
     self.num_heads, self.head_dim = num_heads, inner // num_heads
     self.causal, self.attn_dropout = causal, attn_dropout
     self.logit_scale = float(self.head_dim**-0.5 if logit_scale is None else logit_scale)
+    self.logit_warmup_steps = logit_warmup_steps
+    self.logit_factor = constant(jnp.ones((), jnp.float32), ()) if logit_warmup_steps else None
     lr = lr_scale or {}
 
     def dense(name, d_in, d_out, axes):
@@ -267,6 +280,13 @@ class Attention(nnx.Module):
     self.mix_identity = param(jnp.ones(()), ()) if identity_mix else None
     self.mix_attention = param(jnp.zeros(()), ()) if identity_mix else None
 
+  def set_training_step(self, step: Any) -> None:
+    """Sets the logit-scale warm-up factor for the training step that starts after `step` steps (a
+    scalar, traced or not); nothing without a warm-up."""
+    if self.logit_factor is not None:
+      factor = warmup_factor(step, self.logit_warmup_steps)
+      self.logit_factor.set_value(jnp.broadcast_to(factor, self.logit_factor.shape))
+
   def project_qkv(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x·W_q + b_q, x·W_k + b_k, x·W_v + b_v as one matmul against the three kernels stacked on a new
     middle axis (d, 3, inner): at the small widths the CPU trains, three matmuls of a third of the width
@@ -286,6 +306,8 @@ class Attention(nnx.Module):
     split_heads = lambda t: t.reshape(b, l, self.num_heads, self.head_dim)  # noqa: E731
     q_BLD, k_BLD, v_BLD = self.project_qkv(x_BLD)
     q_BLHK = apply_norm(self.q_norm, split_heads(q_BLD))
+    if self.logit_factor is not None:  # (factor·q)·k = factor·(q·k): the warmed-up logit scale
+      q_BLHK = q_BLHK * self.logit_factor[...].astype(q_BLHK.dtype)
     k_BLHK = apply_norm(self.k_norm, split_heads(k_BLD))
     v_BLHK = split_heads(v_BLD)
     attend = ATTENTION_IMPLEMENTATIONS[self.implementation]

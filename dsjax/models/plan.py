@@ -10,7 +10,8 @@ placement. The plan holds
     how they are stored (`ResidualScale`: fixed or learnable, one scalar or a vector of width d, one per
     add or one per layer shared by both adds);
   * which norms exist (`layout`, a `NormLayout`; None = the one `model.block` names);
-  * the attention logit scale (None = 1/sqrt(d_head)) and the attention-matrix edit α·I + β·A
+  * the attention logit scale (None = 1/sqrt(d_head)), its warm-up over the first training steps
+    (`attn_logit_warmup_steps`, Noci et al. 2022) and the attention-matrix edit α·I + β·A
     (`attn_identity`, He et al. 2023);
   * concatenation instead of addition as the residual (`concat`, Catformer, Davis et al. 2021);
   * per-weight-type learning-rate multipliers (`lr_scale`, μP), which the optimizer builder reads from
@@ -145,6 +146,9 @@ class InitPlan:
   branch: ResidualScale = ResidualScale()
   layout: NormLayout | None = None  # None: the layout of model.block
   attn_logit_scale: float | None = None  # multiplies q·k; None: 1/sqrt(d_head)
+  # Training multiplies the logit scale by min(1, step/attn_logit_warmup_steps) (step: the training
+  # steps done); 0: no warm-up. Evaluation and the built model use the full scale.
+  attn_logit_warmup_steps: int = 0
   attn_identity: bool = False  # attention matrix α·I + β·A(X), learnable α (init 1), β (init 0)
   concat: ConcatPlan | None = None  # None: additive residual
   lr_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)  # weight type -> lr multiplier

@@ -85,6 +85,7 @@ class TransformerConfig:
   skip_scale: ResidualScale = ResidualScale()
   branch_scale: ResidualScale = ResidualScale()
   attn_logit_scale: float | None = None
+  attn_logit_warmup_steps: int = 0  # InitPlan.attn_logit_warmup_steps
   attn_identity: bool = False
   lr_scale: tuple[tuple[str, float], ...] = ()  # (weight type, learning-rate multiplier) pairs
   remat: str = 'none'
@@ -126,6 +127,7 @@ class Block(nnx.Module):
       causal=cfg.causal,
       attn_dropout=cfg.attn_dropout,
       logit_scale=cfg.attn_logit_scale,
+      logit_warmup_steps=cfg.attn_logit_warmup_steps,
       identity_mix=cfg.attn_identity,
       lr_scale=lr_scale,
       implementation=cfg.attention,

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from dsjax import instrument as instrument_lib
+from dsjax import models
 from dsjax.models import model_inputs
 from dsjax.models.transformer import Probe, no_probe
 from dsjax.train import optimizers
@@ -207,7 +208,11 @@ def make_train_step(
   whole batch's mean gradient — the update of the one big batch, with one microbatch's activations in
   memory (`accumulate_microbatches`; it also says what the moments are). Dropout masks differ from the
   one big batch's (each microbatch folds its index into the step's key), so without dropout the two
-  agree up to float rounding. `microbatches` must divide the per-device batch."""
+  agree up to float rounding. `microbatches` must divide the per-device batch.
+
+  What the model's plan makes depend on the training step (a warm-up of the attention logit scale) is
+  set from state['step'] on the model rebuilt inside the step (`models.set_training_step`); the eval
+  step leaves the model as built, at the end of any warm-up."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
     key = dropout_key_for_step(seed, state['step']) if use_dropout else None
@@ -224,7 +229,9 @@ def make_train_step(
     )
 
     def losses(params, batch, key, probe: Probe = no_probe):  # (mean loss, sums)
-      return loss_fn(nnx.merge(graphdef, params, state['rest']), batch, key, probe)
+      model = nnx.merge(graphdef, params, state['rest'])
+      models.set_training_step(model, state['step'])  # e.g. a warm-up of the attention logit scale
+      return loss_fn(model, batch, key, probe)
 
     if microbatches > 1:
       loss, grads, moments = accumulate_microbatches(

@@ -1,9 +1,10 @@
-"""The plain initialisations (`dsjax.schemes.vanilla`): Xavier (Glorot & Bengio 2010) and GPT-2 style
-(Radford et al. 2019), with λ = β = 1 on every block.
+"""The plain initialisations (`dsjax.schemes.vanilla`): Xavier (Glorot & Bengio 2010), GPT-2 style
+(Radford et al. 2019) and BERT style (Devlin et al. 2019), with λ = β = 1 on every block.
 
 The plans against the formulas: Xavier, every matrix N(0, 2/(fan_in + fan_out)) (embedding tables as
 vocab → width matrices; ViT's learned position table N(0, 0.02²)); GPT-2, every matrix N(0, 0.02²) with
-the projections into the residual stream (`o`, `ffn2`) × 1/sqrt(2N). The built models' draws against
+the projections into the residual stream (`o`, `ffn2`) × 1/sqrt(2N); BERT (Devlin et al. 2019), every
+matrix, embedding table and the head N(0, 0.02²), unscaled. The built models' draws against
 them, the truncated-normal draw of the same variance, the config checks, the moments CLI's comparison
 with the theory, and a 3-step training run of GPT and ViT. Expected values are written out here.
 """
@@ -107,6 +108,35 @@ def test_gpt2_plan_and_built_model(depth):
   _check_unit_residual_scales(plan, model, depth)
   assert_layer_stds(model, plan)
   np.testing.assert_allclose(np.std(model.token_embed[...]), 0.02, rtol=0.05)
+
+
+@pytest.mark.parametrize('distribution', ['normal', 'truncated_normal'])
+@pytest.mark.parametrize('name', ['gpt', 'vit'])
+def test_bert_plan_and_built_model(name, distribution):
+  """BERT (Devlin et al. 2019; Kedia et al. 2024 Table 14: σ = 0.02): every matrix, both embedding
+  tables and the head N(0, 0.02²) (or its truncated draw of the same variance), no depth scaling."""
+  depth = 4
+  config = method_config('vanilla', name, depth=depth, init_distribution=distribution)
+  config.model.vanilla.init = 'bert'
+  plan = init_plan(config)
+  assert plan.distribution == distribution
+  for key in ('q', 'k', 'v', 'o', 'ffn1', 'ffn2'):
+    np.testing.assert_allclose(plan.layer[key], np.full(depth, 0.02), rtol=1e-6, err_msg=key)
+  for field in ('input_std', 'pos_std', 'head_std'):
+    np.testing.assert_allclose(getattr(plan, field), 0.02, rtol=1e-6, err_msg=field)
+
+  model = build(config)
+  _check_unit_residual_scales(plan, model, depth)
+  assert_layer_stds(model, plan)
+  head = model.head.kernel[...]
+  if name == 'gpt':  # 256·32 draws (16·32 for the position table): within 5% (10%)
+    np.testing.assert_allclose(np.std(model.token_embed[...]), 0.02, rtol=0.05)
+    np.testing.assert_allclose(np.std(model.pos_embedding[...]), 0.02, rtol=0.1)
+    np.testing.assert_allclose(np.std(head), 0.02, rtol=0.05)
+  else:  # 32·10 head draws
+    np.testing.assert_allclose(np.std(head), 0.02, rtol=0.15)
+  if distribution == 'truncated_normal':  # cut at ±2 standard normals, rescaled to std 0.02
+    assert np.abs(head).max() <= 2.0 / math.sqrt(0.7737413) * 0.02 * (1 + 1e-6)
 
 
 def test_truncated_normal_draw_keeps_the_xavier_variance():
