@@ -1,16 +1,10 @@
-"""The population trainer of the experiments: a member is the run the real loop does with its lr and seed."""
-
-import os
-import sys
+"""The population trainer: a member is the run the real loop does with its lr and seed."""
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-
-from dsjax.train import config as config_lib  # noqa: E402
-from dsjax.train import loop  # noqa: E402
-from experiments import population  # noqa: E402
+from dsjax.train import config as config_lib
+from dsjax.train import loop, population
 
 
 def _tiny_gpt(optimizer: str):
