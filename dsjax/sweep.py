@@ -32,39 +32,40 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
 from dsjax import data as data_lib
-from dsjax.train import cli, population, protocol
+from dsjax.train import cli, history, population, protocol
 from dsjax.train import config as config_lib
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402 (after the non-interactive backend is chosen)
 
-_CONFIG = config_flags.DEFINE_config_file(
-  'config',
-  None,
-  'Path to a config file (configs/*.py); --config.KEY=VALUE overrides apply to every arm.',
-  lock_config=True,
-)
-_LRS = flags.DEFINE_string('lrs', None, 'Peak learning rates of the grid, comma-separated (e.g. 1e-3,3e-3).')
-_SEEDS = flags.DEFINE_string('seeds', '0,1,2', 'Seeds of every lr, comma-separated non-negative integers.')
-_ARMS = flags.DEFINE_multi_string(
-  'arm',
-  [],
-  'NAME:KEY=VALUE,KEY=VALUE — an arm: the base config with these config overrides (NAME: alone is the '
-  "base config). Repeatable. None given: one arm 'base'.",
-)
-_BASELINE = flags.DEFINE_string(
-  'baseline', None, 'The arm the others are compared with (default: the first).'
-)
-_OUT = flags.DEFINE_string('out', None, 'Directory of the results; rerunning the same command resumes there.')
-_MAX_EXTEND = flags.DEFINE_integer(
-  'max_extend', 2, 'How many lrs an arm may add beyond each edge of the grid when its best lr lies there.'
-)
-_TRAIN_SPLIT = flags.DEFINE_string('train_split', None, 'Split to train on (default: per dataset).')
-_SELECT_SPLIT = flags.DEFINE_string('select_split', None, 'Split the lr is chosen on (default: per dataset).')
-_REPORT_SPLIT = flags.DEFINE_string(
-  'report_split', None, 'Split the results are reported on (default: per dataset).'
-)
-flags.mark_flags_as_required(['config', 'lrs', 'out'])
+
+def _define_flags():
+  # Defined only when run as a program, so that importing dsjax.sweep (tests, other tools with flags of
+  # the same names) defines no absl flags.
+  config_flags.DEFINE_config_file(
+    'config',
+    None,
+    'Path to a config file (configs/*.py); --config.KEY=VALUE overrides apply to every arm.',
+    lock_config=True,
+  )
+  flags.DEFINE_string('lrs', None, 'Peak learning rates of the grid, comma-separated (e.g. 1e-3,3e-3).')
+  flags.DEFINE_string('seeds', '0,1,2', 'Seeds of every lr, comma-separated non-negative integers.')
+  flags.DEFINE_multi_string(
+    'arm',
+    [],
+    'NAME:KEY=VALUE,KEY=VALUE: an arm, the base config with these config overrides (NAME: alone is the '
+    "base config). Repeatable. None given: one arm 'base'.",
+  )
+  flags.DEFINE_string('baseline', None, 'The arm the others are compared with (default: the first).')
+  flags.DEFINE_string('out', None, 'Directory of the results; rerunning the same command resumes there.')
+  flags.DEFINE_integer(
+    'max_extend', 2, 'How many lrs an arm may add beyond each edge of the grid when its best lr lies there.'
+  )
+  flags.DEFINE_string('train_split', None, 'Split to train on (default: per dataset, docs/sweeps.md).')
+  flags.DEFINE_string('select_split', None, 'Split the lr is chosen on (default: per dataset).')
+  flags.DEFINE_string('report_split', None, 'Split the results are reported on (default: per dataset).')
+  flags.mark_flags_as_required(['config', 'lrs', 'out'])
+
 
 # Keys the sweep sets itself: the grid's axes and the protocol's splits.
 SWEEP_KEYS = ('optimizer.lr', 'seed', 'data.train_split', 'data.eval_split')
@@ -158,12 +159,12 @@ def check_arm(arm: Arm) -> None:
     raise ValueError(f'--arm={arm.name}: {e}') from None
 
 
-def sweep_splits(base) -> dict[str, str]:
-  """The per-dataset default splits (`protocol.default_splits`) with the split flags' overrides."""
+def sweep_splits(base, given: dict[str, str | None]) -> dict[str, str]:
+  """The per-dataset default splits (`protocol.default_splits`) with the split flags' overrides
+  (`given`: {'train', 'select', 'report'}, None where not given)."""
   data = config_lib.validate_config(base, num_devices=1).data
   info = data_lib.dataset_info(data)
   splits = protocol.default_splits(info.num_examples)
-  given = {'train': _TRAIN_SPLIT.value, 'select': _SELECT_SPLIT.value, 'report': _REPORT_SPLIT.value}
   splits.update({k: v for k, v in given.items() if v})
   if len(set(splits.values())) < 3:
     raise ValueError(f'--train_split, --select_split and --report_split must differ, got {splits}')
@@ -278,7 +279,7 @@ def train_lrs(out: str, base, arm: Arm, lrs: list[float], seeds: list[int], spli
   members = population.grid(lrs, seeds)
   steps = config.total_steps
   eval_steps = range(config.eval_every, steps, config.eval_every)
-  report = progress.reporter(arm.name, len(members), steps, progress.planned - progress.done)
+  report = progress.reporter(arm.name, len(members), steps, len(members) * steps)
   result = population.train(
     config,
     members,
@@ -496,26 +497,50 @@ def write_outputs(out, command, base, results, baseline, splits, seeds, lrs) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-def main(argv):
-  del argv
-  base, out = _CONFIG.value, _OUT.value
-  lrs, seeds = parse_lrs(_LRS.value), parse_seeds(_SEEDS.value)
-  if _MAX_EXTEND.value < 0:
-    raise ValueError(f'--max_extend must be a non-negative integer, got {_MAX_EXTEND.value}')
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A checked command line."""
+
+  base: Any
+  arms: list[Arm]
+  lrs: list[float]
+  seeds: list[int]
+  splits: dict[str, str]
+  baseline: str
+  max_extend: int
+  out: str
+  command: str
+
+
+def check(args) -> Plan:
+  """Every check of the command line, before anything is written; one-line ValueErrors."""
+  base, out = args.config, args.out
+  lrs, seeds = parse_lrs(args.lrs), parse_seeds(args.seeds)
+  if args.max_extend < 0:
+    raise ValueError(f'--max_extend must be a non-negative integer, got {args.max_extend}')
   cli.check_output_dir('--out', out)
+  history.check_not_a_run('--out', out)
   config_lib.validate_config(base, num_devices=1)
-  splits = sweep_splits(base)
-  arms = [parse_arm(spec, base) for spec in _ARMS.value or ['base:']]
+  given = {'train': args.train_split, 'select': args.select_split, 'report': args.report_split}
+  splits = sweep_splits(base, given)
+  arms = [parse_arm(spec, base) for spec in args.arm or ['base:']]
   names = [a.name for a in arms]
   if len(set(names)) < len(names):
     raise ValueError(f'--arm names must differ, got {names}')
-  baseline = _BASELINE.value or names[0]
+  baseline = args.baseline or names[0]
   if baseline not in names:
     raise ValueError(f'--baseline={baseline} is not an arm; the arms are {names}')
   arms = [dataclasses.replace(a, config=_with_splits(a.config, splits)) for a in arms]
   for arm in arms:
     check_arm(arm)
-  this_sweep = identity(base, arms, lrs, seeds, splits)
+  command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
+  return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, out, command)
+
+
+def run(plan: Plan) -> list[dict]:
+  """Trains what OUT does not hold yet, arm by arm, and writes the outputs; the arms' results."""
+  out = plan.out
+  this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
   sweep_path = os.path.join(out, 'sweep.json')
   if os.path.exists(sweep_path):
     with open(sweep_path) as f:
@@ -527,29 +552,37 @@ def main(argv):
   cli.create_output_dir('--out', out)
   write_atomically(sweep_path, json.dumps(this_sweep, indent=1))
 
-  command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
-  logging.info('Sweep of %d arms × lr %s × seeds %s; splits %s', len(arms), _lrs(lrs), seeds, splits)
-  progress = Progress(sum(a.config.total_steps for a in arms) * len(lrs) * len(seeds))
+  logging.info(
+    'Sweep of %d arms × lr %s × seeds %s; splits %s', len(plan.arms), _lrs(plan.lrs), plan.seeds, plan.splits
+  )
+  progress = Progress(sum(a.config.total_steps for a in plan.arms) * len(plan.lrs) * len(plan.seeds))
   results = []
-  for arm in arms:
-    records = run_arm(out, base, arm, lrs, seeds, splits, _MAX_EXTEND.value, progress)
-    results.append(arm_result(arm, records))
-    r = results[-1]
+  for arm in plan.arms:
+    records = run_arm(out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress)
+    r = arm_result(arm, records)
+    results.append(r)
     logging.info(
-      'arm %s: selected lr %.3g%s; report eval loss %.4f ± %.4f over %d seeds',
+      'arm %s: selected lr %.3g%s; eval loss on %s %.4f ± %.4f over %d seeds',
       arm.name,
       r['selected_lr'],
       '' if r['settled'] else ' UNSETTLED (at the edge of the grid)',
+      plan.splits['report'],
       r['report']['eval/loss']['mean'],
       r['report']['eval/loss']['sd'],
-      len(seeds),
+      len(plan.seeds),
     )
-  write_outputs(out, command, base, results, baseline, splits, seeds, lrs)
-  plot(os.path.join(out, 'lr_curves.png'), results, splits)
-  logging.info(
-    'Wrote %s', ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
-  )
+  write_outputs(out, plan.command, plan.base, results, plan.baseline, plan.splits, plan.seeds, plan.lrs)
+  plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
+  written = ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
+  logging.info('Wrote %s', written)
+  return results
+
+
+def main(argv):
+  del argv
+  run(check(flags.FLAGS))
 
 
 if __name__ == '__main__':
+  _define_flags()
   cli.run(main)
