@@ -15,6 +15,7 @@ OUT/lr_curves.png (docs/sweeps.md).
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
@@ -117,7 +118,10 @@ def _parse_value(config, key: str, text: str) -> Any:
     return flags.FloatParser().parse(text)
   if kind is str:
     return text
-  return config_flags.config_flags._LiteralParser().parse(text)  # tuples and other literals
+  try:  # Tuples and other literals, as config_flags reads them; else the text itself.
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
 
 
 def parse_arm(spec: str, base) -> Arm:

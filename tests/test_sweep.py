@@ -191,7 +191,7 @@ def test_members_are_the_runs_of_dsjax_main(tmp_path):
     final = [json.loads(line) for line in lines if 'eval/loss' in line][-1]
     np.testing.assert_allclose(members[arm, lr, seed][key]['eval/loss'], final['eval/loss'], atol=2e-5)
   summary = (out / 'summary.md').read_text()
-  assert summary.count('UNSETTLED') == 2 and '`model.block=postln`' in summary
+  assert summary.count(' UNSETTLED |') == 2 and '`model.block=postln`' in summary
 
 
 @pytest.mark.slow  # ~1 min on 2 cores.
