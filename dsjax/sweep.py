@@ -435,7 +435,8 @@ def summary(command: str, results: list[dict], baseline: str, splits, seeds, lrs
     f'## Results on `{splits["report"]}` at the selected lr',
     '',
     "mean ± sample sd (min–max) over n seeds; Δ: mean minus the baseline's, with a 95% Welch interval "
-    '(unequal variances, Welch–Satterthwaite degrees of freedom; the seeds are independent draws). An '
+    '(unequal variances, Welch–Satterthwaite degrees of freedom; within an arm the seeds are independent '
+    'draws, across arms seed s shares its data order, which makes the interval err on the wide side). An '
     'UNSETTLED lr is at the edge of the grid after its extensions: the optimum may lie beyond it.',
     '',
   ]
@@ -469,6 +470,7 @@ def plot(path: str, results: list[dict], splits) -> None:
     finite = [(m['lr'], m['select']['eval/loss']) for m in r['members'] if not m['diverged']]
     if finite:
       ax.scatter(*zip(*finite), s=10, alpha=0.5, color=line.get_color())
+  ax.set_title('lines: mean over seeds (diverged: left out); points: each seed', fontsize=9)
   ax.set_xscale('log')
   ax.set_xlabel('peak learning rate')
   ax.set_ylabel(f'eval loss on {splits["select"]}')
