@@ -375,6 +375,7 @@ def arm_result(arm: Arm, records: dict[float, dict]) -> dict[str, Any]:
     'lr_means': {f'{lr:.6e}': mean for lr, mean in means.items()},
     'selected_lr': best,
     'settled': protocol.settled(records, best),
+    'lr_status': 'settled' if protocol.settled(records, best) else 'UNSETTLED',
     'report': report,
     'members': [m for lr in sorted(records) for m in records[lr]['members']],
   }
