@@ -37,6 +37,12 @@ def get_config(name: str = 'sklearn_digits') -> ml_collections.ConfigDict:
   config.tokenizer = 'bytes'
   # Images: random left-right flips when training.
   config.augment = False
+  # The splits trained on and evaluated on; None: the dataset's own ('train', and 'validation' where it
+  # has one, else 'test'). A TFDS split may be a slice ('train[:80%]', 'validation[50%:]'); the corpora
+  # read from files ('python_stdlib', 'text:GLOB') have 'train', 'validation' and 'test' only.
+  # `python -m dsjax.sweep` sets both to keep the split it reports on unseen (docs/sweeps.md).
+  config.train_split = config_dict.placeholder(str)
+  config.eval_split = config_dict.placeholder(str)
   return config
 
 
@@ -52,6 +58,8 @@ class DataConfig:
   text_key: str
   augment: bool
   tokenizer: str = 'bytes'
+  train_split: str | None = None
+  eval_split: str | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -112,6 +120,10 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
     tokenizer = os.fspath(tokenizer)
   if not isinstance(tokenizer, str) or not tokenizer.strip():
     raise ValueError(f"data.tokenizer must be 'bytes' or the path of a tokenizer file, got {tokenizer!r}")
+  splits = {key: get(key) for key in ('train_split', 'eval_split')}
+  for key, split in splits.items():
+    if split is not None and (not isinstance(split, str) or not split.strip()):
+      raise ValueError(f"data.{key} must be None or a split such as 'train' or 'train[:80%]', got {split!r}")
   return DataConfig(
     name=name.strip(),
     data_dir=data_dir,
@@ -121,4 +133,5 @@ def validate_data_config(data_config: Mapping[str, Any]) -> DataConfig:
     text_key=text_key,
     augment=augment,
     tokenizer=tokenizer.strip(),
+    **{key: None if split is None else split.strip() for key, split in splits.items()},
   )

@@ -512,7 +512,8 @@ def make_pipeline(
   Args:
     data_config: the `data` ConfigDict (see `dsjax.data.config.get_config`).
     split: TFDS split, e.g. 'train', 'test', 'validation' (slices such as
-      'train[:90%]' work too). None: `info.train_split` when training, else
+      'train[:90%]' work too). None: `data.train_split` when training, else
+      `data.eval_split`, and where those are None `info.train_split` or
       `info.eval_split` (datasets differ: digits has 'test', the Python docs
       corpus 'validation').
     global_batch_size: rows per step summed over all processes; must be
@@ -547,7 +548,7 @@ def make_pipeline(
 
   builder, info = sources.open_dataset(config)
   if split is None:
-    split = info.train_split if train else info.eval_split
+    split = (config.train_split or info.train_split) if train else (config.eval_split or info.eval_split)
   common = dict(
     info=info,
     split=split,

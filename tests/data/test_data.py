@@ -618,6 +618,8 @@ def test_tfrecord_only_dataset_error(data_dir, tmp_path):
     (dict(image_size=-3), 'data.image_size must be None or a positive'),
     (dict(download='yes'), 'data.download must be a bool'),
     (dict(name=''), 'data.name must be a non-empty string'),
+    (dict(eval_split=''), 'data.eval_split must be None or a split'),
+    (dict(train_split=3), 'data.train_split must be None or a split'),
   ],
 )
 def test_bad_config_values(data_dir, overrides, message):
@@ -643,6 +645,18 @@ def test_bad_pipeline_arguments(digits):
   digits.augment = True
   with pytest.raises(ValueError, match='data.augment'):
     make()
+
+
+def test_config_splits_replace_the_datasets_own(digits):
+  """data.train_split and data.eval_split are the splits a pipeline reads when none is named."""
+  make = lambda config, train: data.make_pipeline(
+    config, global_batch_size=8, process_index=0, process_count=1, train=train
+  )
+  assert (make(digits, True).split, make(digits, False).split) == ('train', 'test')
+  digits.train_split, digits.eval_split = 'train[:80%]', 'train[80%:]'
+  train, evaluation = make(digits, True), make(digits, False)
+  assert (train.split, evaluation.split) == ('train[:80%]', 'train[80%:]')
+  assert evaluation.num_eval_rows == 299 and len(train._source) == 1198
 
 
 def test_random_bits_are_fixed():

@@ -23,7 +23,7 @@ import pytest
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
-TOOLS = ('main', 'moments', 'export', 'bench', 'sensitivity', 'tokenizer')
+TOOLS = ('main', 'moments', 'export', 'bench', 'sensitivity', 'tokenizer', 'sweep')
 
 # Files a case starts from, under its temporary directory ({tmp} in the arguments).
 FILES = {
@@ -64,6 +64,7 @@ MOMENTS = ['--config=configs/gpt_preln.py', '--out={tmp}/out']
 EXPORT = ['--workdir={tmp}/run', '--out={tmp}/out']
 SENSITIVITY = ['--config=configs/gpt_preln.py', '--out={tmp}/out']
 TOKENIZER = ['--data=text:{tmp}/small/*.txt', '--out={tmp}/out']
+SWEEP = ['--config=configs/gpt_preln.py', '--lrs=1e-3,3e-3', '--out={tmp}/out']
 
 # (id, tool, arguments, a substring the error line must contain).
 CASES = [
@@ -284,6 +285,35 @@ CASES = [
     ['--config=configs/gpt_preln.py', '--out={tmp}/read_only/out'],
     '{tmp}/read_only is not writable',
   ),
+  # dsjax.sweep: the grid, the arms (named with the key) and the output directory.
+  ('sweep-bad-lrs', 'sweep', ['--config=configs/gpt_preln.py', '--lrs=1e-3,abc', '--out={tmp}/out'], '--lrs'),
+  ('sweep-negative-lr', 'sweep', ['--config=configs/gpt_preln.py', '--lrs=-1', '--out={tmp}/out'], '--lrs'),
+  ('sweep-bad-seeds', 'sweep', SWEEP + ['--seeds=0,0'], '--seeds'),
+  (
+    'sweep-unknown-arm-key',
+    'sweep',
+    SWEEP + ['--arm=deep:model.detph=4'],
+    '--arm=deep: the config has no key',
+  ),
+  ('sweep-bad-arm-value', 'sweep', SWEEP + ['--arm=deep:model.depth=four'], '--arm=deep: model.depth=four'),
+  ('sweep-arm-fails-a-check', 'sweep', SWEEP + ['--arm=wide:model.width=33'], '--arm=wide: model.width'),
+  ('sweep-arm-sets-the-lr', 'sweep', SWEEP + ['--arm=a:optimizer.lr=1'], '--arm=a: optimizer.lr'),
+  ('sweep-arm-names-repeat', 'sweep', SWEEP + ['--arm=a:', '--arm=a:model.depth=2'], '--arm names'),
+  ('sweep-baseline-not-an-arm', 'sweep', SWEEP + ['--arm=a:', '--baseline=b'], '--baseline=b'),
+  ('sweep-unknown-split', 'sweep', SWEEP + ['--report_split=nope'], "split 'nope'"),
+  (
+    'sweep-out-is-file',
+    'sweep',
+    ['--config=configs/gpt_preln.py', '--lrs=1e-3', '--out={tmp}/file'],
+    '--out={tmp}/file',
+  ),
+  (
+    'sweep-out-is-a-run',
+    'sweep',
+    ['--config=configs/gpt_preln.py', '--lrs=1e-3', '--out={tmp}/other'],
+    'holds a training run',
+  ),
+  ('sweep-missing-lrs', 'sweep', ['--config=configs/gpt_preln.py', '--out={tmp}/out'], '--lrs'),
   # dsjax.tokenizer
   ('tokenizer-vocab-too-small', 'tokenizer', TOKENIZER + ['--vocab_size=100'], '--vocab_size=100'),
   (

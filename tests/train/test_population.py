@@ -1,16 +1,10 @@
-"""The population trainer of the experiments: a member is the run the real loop does with its lr and seed."""
-
-import os
-import sys
+"""The population trainer: a member is the run the real loop does with its lr and seed."""
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-
-from dsjax.train import config as config_lib  # noqa: E402
-from dsjax.train import loop  # noqa: E402
-from experiments import population  # noqa: E402
+from dsjax.train import config as config_lib
+from dsjax.train import loop, population
 
 
 def _tiny_gpt(optimizer: str):
@@ -45,3 +39,18 @@ def test_divergent_member_is_reported_and_others_train():
   ok, bad = result['members']
   assert not ok['diverged'] and np.isfinite(ok['final']['eval/loss'])
   assert bad['diverged'] or bad['final']['eval/loss'] > ok['final']['eval/loss']
+
+
+def test_a_member_on_its_splits_is_the_loop_on_them(tmp_path):
+  """The fast variant: one member, three steps, trained on one split, reported on another."""
+  c = _tiny_gpt('adamw')
+  c.total_steps = c.eval_every = c.checkpoint_every = 3
+  c.optimizer.warmup_steps = 1
+  c.data.train_split, c.data.eval_split = 'train', 'validation[:50%]'
+  member = population.train(c, population.grid([3e-3], [1]), report_split='validation[50%:]', verbose=False)
+  member = member['members'][0]
+  run = c.copy_and_resolve_references()
+  run.optimizer.lr, run.seed, run.data.eval_split = 3e-3, 1, 'validation[50%:]'
+  final = loop.train_and_evaluate(run, str(tmp_path / 'run'))
+  np.testing.assert_allclose(member['report']['eval/loss'], final['eval/loss'], atol=2e-5)
+  assert member['final']['eval/loss'] != member['report']['eval/loss']  # two different splits

@@ -1,0 +1,595 @@
+r"""Learning-rate sweeps of several arms with seeds, compared by a protocol: `python -m dsjax.sweep`.
+
+    python -m dsjax.sweep --config=configs/gpt_preln.py --lrs=1e-3,3e-3,1e-2 --seeds=0,1,2 \
+        --arm=preln: --arm=postln:model.block=postln --baseline=preln --out=/tmp/sweep
+
+Every arm is the base config (with its `--config.` overrides) plus the arm's own overrides. The members of
+an arm — every lr × seed — train together, stacked and vmapped through the project's own train step
+(`dsjax.train.population`): member k is the run `python -m dsjax.main --config.optimizer.lr=LR_k
+--config.seed=SEED_k` with the sweep's splits. Arms run one after another. The lr is chosen per arm on
+the selection split, extended past the grid's edge where the best lr lies on it, and the chosen lr's
+seeds are reported on a split the choice never saw (`dsjax.train.protocol`). Each finished (arm, lr) is
+written under OUT at once, so rerunning the command resumes. Outputs: OUT/results.json, OUT/summary.md,
+OUT/lr_curves.png (docs/sweeps.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from typing import Any
+
+import matplotlib
+import numpy as np
+from absl import flags, logging
+from ml_collections import config_flags
+from ml_collections.config_flags import config_path
+
+from dsjax import data as data_lib
+from dsjax.train import cli, history, population, protocol
+from dsjax.train import config as config_lib
+
+matplotlib.use('Agg')
+from matplotlib import pyplot as plt  # noqa: E402 (after the non-interactive backend is chosen)
+
+
+def _define_flags():
+  # Defined only when run as a program, so that importing dsjax.sweep (tests, other tools with flags of
+  # the same names) defines no absl flags.
+  config_flags.DEFINE_config_file(
+    'config',
+    None,
+    'Path to a config file (configs/*.py); --config.KEY=VALUE overrides apply to every arm.',
+    lock_config=True,
+  )
+  flags.DEFINE_string('lrs', None, 'Peak learning rates of the grid, comma-separated (e.g. 1e-3,3e-3).')
+  flags.DEFINE_string('seeds', '0,1,2', 'Seeds of every lr, comma-separated non-negative integers.')
+  flags.DEFINE_multi_string(
+    'arm',
+    [],
+    'NAME:KEY=VALUE,KEY=VALUE: an arm, the base config with these config overrides (NAME: alone is the '
+    "base config). Repeatable. None given: one arm 'base'.",
+  )
+  flags.DEFINE_string('baseline', None, 'The arm the others are compared with (default: the first).')
+  flags.DEFINE_string('out', None, 'Directory of the results; rerunning the same command resumes there.')
+  flags.DEFINE_integer(
+    'max_extend', 2, 'How many lrs an arm may add beyond each edge of the grid when its best lr lies there.'
+  )
+  flags.DEFINE_string('train_split', None, 'Split to train on (default: per dataset, docs/sweeps.md).')
+  flags.DEFINE_string('select_split', None, 'Split the lr is chosen on (default: per dataset).')
+  flags.DEFINE_string('report_split', None, 'Split the results are reported on (default: per dataset).')
+  flags.mark_flags_as_required(['config', 'lrs', 'out'])
+
+
+# Keys the sweep sets itself: the grid's axes and the protocol's splits.
+SWEEP_KEYS = ('optimizer.lr', 'seed', 'data.train_split', 'data.eval_split')
+METRICS = ('eval/loss', 'eval/accuracy')  # reported where the model has them
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  changes: dict[str, Any]  # the arm's overrides, as parsed
+  config: Any  # the base config with the overrides and the sweep's splits
+
+
+# ------------------------------------------------------------------------------------------------
+# Checking the command line (everything before anything is written).
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_lrs(text: str) -> list[float]:
+  try:
+    lrs = [float(x) for x in text.split(',')]
+  except ValueError:
+    lrs = []
+  if not lrs or any(not math.isfinite(lr) or lr <= 0 for lr in lrs) or len(set(lrs)) < len(lrs):
+    raise ValueError(f'--lrs must be distinct positive numbers separated by commas, got {text!r}')
+  return sorted(lrs)
+
+
+def parse_seeds(text: str) -> list[int]:
+  try:
+    seeds = [int(x) for x in text.split(',')]
+  except ValueError:
+    seeds = []
+  if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) < len(seeds):
+    raise ValueError(f'--seeds must be distinct non-negative integers separated by commas, got {text!r}')
+  return seeds
+
+
+def _parse_value(config, key: str, text: str) -> Any:
+  """`text` as a value of the config field `key`, as a `--config.KEY=text` override would parse it."""
+  kind = config_path.get_type(key, config)
+  if text == 'None':
+    return None
+  if kind is bool:
+    return flags.BooleanParser().parse(text)
+  if kind is int:
+    return flags.IntegerParser().parse(text)
+  if kind is float:
+    return flags.FloatParser().parse(text)
+  if kind is str:
+    return text
+  try:  # Tuples and other literals, as config_flags reads them; else the text itself.
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def parse_arm(spec: str, base) -> Arm:
+  """`NAME:KEY=VALUE,KEY=VALUE` → an Arm; ValueErrors name the arm and the key."""
+  name, _, body = spec.partition(':')
+  if not re.fullmatch(r'[A-Za-z0-9_.-]+', name):
+    raise ValueError(f'--arm={spec}: the name must be letters, digits, _ . - followed by ":", got {name!r}')
+  config = copy.deepcopy(base)
+  changes = {}
+  for item in re.split(r',(?=[\w.]+=)', body) if body else []:
+    key, eq, text = item.partition('=')
+    if not eq or not key:
+      raise ValueError(f'--arm={name}: {item!r} is not KEY=VALUE')
+    if key in SWEEP_KEYS:
+      raise ValueError(f'--arm={name}: {key} is set by the sweep (--lrs, --seeds, the split flags)')
+    try:
+      value = _parse_value(config, key, text)
+      config_path.set_value(key, config, value)
+    except (KeyError, AttributeError):
+      raise ValueError(f'--arm={name}: the config has no key {key!r}') from None
+    except (TypeError, ValueError, flags.Error) as e:
+      raise ValueError(f'--arm={name}: {key}={text}: {e}') from None
+    changes[key] = value
+  return Arm(name, changes, config)
+
+
+def _with_splits(config, splits: dict[str, str]):
+  config = copy.deepcopy(config)
+  config.data.train_split, config.data.eval_split = splits['train'], splits['select']
+  return config
+
+
+def check_arm(arm: Arm) -> None:
+  """Every check `python -m dsjax.main` makes before training, named by the arm."""
+  try:
+    validated = config_lib.validate_config(arm.config, num_devices=1)
+    config_lib.validate_against_data(arm.config, data_lib.dataset_info(validated.data))
+  except ValueError as e:
+    raise ValueError(f'--arm={arm.name}: {e}') from None
+
+
+def sweep_splits(base, given: dict[str, str | None]) -> dict[str, str]:
+  """The per-dataset default splits (`protocol.default_splits`) with the split flags' overrides
+  (`given`: {'train', 'select', 'report'}, None where not given)."""
+  data = config_lib.validate_config(base, num_devices=1).data
+  info = data_lib.dataset_info(data)
+  splits = protocol.default_splits(info.num_examples)
+  splits.update({k: v for k, v in given.items() if v})
+  if len(set(splits.values())) < 3:
+    raise ValueError(f'--train_split, --select_split and --report_split must differ, got {splits}')
+  for role, split in splits.items():  # Builds each pipeline once: a one-line error for a missing split.
+    data_lib.make_pipeline(
+      data, split=split, global_batch_size=1, process_index=0, process_count=1, train=role == 'train'
+    )
+  return splits
+
+
+def identity(base, arms: list[Arm], lrs, seeds, splits) -> dict[str, Any]:
+  """What a resumed sweep must share with the one in OUT."""
+  return json.loads(
+    json.dumps(
+      {
+        'config': base.to_dict(),
+        'arms': {a.name: a.changes for a in arms},
+        'lrs': lrs,
+        'seeds': seeds,
+        'splits': splits,
+      },
+      default=str,
+    )
+  )
+
+
+# ------------------------------------------------------------------------------------------------
+# Files under OUT, each written whole (a temporary file renamed over it).
+# ------------------------------------------------------------------------------------------------
+
+
+def write_atomically(path: str, text: str) -> None:
+  with open(path + '.tmp', 'w') as f:
+    f.write(text)
+  os.replace(path + '.tmp', path)
+
+
+def lr_path(out: str, arm: str, lr: float) -> str:
+  return os.path.join(out, 'arms', arm, f'lr_{lr:.6e}.json')
+
+
+def finished_lrs(out: str, arm: str) -> dict[float, dict]:
+  """{lr: its record} of the arm's finished lrs."""
+  directory = os.path.join(out, 'arms', arm)
+  found = {}
+  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+    if name.startswith('lr_') and name.endswith('.json'):
+      with open(os.path.join(directory, name)) as f:
+        record = json.load(f)
+      found[record['lr']] = record
+  return found
+
+
+def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def config_diff(base, config) -> dict[str, Any]:
+  """{key: value} of `config` where it differs from `base`."""
+  a, b = _flat(base.to_dict()), _flat(config.to_dict())
+  return {k: b.get(k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Training an arm: its grid together, then one lr at a time beyond an edge the best lr lies on.
+# ------------------------------------------------------------------------------------------------
+
+
+class Progress:
+  """Progress lines with the estimated time left for the arm and the whole sweep, from the member-steps
+  trained so far in this process and their wall time (compilation included)."""
+
+  def __init__(self, planned_member_steps: int):
+    self.planned = planned_member_steps  # grows when an arm extends its grid
+    self.done = 0
+    self.seconds = 0.0
+
+  def eta(self, remaining: int) -> str:
+    return f'{remaining * self.seconds / self.done:.0f}s' if self.done else '?'
+
+  def reporter(self, arm: str, num_members: int, total_steps: int, arm_left: int):
+    start_done, start_seconds = self.done, self.seconds
+
+    def report(step, losses_K, seconds):
+      self.done, self.seconds = start_done + step * num_members, start_seconds + seconds
+      left_here = arm_left - step * num_members
+      finite = losses_K[np.isfinite(losses_K)]
+      loss = f'{finite.min():.3f}–{finite.max():.3f}' if finite.size else 'none finite'
+      logging.info(
+        'arm %s: step %d/%d of %d members, train loss %s; ETA arm %s, sweep %s',
+        arm,
+        step,
+        total_steps,
+        num_members,
+        loss,
+        self.eta(left_here),
+        self.eta(self.planned - self.done),
+      )
+
+    return report
+
+
+def train_lrs(out: str, base, arm: Arm, lrs: list[float], seeds: list[int], splits, progress: Progress):
+  """Trains the arm's `lrs` × `seeds` together and writes each lr's record."""
+  config = arm.config
+  members = population.grid(lrs, seeds)
+  steps = config.total_steps
+  eval_steps = range(config.eval_every, steps, config.eval_every)
+  report = progress.reporter(arm.name, len(members), steps, len(members) * steps)
+  result = population.train(
+    config,
+    members,
+    eval_steps=eval_steps,
+    report_split=splits['report'],
+    log_every=config.log_every,
+    progress=report,
+    verbose=False,
+  )
+  os.makedirs(os.path.join(out, 'arms', arm.name), exist_ok=True)
+  for lr in lrs:
+    records = []
+    for r in result['members']:
+      if r['lr'] != lr:
+        continue
+      member = copy.deepcopy(config)
+      member.optimizer.lr, member.seed = lr, r['seed']
+      records.append(
+        {
+          'seed': r['seed'],
+          'lr': lr,
+          'config_diff': config_diff(base, member),
+          'diverged': r['diverged'],
+          'nonfinite_steps': r['nonfinite_steps'],
+          'train_loss': r['train_loss'],
+          'eval_curve': [(step, m['eval/loss']) for step, m in sorted(r['eval'].items())],
+          'select': r['final'],
+          'report': r['report'],
+          'seconds': result['seconds'],
+        }
+      )
+    record = {'arm': arm.name, 'lr': lr, 'members_trained_together': len(members), 'members': records}
+    write_atomically(lr_path(out, arm.name, lr), json.dumps(record, indent=1, default=float))
+  logging.info(
+    'arm %s: lr %s finished (%.0fs for %d members)', arm.name, _lrs(lrs), result['seconds'], len(members)
+  )
+
+
+def _lrs(lrs) -> str:
+  return ', '.join(f'{lr:.3g}' for lr in sorted(lrs))
+
+
+def _scores(records: dict[float, dict]) -> dict[float, list[float]]:
+  return {
+    lr: [protocol.member_score(m['select']['eval/loss'], m['diverged']) for m in r['members']]
+    for lr, r in records.items()
+  }
+
+
+def run_arm(out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progress) -> dict[float, dict]:
+  """The arm's records by lr once its grid is trained and extended as far as the protocol asks."""
+  done = finished_lrs(out, arm.name)
+  if done:
+    where = os.path.join(out, 'arms', arm.name)
+    logging.info('arm %s: lr %s finished earlier, skipped (%s)', arm.name, _lrs(done), where)
+    progress.planned -= sum(arm.config.total_steps * len(seeds) for lr in lrs if lr in done)
+  todo = [lr for lr in lrs if lr not in done]
+  if todo:
+    train_lrs(out, base, arm, todo, seeds, splits, progress)
+  while True:
+    done = finished_lrs(out, arm.name)
+    best = protocol.select(protocol.lr_means(_scores(done)))
+    beyond = protocol.next_lr(lrs, done, best, max_extend)
+    if beyond is None:
+      return done
+    logging.info(
+      'arm %s: best lr %.3g is at the edge of %s; training lr %.3g', arm.name, best, _lrs(done), beyond
+    )
+    progress.planned += arm.config.total_steps * len(seeds)
+    train_lrs(out, base, arm, [beyond], seeds, splits, progress)
+
+
+# ------------------------------------------------------------------------------------------------
+# Results: the protocol's numbers, results.json, summary.md and lr_curves.png.
+# ------------------------------------------------------------------------------------------------
+
+
+def arm_result(arm: Arm, records: dict[float, dict]) -> dict[str, Any]:
+  means = protocol.lr_means(_scores(records))
+  best = protocol.select(means)
+  chosen = records[best]['members']
+  report = {
+    key: protocol.spread([m['report'][key] for m in chosen]) for key in METRICS if key in chosen[0]['report']
+  }
+  return {
+    'name': arm.name,
+    'changes': arm.changes,
+    'lrs': sorted(records),
+    'lr_means': {f'{lr:.6e}': mean for lr, mean in means.items()},
+    'selected_lr': best,
+    'settled': protocol.settled(records, best),
+    'lr_status': 'settled' if protocol.settled(records, best) else 'UNSETTLED',
+    'report': report,
+    'members': [m for lr in sorted(records) for m in records[lr]['members']],
+  }
+
+
+def compare(results: list[dict], baseline: str) -> None:
+  """Adds each arm's difference to the baseline arm (report split) with its 95% Welch interval."""
+  base = next(r for r in results if r['name'] == baseline)
+  for r in results:
+    r['vs_baseline'] = {
+      key: protocol.welch_interval(r['report'][key]['values'], base['report'][key]['values'])
+      for key in r['report']
+      if key in base['report']
+    }
+
+
+def _number(x: float) -> str:
+  return f'{x:.4f}' if math.isfinite(x) else str(x)
+
+
+def summary(command: str, results: list[dict], baseline: str, splits, seeds, lrs, steps) -> str:
+  lines = [
+    '# Sweep',
+    '',
+    f'Command: `{command}`',
+    '',
+    f'Splits: trained on `{splits["train"]}`; the lr is selected on `{splits["select"]}` (mean eval loss '
+    f'over seeds, a diverged seed counts as +inf); results are reported on `{splits["report"]}`, which the '
+    'selection never saw.',
+    f'Steps: {steps}. Grid: lr {_lrs(lrs)}, seeds {", ".join(map(str, seeds))} (each seed draws the '
+    'initialisation, the data order and the dropout masks).',
+    '',
+    '## Arms',
+    '',
+    '| arm | changes to the base config |',
+    '|---|---|',
+  ]
+  for r in results:
+    changes = ', '.join(f'`{k}={v}`' for k, v in r['changes'].items()) or '(none)'
+    lines.append(f'| {r["name"]}{" (baseline)" if r["name"] == baseline else ""} | {changes} |')
+  all_lrs = sorted({lr for r in results for lr in r['lrs']})
+  lines += [
+    '',
+    f'## Learning-rate curves: mean eval loss on `{splits["select"]}` over seeds',
+    '',
+    '| arm | ' + ' | '.join(f'{lr:.3g}' for lr in all_lrs) + ' |',
+    '|---|' + '---|' * len(all_lrs),
+  ]
+  for r in results:
+    cells = []
+    for lr in all_lrs:
+      mean = r['lr_means'].get(f'{lr:.6e}')
+      cell = '' if mean is None else _number(mean)
+      cells.append(f'**{cell}**' if lr == r['selected_lr'] else cell)
+    lines.append(f'| {r["name"]} | ' + ' | '.join(cells) + ' |')
+  lines += [
+    '',
+    f'## Results on `{splits["report"]}` at the selected lr',
+    '',
+    "mean ± sample sd (min–max) over n seeds; Δ: mean minus the baseline's, with a 95% Welch interval "
+    '(unequal variances, Welch–Satterthwaite degrees of freedom; within an arm the seeds are independent '
+    'draws, across arms seed s shares its data order, which makes the interval err on the wide side). An '
+    'UNSETTLED lr is at the edge of the grid after its extensions: the optimum may lie beyond it.',
+    '',
+  ]
+  keys = [k for k in METRICS if any(k in r['report'] for r in results)]
+  lines.append('| arm | selected lr | ' + ' | '.join(f'{k} | Δ {k} [95% CI]' for k in keys) + ' | n |')
+  lines.append('|---|---|' + '---|---|' * len(keys) + '---|')
+  for r in results:
+    lr = f'{r["selected_lr"]:.3g}' + ('' if r['settled'] else ' UNSETTLED')
+    cells = []
+    for k in keys:
+      s, d = r['report'][k], r['vs_baseline'].get(k)
+      cells.append(f'{_number(s["mean"])} ± {_number(s["sd"])} ({_number(s["min"])}–{_number(s["max"])})')
+      if r['name'] == baseline:
+        cells.append('—')
+      elif d is None:
+        cells.append('(needs ≥ 2 seeds)')
+      else:
+        cells.append(f'{d["difference"]:+.4f} [{d["low"]:+.4f}, {d["high"]:+.4f}]')
+    n = r['report']['eval/loss']['n']
+    lines.append(f'| {r["name"]} | {lr} | ' + ' | '.join(cells) + f' | {n} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot(path: str, results: list[dict], splits) -> None:
+  """Selection-split eval loss against lr per arm: the mean over seeds (line) and each seed (points)."""
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in results:
+    lrs = sorted({m['lr'] for m in r['members']})
+    means = [r['lr_means'][f'{lr:.6e}'] for lr in lrs]
+    line = ax.plot(lrs, [m if math.isfinite(m) else np.nan for m in means], marker='o', label=r['name'])[0]
+    finite = [(m['lr'], m['select']['eval/loss']) for m in r['members'] if not m['diverged']]
+    if finite:
+      ax.scatter(*zip(*finite), s=10, alpha=0.5, color=line.get_color())
+  ax.set_title('lines: mean over seeds (diverged: left out); points: each seed', fontsize=9)
+  ax.set_xscale('log')
+  ax.set_xlabel('peak learning rate')
+  ax.set_ylabel(f'eval loss on {splits["select"]}')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_outputs(out, command, base, results, baseline, splits, seeds, lrs) -> None:
+  compare(results, baseline)
+  steps = sorted(
+    {m['config_diff'].get('total_steps', base.total_steps) for r in results for m in r['members']}
+  )
+  document = {
+    'command': command,
+    'splits': splits,
+    'lrs': lrs,
+    'seeds': seeds,
+    'baseline': baseline,
+    'arms': results,
+  }
+  write_atomically(os.path.join(out, 'results.json'), json.dumps(document, indent=1, default=float))
+  write_atomically(
+    os.path.join(out, 'summary.md'),
+    summary(command, results, baseline, splits, seeds, lrs, ', '.join(map(str, steps))),
+  )
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A checked command line."""
+
+  base: Any
+  arms: list[Arm]
+  lrs: list[float]
+  seeds: list[int]
+  splits: dict[str, str]
+  baseline: str
+  max_extend: int
+  out: str
+  command: str
+
+
+def check(args) -> Plan:
+  """Every check of the command line, before anything is written; one-line ValueErrors."""
+  base, out = args.config, args.out
+  lrs, seeds = parse_lrs(args.lrs), parse_seeds(args.seeds)
+  if args.max_extend < 0:
+    raise ValueError(f'--max_extend must be a non-negative integer, got {args.max_extend}')
+  cli.check_output_dir('--out', out)
+  history.check_not_a_run('--out', out)
+  config_lib.validate_config(base, num_devices=1)
+  given = {'train': args.train_split, 'select': args.select_split, 'report': args.report_split}
+  splits = sweep_splits(base, given)
+  arms = [parse_arm(spec, base) for spec in args.arm or ['base:']]
+  names = [a.name for a in arms]
+  if len(set(names)) < len(names):
+    raise ValueError(f'--arm names must differ, got {names}')
+  baseline = args.baseline or names[0]
+  if baseline not in names:
+    raise ValueError(f'--baseline={baseline} is not an arm; the arms are {names}')
+  arms = [dataclasses.replace(a, config=_with_splits(a.config, splits)) for a in arms]
+  for arm in arms:
+    check_arm(arm)
+  command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
+  return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, out, command)
+
+
+def run(plan: Plan) -> list[dict]:
+  """Trains what OUT does not hold yet, arm by arm, and writes the outputs; the arms' results."""
+  out = plan.out
+  this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
+  sweep_path = os.path.join(out, 'sweep.json')
+  if os.path.exists(sweep_path):
+    with open(sweep_path) as f:
+      if json.load(f) != this_sweep:
+        raise ValueError(
+          f'--out={out} holds another sweep (its base config, arms, grid or splits differ); '
+          'rerun that command to resume it, or name another --out'
+        )
+  cli.create_output_dir('--out', out)
+  write_atomically(sweep_path, json.dumps(this_sweep, indent=1))
+
+  logging.info(
+    'Sweep of %d arms × lr %s × seeds %s; splits %s', len(plan.arms), _lrs(plan.lrs), plan.seeds, plan.splits
+  )
+  progress = Progress(sum(a.config.total_steps for a in plan.arms) * len(plan.lrs) * len(plan.seeds))
+  results = []
+  for arm in plan.arms:
+    records = run_arm(out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress)
+    r = arm_result(arm, records)
+    results.append(r)
+    logging.info(
+      'arm %s: selected lr %.3g%s; eval loss on %s %.4f ± %.4f over %d seeds',
+      arm.name,
+      r['selected_lr'],
+      '' if r['settled'] else ' UNSETTLED (at the edge of the grid)',
+      plan.splits['report'],
+      r['report']['eval/loss']['mean'],
+      r['report']['eval/loss']['sd'],
+      len(plan.seeds),
+    )
+  write_outputs(out, plan.command, plan.base, results, plan.baseline, plan.splits, plan.seeds, plan.lrs)
+  plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
+  written = ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
+  logging.info('Wrote %s', written)
+  return results
+
+
+def main(argv):
+  del argv
+  run(check(flags.FLAGS))
+
+
+if __name__ == '__main__':
+  _define_flags()
+  cli.run(main)

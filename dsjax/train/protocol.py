@@ -1,0 +1,112 @@
+"""The comparison protocol of `python -m dsjax.sweep`: choose on one split, report on another.
+
+Every arm of a comparison trains the same grid of peak learning rates, each with the same seeds (a seed
+draws the initialisation, the data order and the dropout masks, independently of the other seeds). The
+learning rate is chosen per arm on the selection split and the chosen runs are reported on a split the
+choice never saw, so that the choice's luck does not flatter the arm (the winner's curse of picking the
+best of several noisy runs on the data they are scored on):
+
+  * `lr_means`/`select`: an lr's score is the mean over seeds of the selection split's eval loss; a
+    diverged member counts as +inf, so an lr with any diverged seed is never preferred over a finite one;
+    the selected lr is the argmin (ties, e.g. every lr diverged, go to the smaller lr).
+  * `next_lr`/`settled`: a selected lr at the edge of the trained grid says the optimum may lie beyond
+    it; the grid is extended by one more lr in that direction (the same ratio as the neighbouring step),
+    at most `max_extend` times per direction. An lr still at an edge after that is UNSETTLED.
+  * `spread`/`welch_interval`: the report split's metric at the selected lr, as mean, sample sd, min and
+    max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval.
+
+Pure functions of numbers (numpy and scipy), tested against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+
+# How much of the training split the selection split takes where a dataset has only 'train' and 'test'.
+VALIDATION_FRACTION_PERCENT = 20
+
+
+def default_splits(split_names: Collection[str]) -> dict[str, str]:
+  """{'train', 'select', 'report'} splits of a dataset with `split_names`: 'validation' selects and
+  'test' reports where both exist; with 'validation' only, its first half selects and its second half
+  reports; with 'test' only, the last 20% of 'train' selects (training uses the rest) and 'test'
+  reports. Halves and fractions are TFDS slices over the stored examples, so they are deterministic."""
+  names = set(split_names)
+  if 'train' not in names or not names & {'validation', 'test'}:
+    raise ValueError(
+      f"the sweep needs a 'train' split and a 'validation' or 'test' split; found {sorted(names)}"
+    )
+  if {'validation', 'test'} <= names:
+    return {'train': 'train', 'select': 'validation', 'report': 'test'}
+  if 'validation' in names:
+    return {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}
+  keep = 100 - VALIDATION_FRACTION_PERCENT
+  return {'train': f'train[:{keep}%]', 'select': f'train[{keep}%:]', 'report': 'test'}
+
+
+def member_score(loss: float, diverged: bool) -> float:
+  """A member's selection score: its eval loss, +inf if it diverged or the loss is not finite."""
+  return math.inf if diverged or not math.isfinite(loss) else float(loss)
+
+
+def lr_means(scores: Mapping[float, Sequence[float]]) -> dict[float, float]:
+  """{lr: mean of its members' scores} (+inf when any score is)."""
+  return {lr: float(np.mean(np.asarray(s, np.float64))) for lr, s in sorted(scores.items())}
+
+
+def select(means: Mapping[float, float]) -> float:
+  """The lr of the lowest mean; ties to the smaller lr."""
+  lrs = sorted(means)
+  return lrs[int(np.argmin([means[lr] for lr in lrs]))]
+
+
+def next_lr(grid: Sequence[float], trained: Collection[float], best: float, max_extend: int) -> float | None:
+  """The lr to train next when `best` lies at an edge of the `trained` lrs: one step beyond that edge,
+  with the ratio of the edge's neighbouring step, unless the edge has been extended past the original
+  `grid` `max_extend` times already (or fewer than two lrs give no step). None: nothing to train."""
+  lrs = sorted(trained)
+  if len(lrs) < 2 or lrs[0] < best < lrs[-1]:
+    return None
+  if best == lrs[0]:
+    extended = sum(lr < min(grid) for lr in lrs)
+    return lrs[0] * (lrs[0] / lrs[1]) if extended < max_extend else None
+  extended = sum(lr > max(grid) for lr in lrs)
+  return lrs[-1] * (lrs[-1] / lrs[-2]) if extended < max_extend else None
+
+
+def settled(trained: Collection[float], best: float) -> bool:
+  """Whether `best` has a trained lr on both sides."""
+  return min(trained) < best < max(trained)
+
+
+def spread(values: Sequence[float]) -> dict[str, float | int | list[float]]:
+  """n, mean, sample sd (ddof 1; 0 for one value), min, max and the values."""
+  v = np.asarray(values, np.float64)
+  return {
+    'n': int(v.size),
+    'mean': float(v.mean()),
+    'sd': float(v.std(ddof=1)) if v.size > 1 else 0.0,
+    'min': float(v.min()),
+    'max': float(v.max()),
+    'values': v.tolist(),
+  }
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> dict[str, float] | None:
+  """mean(a) − mean(b) with its `level` confidence interval by Welch's t (unequal variances; degrees of
+  freedom by the Welch–Satterthwaite equation), for independent samples a and b; None when either has
+  fewer than two values. Identical values on both sides give a zero-width interval."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.size < 2 or b.size < 2:
+    return None
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  difference, se = float(a.mean() - b.mean()), float(math.sqrt(va + vb))
+  if se == 0.0:
+    return {'difference': difference, 'low': difference, 'high': difference, 'se': 0.0, 'df': math.inf}
+  df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+  half = float(stats.t.ppf(0.5 + level / 2, df)) * se
+  return {'difference': difference, 'low': difference - half, 'high': difference + half, 'se': se, 'df': df}

@@ -1,0 +1,216 @@
+"""`python -m dsjax.sweep`: the protocol's flow over arms (edge extension, resuming, the outputs) with a
+stand-in trainer, and end to end: members equal to `python -m dsjax.main` runs, a killed sweep resumed."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from dsjax import sweep
+from tests.helpers import REPO_ROOT, tiny_config
+
+
+def _args(out, **overrides):
+  args = dict(
+    config=tiny_config('gpt'),
+    out=str(out),
+    lrs='1e-3,3e-3',
+    seeds='0,1',
+    arm=['a:', 'b:model.depth=3'],
+    baseline=None,
+    max_extend=2,
+    train_split=None,
+    select_split=None,
+    report_split=None,
+  )
+  args.update(overrides)
+  return types.SimpleNamespace(**args)
+
+
+class StandInTrainer:
+  """population.train with the losses of a known lr curve, lowest at lr 1e-2 (arm 'b' a little higher);
+  lr 1 diverges. Records which lrs it was asked for."""
+
+  def __init__(self):
+    self.calls = []
+
+  def __call__(self, config, members, *, report_split, **kwargs):
+    self.calls.append(sorted({m.lr for m in members}))
+    records = []
+    for m in members:
+      loss = (math.log10(m.lr) + 2) ** 2 + 0.01 * m.seed + 0.1 * (config.model.depth - 2)
+      metrics = {'eval/loss': loss if m.lr < 1 else math.nan}
+      records.append(
+        {
+          'lr': m.lr,
+          'seed': m.seed,
+          'diverged': m.lr >= 1,
+          'nonfinite_steps': int(m.lr >= 1),
+          'train_loss': [(config.total_steps, loss)],
+          'eval': {config.total_steps: metrics},
+          'final': metrics,
+          'report': {'eval/loss': loss + 0.5},
+        }
+      )
+    return {'members': records, 'seconds': 0.0}
+
+
+@pytest.fixture
+def trainer(monkeypatch):
+  stand_in = StandInTrainer()
+  monkeypatch.setattr(sweep.population, 'train', stand_in)
+  return stand_in
+
+
+def test_edge_extension_settles_the_lr_and_the_outputs_say_so(tmp_path, trainer):
+  results = sweep.run(sweep.check(_args(tmp_path)))
+  # Grid 1e-3, 3e-3: the best is at the top edge twice (3e-3, then 9e-3 of 1e-3, 3e-3, 9e-3); with 2.7e-2
+  # it lies inside.
+  assert trainer.calls == [[1e-3, 3e-3], [pytest.approx(9e-3)], [pytest.approx(2.7e-2)]] * 2
+  for r in results:
+    assert r['selected_lr'] == pytest.approx(9e-3) and r['settled']
+  b = results[1]
+  assert b['report']['eval/loss']['mean'] == pytest.approx((math.log10(9e-3) + 2) ** 2 + 0.005 + 0.6)
+  assert b['vs_baseline']['eval/loss']['difference'] == pytest.approx(0.1)
+  assert b['changes'] == {'model.depth': 3}
+  document = json.loads((tmp_path / 'results.json').read_text())
+  member = document['arms'][1]['members'][0]
+  assert member['config_diff'] == {
+    'data.eval_split': 'validation[:50%]',
+    'data.train_split': 'train',
+    'model.depth': 3,
+    'optimizer.lr': 1e-3,
+  }
+  summary = (tmp_path / 'summary.md').read_text()
+  assert 'selected on `validation[:50%]`' in summary and 'reported on `validation[50%:]`' in summary
+  assert '`model.depth=3`' in summary and 'UNSETTLED |' not in summary
+  assert (tmp_path / 'lr_curves.png').stat().st_size > 0
+
+
+def test_an_lr_still_at_the_edge_after_max_extend_is_unsettled(tmp_path, trainer):
+  results = sweep.run(sweep.check(_args(tmp_path, max_extend=1, arm=[])))
+  assert trainer.calls == [[1e-3, 3e-3], [pytest.approx(9e-3)]]
+  assert results[0]['name'] == 'base' and not results[0]['settled']
+  assert '| 0.009 UNSETTLED |' in (tmp_path / 'summary.md').read_text()
+
+
+def test_a_diverged_lr_is_never_selected(tmp_path, trainer):
+  results = sweep.run(sweep.check(_args(tmp_path, lrs='1e-2,1', max_extend=0, arm=[])))
+  assert results[0]['selected_lr'] == 1e-2
+  assert results[0]['lr_means']['1.000000e+00'] == math.inf
+
+
+def test_a_rerun_trains_nothing_finished_and_refuses_another_sweep(tmp_path, trainer, caplog):
+  sweep.run(sweep.check(_args(tmp_path)))
+  files = {p: p.stat().st_mtime_ns for p in (tmp_path / 'arms').rglob('*.json')}
+  trainer.calls.clear()
+  with caplog.at_level('INFO'):
+    sweep.run(sweep.check(_args(tmp_path)))
+  assert trainer.calls == []
+  assert 'arm a: lr 0.001, 0.003, 0.009, 0.027 finished earlier, skipped' in caplog.text
+  assert {p: p.stat().st_mtime_ns for p in (tmp_path / 'arms').rglob('*.json')} == files
+  with pytest.raises(ValueError, match='holds another sweep'):
+    sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: the command itself.
+# ------------------------------------------------------------------------------------------------
+
+TINY = [
+  '--config=configs/gpt_preln.py',
+  '--config.model.depth=2',
+  '--config.model.width=32',
+  '--config.model.num_heads=2',
+  '--config.model.scan_unroll=1',
+  '--config.data.seq_len=32',
+  '--config.batch_size=8',
+  '--config.eval_batch_size=64',
+  '--config.total_steps=4',
+  '--config.eval_every=2',
+  '--config.log_every=2',
+  '--config.optimizer.warmup_steps=1',
+]
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS='cpu')
+
+
+def _command(tool: str, *args: str) -> list[str]:
+  return [sys.executable, '-m', f'dsjax.{tool}', *TINY, *args]
+
+
+def _members(out) -> dict[tuple[str, float, int], dict]:
+  document = json.loads((out / 'results.json').read_text())
+  return {(a['name'], m['lr'], m['seed']): m for a in document['arms'] for m in a['members']}
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: one sweep, then two dsjax.main runs.
+def test_members_are_the_runs_of_dsjax_main(tmp_path):
+  out = tmp_path / 'sweep'
+  arms = ['--arm=pre:', '--arm=post:model.block=postln']
+  subprocess.run(
+    _command('sweep', '--lrs=1e-3,3e-3', '--seeds=0,1', *arms, '--max_extend=0', f'--out={out}'),
+    cwd=REPO_ROOT,
+    env=_env(),
+    check=True,
+    capture_output=True,
+  )
+  members = _members(out)
+  assert len(members) == 8 and len({m['select']['eval/loss'] for m in members.values()}) == 8
+  # One member of each arm, lr and seed, on the selection split and on the report split.
+  for (arm, lr, seed), split, key in (
+    (('pre', 1e-3, 0), 'validation[:50%]', 'select'),
+    (('post', 3e-3, 1), 'validation[50%:]', 'report'),
+  ):
+    workdir = tmp_path / f'{arm}_{lr}_{seed}'
+    block = ['--config.model.block=postln'] if arm == 'post' else []
+    subprocess.run(
+      _command(
+        'main',
+        *block,
+        f'--config.optimizer.lr={lr}',
+        f'--config.seed={seed}',
+        '--config.data.train_split=train',
+        f'--config.data.eval_split={split}',
+        f'--workdir={workdir}',
+      ),
+      cwd=REPO_ROOT,
+      env=_env(),
+      check=True,
+      capture_output=True,
+    )
+    lines = (workdir / 'metrics.jsonl').read_text().splitlines()
+    final = [json.loads(line) for line in lines if 'eval/loss' in line][-1]
+    np.testing.assert_allclose(members[arm, lr, seed][key]['eval/loss'], final['eval/loss'], atol=2e-5)
+  summary = (out / 'summary.md').read_text()
+  assert summary.count(' UNSETTLED |') == 2 and '`model.block=postln`' in summary
+
+
+@pytest.mark.slow  # ~1 min on 2 cores.
+def test_a_killed_sweep_resumes_after_its_finished_arm(tmp_path):
+  out = tmp_path / 'sweep'
+  command = _command('sweep', '--lrs=1e-3', '--seeds=0', '--arm=a:', '--arm=b:model.depth=3', f'--out={out}')
+  proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+  for line in proc.stderr:  # Killed as soon as arm a is written, while arm b compiles.
+    if 'arm a: lr 0.001 finished' in line:
+      proc.send_signal(signal.SIGKILL)
+      break
+  proc.wait(timeout=60)
+  arm_a = out / 'arms' / 'a' / 'lr_1.000000e-03.json'
+  written = (arm_a.read_bytes(), arm_a.stat().st_mtime_ns)
+  assert not (out / 'arms' / 'b').exists() and not (out / 'results.json').exists()
+
+  rerun = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  assert rerun.returncode == 0, rerun.stderr
+  assert 'arm a: lr 0.001 finished earlier, skipped' in rerun.stderr
+  assert 'arm a: step' not in rerun.stderr and 'arm b: step' in rerun.stderr
+  assert (arm_a.read_bytes(), arm_a.stat().st_mtime_ns) == written
+  assert set(a for a, _, _ in _members(out)) == {'a', 'b'}

@@ -1,0 +1,111 @@
+"""The comparison protocol: splits, selection, edge extension and the statistics, against hand-computed
+values."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dsjax.train import protocol
+
+
+def test_default_splits_per_dataset():
+  # python_stdlib, text:GLOB: all three splits.
+  assert protocol.default_splits(['train', 'validation', 'test']) == {
+    'train': 'train',
+    'select': 'validation',
+    'report': 'test',
+  }
+  # python_docs_bytes: validation only, halved.
+  assert protocol.default_splits(['train', 'validation']) == {
+    'train': 'train',
+    'select': 'validation[:50%]',
+    'report': 'validation[50%:]',
+  }
+  # sklearn_digits: test only; the last 20% of train selects.
+  assert protocol.default_splits(['train', 'test']) == {
+    'train': 'train[:80%]',
+    'select': 'train[80%:]',
+    'report': 'test',
+  }
+  with pytest.raises(ValueError, match="needs a 'train' split"):
+    protocol.default_splits(['train'])
+
+
+def test_a_diverged_seed_makes_its_lr_lose_to_any_finite_one():
+  scores = {
+    1e-3: [protocol.member_score(2.0, False), protocol.member_score(2.2, False)],
+    3e-3: [protocol.member_score(1.0, False), protocol.member_score(1.1, True)],  # one seed diverged
+    1e-2: [protocol.member_score(float('nan'), False), protocol.member_score(0.5, False)],
+  }
+  means = protocol.lr_means(scores)
+  assert means == {1e-3: pytest.approx(2.1), 3e-3: math.inf, 1e-2: math.inf}
+  assert protocol.select(means) == 1e-3
+
+
+def test_ties_go_to_the_smaller_lr():
+  assert protocol.select({1e-2: math.inf, 1e-3: math.inf, 3e-3: math.inf}) == 1e-3
+  assert protocol.select({3e-3: 1.0, 1e-3: 1.0}) == 1e-3
+
+
+def test_edge_extension_steps_by_the_neighbouring_ratio_up_to_max_extend():
+  grid = [1e-3, 3e-3, 9e-3]
+  # Best at the lower edge: one step of the edge's ratio (3) below it.
+  assert protocol.next_lr(grid, grid, 1e-3, max_extend=2) == pytest.approx(1e-3 / 3)
+  # Best at the upper edge: above it.
+  assert protocol.next_lr(grid, grid, 9e-3, max_extend=2) == pytest.approx(2.7e-2)
+  # Inside: settled, nothing to train.
+  assert protocol.next_lr(grid, grid, 3e-3, max_extend=2) is None
+  assert protocol.settled(grid, 3e-3)
+  # Two extensions downwards already: the edge stays UNSETTLED.
+  trained = [1e-3 / 9, 1e-3 / 3, *grid]
+  assert protocol.next_lr(grid, trained, 1e-3 / 9, max_extend=2) is None
+  assert not protocol.settled(trained, 1e-3 / 9)
+  # ... but the other direction still has its own two.
+  assert protocol.next_lr(grid, trained, 9e-3, max_extend=2) == pytest.approx(2.7e-2)
+  assert protocol.next_lr(grid, grid, 1e-3, max_extend=0) is None
+  # One lr has no step to extend by.
+  assert protocol.next_lr([1e-3], [1e-3], 1e-3, max_extend=2) is None
+  assert not protocol.settled([1e-3], 1e-3)
+
+
+def test_spread_is_mean_sample_sd_min_max():
+  s = protocol.spread([1.0, 2.0, 4.0])
+  assert s['n'] == 3 and s['mean'] == pytest.approx(7 / 3)
+  assert s['sd'] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+  assert (s['min'], s['max']) == (1.0, 4.0)
+  assert protocol.spread([3.0])['sd'] == 0.0
+
+
+def test_welch_interval_equal_variances_by_hand():
+  # a = [1, 2, 3], b = [3, 4, 5]: difference −2, both variances 1, se = √(1/3 + 1/3), df = 4 exactly;
+  # t(0.975, 4) = 2.776445 (tables).
+  ci = protocol.welch_interval([1, 2, 3], [3, 4, 5])
+  half = 2.776445105 * math.sqrt(2 / 3)
+  assert ci['difference'] == pytest.approx(-2)
+  assert ci['df'] == pytest.approx(4)
+  assert (ci['low'], ci['high']) == (pytest.approx(-2 - half), pytest.approx(-2 + half))
+  # Two seeds each: a = [1, 3], b = [0, 2]: se = √2, df = 2, t(0.975, 2) = 4.302653.
+  ci = protocol.welch_interval([1, 3], [0, 2])
+  assert ci['df'] == pytest.approx(2)
+  assert ci['high'] - ci['difference'] == pytest.approx(4.302652730 * math.sqrt(2))
+
+
+def test_welch_interval_unequal_variances():
+  # a = [1, 2, 3]: mean 2, s² 1; b = [2, 4, 6, 8]: mean 5, s² 20/3. se² = 1/3 + 5/3 = 2;
+  # df = 2² / ((1/3)²/2 + (5/3)²/3) = 4 / (1/18 + 25/27) = 216/53.
+  ci = protocol.welch_interval([1, 2, 3], [2, 4, 6, 8])
+  assert ci['se'] == pytest.approx(math.sqrt(2))
+  assert ci['df'] == pytest.approx(216 / 53)
+  half = stats.t.ppf(0.975, 216 / 53) * math.sqrt(2)
+  assert (ci['low'], ci['high']) == (pytest.approx(-3 - half), pytest.approx(-3 + half))
+  # scipy's own Welch test gives the same interval.
+  reference = stats.ttest_ind([1, 2, 3], [2, 4, 6, 8], equal_var=False).confidence_interval(0.95)
+  np.testing.assert_allclose([ci['low'], ci['high']], [reference.low, reference.high], rtol=1e-12)
+
+
+def test_welch_interval_needs_two_seeds_and_allows_no_spread():
+  assert protocol.welch_interval([1.0], [1.0, 2.0]) is None
+  ci = protocol.welch_interval([1.0, 1.0], [0.5, 0.5])
+  assert (ci['low'], ci['difference'], ci['high']) == (0.5, 0.5, 0.5)
