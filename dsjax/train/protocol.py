@@ -13,7 +13,9 @@ best of several noisy runs on the data they are scored on):
     it; the grid is extended by one more lr in that direction (the same ratio as the neighbouring step),
     at most `max_extend` times per direction. An lr still at an edge after that is UNSETTLED.
   * `spread`/`welch_interval`: the report split's metric at the selected lr, as mean, sample sd, min and
-    max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval.
+    max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval;
+    `contrast_interval` the same for any linear combination of arms' means (e.g. a difference of
+    differences: whether one arm's optimizer penalty is smaller than another's).
 
 Pure functions of numbers (numpy and scipy), tested against hand-computed values.
 """
@@ -110,3 +112,24 @@ def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) 
   df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
   half = float(stats.t.ppf(0.5 + level / 2, df)) * se
   return {'difference': difference, 'low': difference - half, 'high': difference + half, 'se': se, 'df': df}
+
+
+def contrast_interval(
+  groups: Sequence[Sequence[float]], weights: Sequence[float], level: float = 0.95
+) -> dict[str, float] | None:
+  """Σ_i weights_i · mean(groups_i) with its `level` confidence interval for independent groups, the
+  Welch–Satterthwaite way: se² = Σ w_i² s_i²/n_i, df = se⁴ / Σ (w_i² s_i²/n_i)²/(n_i − 1). With
+  weights (1, −1) it is `welch_interval`. None when a group has fewer than two values."""
+  if len(groups) != len(weights):
+    raise ValueError(f'{len(groups)} groups but {len(weights)} weights')
+  arrays = [np.asarray(g, np.float64) for g in groups]
+  if any(g.size < 2 for g in arrays):
+    return None
+  parts = [w * w * g.var(ddof=1) / g.size for g, w in zip(arrays, weights)]
+  value = float(sum(w * g.mean() for g, w in zip(arrays, weights)))
+  se = float(math.sqrt(sum(parts)))
+  if se == 0.0:
+    return {'difference': value, 'low': value, 'high': value, 'se': 0.0, 'df': math.inf}
+  df = sum(parts) ** 2 / sum(p * p / (g.size - 1) for p, g in zip(parts, arrays) if p > 0)
+  half = float(stats.t.ppf(0.5 + level / 2, df)) * se
+  return {'difference': value, 'low': value - half, 'high': value + half, 'se': se, 'df': df}

@@ -109,3 +109,25 @@ def test_welch_interval_needs_two_seeds_and_allows_no_spread():
   assert protocol.welch_interval([1.0], [1.0, 2.0]) is None
   ci = protocol.welch_interval([1.0, 1.0], [0.5, 0.5])
   assert (ci['low'], ci['difference'], ci['high']) == (0.5, 0.5, 0.5)
+
+
+def test_contrast_interval_with_two_groups_is_welch():
+  a, b = [1.0, 1.2, 0.9], [0.5, 0.9, 0.4, 0.6]
+  contrast = protocol.contrast_interval([a, b], [1, -1])
+  welch = protocol.welch_interval(a, b)
+  for key in ('difference', 'low', 'high', 'se', 'df'):
+    assert contrast[key] == pytest.approx(welch[key], rel=1e-12)
+
+
+def test_contrast_interval_difference_of_differences_by_hand():
+  # Four groups of 3 with sample variances 0.01, 0.04, 0.01, 0.04: the interaction (a − b) − (c − d).
+  a, b, c, d = [1.0, 1.1, 1.2], [2.0, 2.2, 2.4], [0.0, 0.1, 0.2], [0.5, 0.7, 0.9]
+  out = protocol.contrast_interval([a, b, c, d], [1, -1, -1, 1])
+  se2 = (0.01 + 0.04 + 0.01 + 0.04) / 3
+  df = se2**2 / (2 * (0.01 / 3) ** 2 / 2 + 2 * (0.04 / 3) ** 2 / 2)
+  assert out['difference'] == pytest.approx((1.1 - 2.2) - (0.1 - 0.7))
+  assert out['se'] == pytest.approx(math.sqrt(se2))
+  assert out['df'] == pytest.approx(df)
+  half = stats.t.ppf(0.975, df) * math.sqrt(se2)
+  assert out['low'] == pytest.approx(out['difference'] - half)
+  assert protocol.contrast_interval([a, [1.0]], [1, -1]) is None
