@@ -70,14 +70,15 @@ MONITOR_FIELDS = {
   # 0.1, App. F r_max 0.886); the DSLM Post-LN stacks that stop learning sit at 0.99–0.993
   # (experiments/results/stability_monitor/summary.md).
   'corr_seq_max': (0.985, 'rank collapse: token correlation of the residual stream above this'),
-  # Theory: with the gradient at the last layer as reference, `dsjax.theory` predicts first/last
-  # gradient variance ratios of 1.1–31 for the Xavier and DSLM stacks of 4–192 layers this project
-  # trains (docs/instrumentation.md); 10⁴ leaves a factor > 300 above the largest, while a stack whose
-  # lower layers stopped learning is at 10⁻⁹ (experiments/dslm_results.md §2).
+  # Theory (`theory.model.propagate`, GeLU, dropout 0.1, seq 32): the Xavier Pre-LN ratio grows about
+  # 0.6 per layer (2.7 at 4 layers, 114 at 192); DSLM keeps it at 1–3 (experiments/dslm_results.md §1).
+  # 10⁴ is ~90× above the Xavier Pre-LN stack at 192 layers; narrow Xavier Post-LN stacks pass it at
+  # initialisation (3·10⁵ predicted at 96 × 16), a collapsed DSLM Post-LN stack is at 10⁻⁹ (ibid. §2).
   'grad_ratio_max': (1e4, 'gradient variance of the first over the last layer outside [1/x, x]'),
-  # Theory: the median error of the prediction is 0–15% per quantity for the covered models at 192
-  # layers (docs/instrumentation.md); a factor 2 is past every covered model's measured error except
-  # the Xavier Post-LN gradient, which the theory does not capture (there it should fire).
+  # Theory against measurement (experiments/results/rank_collapse, 192 layers): median errors of 0–6%
+  # for the covered models, the largest per-layer error 0.80 relative (Xavier Pre-LN gradient) — a factor
+  # 2 is past those except on the few layers the theory misses, and past the Xavier Post-LN gradient,
+  # which it does not capture (median error 0.999): there the flag should fire.
   'theory_factor': (2.0, 'at step 1, a measured variance off the prediction by more than this factor'),
   # Measured: max |x| of the stream grows by at most 1.43× over 200 steps of configs/gpt_preln.py;
   # a Pre-LN stream's variance may grow ~50× in training (std ~7×: DSLM Pre-LN 96 × 32,
