@@ -261,7 +261,11 @@ class Monitor:
     measured: dict[tuple[str, str], dict[int, float]] = collections.defaultdict(dict)
     for (layer, site, stat), value in values.items():
       measured[(site, stat)][layer] = value
-    predicted = self.predictor(dict(measured))
+    try:
+      predicted = self.predictor(dict(measured))
+    except (ValueError, ArithmeticError) as e:  # e.g. a measured input outside the theory's domain
+      logging.warning('stability monitor: no comparison with the theory at step %d (%s)', step, e)
+      return {}
     out = {}
     for name, (site, stat) in THEORY_QUANTITIES.items():
       m, p = table[(site, stat)], np.asarray(predicted[name], np.float64)

@@ -350,11 +350,12 @@ def _stability_monitor(run: Run, model: Model, state, first_step: int) -> monito
   """The stability monitor of an instrumented run (`dsjax.instrument.monitor`; process 0 writes). Its
   comparison with the theory happens at step 1 only (the model at initialisation), so the model is
   described (`theory_adapter.describe`: the mean square of every kernel, fetched once) only when the run
-  starts there and the theory covers it."""
+  starts there, the theory covers it and one process holds every kernel."""
   config = run.config
   settings = config.instrument.monitor
   predictor = None
-  if run.is_chief and settings.enabled and settings.theory_factor and first_step == 0:
+  one_process = run.process['process_count'] == 1  # Else a kernel may be split over processes.
+  if one_process and settings.enabled and settings.theory_factor and first_step == 0:
     nnx_model = nnx.merge(model.setup.graphdef, state['params'], state['rest'])
     gap = theory_adapter.coverage_gap(config, nnx_model)
     if gap is None:
