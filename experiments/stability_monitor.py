@@ -4,12 +4,12 @@ their loss departs from a healthy run's, and does it stay silent on healthy runs
   python experiments/stability_monitor.py --out=experiments/results/stability_monitor [--cases=a,b]
 
 Each case is `python -m dsjax.main` under `/usr/bin/time -v` with `instrument.every=10` (the monitor on,
-default thresholds), in WORKROOT/<case>. The deep cases share one shape — GPT, width 16, 4 heads, seq 32,
-batch 16, dropout 0.1, AdamW lr 5e-3 (30 warmup steps, cosine), clip 1, 150 steps on the embedded
-Python-documentation bytes (`configs/gpt_dslm_deep.py` with depth and width changed) — and differ in
-method, norm placement and depth; the healthy run of the same depth with DSLM Pre-LN is each one's
-reference. The loss departs from the reference at the first logged step (every 5) from which on its
-train loss stays more than `DEPART_NATS` above the reference's. The default configs
+default thresholds), in WORKROOT/<case>. The deep cases share one recipe — GPT, 4 heads, seq 32, batch 16,
+dropout 0.1, AdamW lr 5e-3 (30 warmup steps, cosine), clip 1, 150 steps on the embedded
+Python-documentation bytes (`configs/gpt_dslm_deep.py` with depth, width, block and method changed);
+the DSLM Pre-LN 64 × 32 run is each one's healthy reference (for the width-16 cases one of another
+width: see the dslm_preln_64x16 case). The loss departs from the reference at the first logged step
+(every 5) from which on its train loss stays more than `DEPART_NATS` above the reference's. The defaults
 `configs/gpt_preln.py` and `configs/vit_dnt.py` run 200 of their steps.
 
 Writes OUT/<case>/stability.jsonl and metrics.jsonl (copied from the run), OUT/summary.json (per case:
@@ -30,44 +30,35 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 DEPART_NATS = 0.1
 DEEP = [
   '--config=configs/gpt_dslm_deep.py',
-  '--config.model.width=16',
   '--config.total_steps=150',
   '--config.log_every=5',
   '--config.eval_every=150',
   '--config.checkpoint_every=150',
 ]
-# case: (overrides, the healthy reference's case or None, expected healthy)
+
+
+def deep(depth: int, width: int, block: str = 'preln', scheme: str = 'dslm') -> list[str]:
+  return DEEP + [
+    f'--config.model.{k}={v}' for k, v in dict(depth=depth, width=width, block=block, scheme=scheme).items()
+  ]
+
+
+DEFAULT = [
+  '--config.total_steps=200',
+  '--config.log_every=10',
+  '--config.eval_every=200',
+  '--config.checkpoint_every=200',
+]
+# case: (overrides, the healthy reference's case or None, expected healthy). In the order they run.
 CASES = {
-  'dslm_preln_64': (DEEP + ['--config.model.depth=64'], None, True),
-  'dslm_postln_64': (
-    DEEP + ['--config.model.depth=64', '--config.model.block=postln'],
-    'dslm_preln_64',
-    False,
-  ),
-  'vanilla_postln_32': (
-    DEEP + ['--config.model.depth=32', '--config.model.block=postln', '--config.model.scheme=vanilla'],
-    'dslm_preln_32',
-    False,
-  ),
-  'dslm_preln_32': (DEEP + ['--config.model.depth=32'], None, True),
-  'vanilla_postln_96': (
-    DEEP + ['--config.model.depth=96', '--config.model.block=postln', '--config.model.scheme=vanilla'],
-    'dslm_preln_96',
-    False,
-  ),
-  'dslm_preln_96': (DEEP + ['--config.model.depth=96'], None, True),
-  'gpt_preln': (
-    ['--config=configs/gpt_preln.py', '--config.total_steps=200', '--config.log_every=10']
-    + ['--config.eval_every=200', '--config.checkpoint_every=200'],
-    None,
-    True,
-  ),
-  'vit_dnt': (
-    ['--config=configs/vit_dnt.py', '--config.total_steps=200', '--config.log_every=10']
-    + ['--config.eval_every=200', '--config.checkpoint_every=200'],
-    None,
-    True,
-  ),
+  'dslm_preln_64x32': (deep(64, 32), None, True),
+  'dslm_postln_64x32': (deep(64, 32, 'postln'), 'dslm_preln_64x32', False),
+  'vanilla_postln_64x32': (deep(64, 32, 'postln', 'vanilla'), 'dslm_preln_64x32', False),
+  'gpt_preln': (['--config=configs/gpt_preln.py'] + DEFAULT, None, True),
+  'vit_dnt': (['--config=configs/vit_dnt.py'] + DEFAULT, None, True),
+  'vanilla_postln_96x16': (deep(96, 16, 'postln', 'vanilla'), 'dslm_preln_64x32', False),
+  'dslm_postln_64x16': (deep(64, 16, 'postln'), 'dslm_preln_64x32', False),
+  'dslm_preln_64x16': (deep(64, 16), 'dslm_preln_64x32', False),
 }
 
 
@@ -148,6 +139,8 @@ def main():
       'loss': loss,
     }
     print(f'  {summary[name]["summary_line"]} ({result["cpu_s"]:.0f} CPU s)', flush=True)
+    with open(summary_path, 'w') as f:  # after every case, so that an interrupted sweep keeps its runs
+      json.dump(summary, f, indent=1)
   for name, case in summary.items():
     ref = case['reference']
     if ref in summary:
