@@ -1,13 +1,16 @@
 r"""Train-step speed and memory: compile time, step time, throughput, model FLOPs, MFU, device memory.
 
-  python -m dsjax.bench --config=configs/gpt2_small.py [--steps=20] [--instrument=off,return,callback]
+  python -m dsjax.bench --config=configs/gpt2_small.py [--steps=20]
+                        [--instrument=off,return,callback,monitor]
                         [--inputs=random|real] [--peak_tflops=...] [--json=bench.json] [--profile=DIR]
                         [--config.*=...]
 
 What is timed is the loop's own jitted train step (`dsjax.train.step.make_train_step`, donated state,
 the optimizer update included) on one device, once per `--instrument` mode: 'off' (no statistics),
 'return' (per-layer moments returned from the step) and 'callback' (the same statistics delivered by
-`jax.debug.callback`, as the training loop sends them on one device). Each mode is compiled ahead of
+`jax.debug.callback`, as the training loop sends them on one device), and, when listed, 'monitor' (the
+'return' step with the stability monitor checking each step's statistics, `dsjax.instrument.monitor`,
+as the loop does by default; beside 'return' it shows the monitor's cost). Each mode is compiled ahead of
 time, run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the median and the
 spread (min–max) are reported. `--inputs=random` (the default) times random tokens / images of the
 configured shape, so no dataset is read; `--inputs=real` times one real batch of the dataset.
@@ -61,9 +64,9 @@ _CONFIG = config_flags.DEFINE_config_file(
   'config', 'configs/gpt_preln.py', 'Config file (configs/*.py).', lock_config=True
 )
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).', lower_bound=1)
-INSTRUMENT_MODES = ('off', 'return', 'callback')
+INSTRUMENT_MODES = ('off', 'return', 'callback', 'monitor')
 _INSTRUMENT = flags.DEFINE_list(
-  'instrument', list(INSTRUMENT_MODES), f'Modes to time, any of {list(INSTRUMENT_MODES)}.'
+  'instrument', ['off', 'return', 'callback'], f'Modes to time, any of {list(INSTRUMENT_MODES)}.'
 )
 INPUTS = ('random', 'real')
 _INPUTS = flags.DEFINE_string('inputs', 'random', f'Batch contents: one of {list(INPUTS)}.')
@@ -492,7 +495,13 @@ def run_benchmark(
   }
   for mode in modes:
     # One collector per mode, so that no mode de-duplicates another's records.
-    collector = instrument_lib.Collector(os.path.join(workdir, mode), keep_records=False)
+    mode_dir = os.path.join(workdir, mode)
+    monitor = None
+    if mode == 'monitor':  # Without the theory's comparison: that happens once, at step 1, untimed.
+      monitor = instrument_lib.Monitor(
+        config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
+      )
+    collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
     step_fn = make_step(mode != 'off', collector if mode == 'callback' else None)
     r, state = time_mode(
       mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
@@ -542,10 +551,13 @@ def report(results: dict) -> str:
       f'{"n/a" if mem is None else f"{mem:.2f} GiB"}'
     )
   off = results['modes'].get('off')
-  for mode in ('return', 'callback'):
+  for mode in ('return', 'callback', 'monitor'):
     if off and mode in results['modes']:
       ratio = results['modes'][mode]['step_ms_median'] / off['step_ms_median']
       lines.append(f'  instrumentation overhead ({mode}): {ratio:.2f}x the plain step')
+  if 'return' in results['modes'] and 'monitor' in results['modes']:
+    ratio = results['modes']['monitor']['step_ms_median'] / results['modes']['return']['step_ms_median']
+    lines.append(f'  stability monitor: {ratio:.3f}x the instrumented step without it')
   if 'device_peak_memory_gib' in results:
     lines.append(f'  device peak memory in use: {results["device_peak_memory_gib"]:.2f} GiB')
   for mode, r in results['modes'].items():

@@ -27,7 +27,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
       f'--config.batch_size={BATCH}',
       f'--config.data.seq_len={SEQ_LEN}',
       '--steps=1',
-      '--instrument=off,callback',
+      '--instrument=off,callback,monitor',
       '--peak_tflops=1',
       f'--json={out}',
       f'--profile={tmp_path / "profile"}',
@@ -39,8 +39,9 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert 'instrumentation overhead (callback)' in proc.stdout
+  assert 'instrumentation overhead (monitor)' in proc.stdout  # the 'return' step with the stability monitor
   results = json.loads(out.read_text())
-  assert set(results['modes']) == {'off', 'callback'} and results['inputs'] == 'random'
+  assert set(results['modes']) == {'off', 'callback', 'monitor'} and results['inputs'] == 'random'
   # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms per
   # layer, then the final norm and the head (no bias).
   per_layer = 4 * (WIDTH * WIDTH + WIDTH) + 2 * (4 * WIDTH * WIDTH) + 4 * WIDTH + WIDTH + 2 * 2 * WIDTH

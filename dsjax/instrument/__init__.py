@@ -8,6 +8,12 @@ from dsjax.instrument.collector import (
   json_value,
   read_jsonl,
 )
+from dsjax.instrument.monitor import (
+  MONITOR_FILE,
+  Monitor,
+  monitor_config,
+  validate_monitor_config,
+)
 from dsjax.instrument.probe import (
   SITES,
   instrument_config,

@@ -3,8 +3,10 @@ records, de-duplicated, and writes `workdir/moments.jsonl` and TensorBoard.
 
 Each record is one JSON line {"step", "layer", "site", "stat", "value"}. Layer −1 (`NO_LAYER`) holds
 the embedding site and whole-stack weight statistics; weight records have site 'weight/<type>'.
-`add` keeps the device arrays; `flush` fetches and writes them, so an instrumented step never waits for
-the host: the training loop flushes the moments of earlier steps while the current one runs.
+Each step's records also go to TensorBoard as histograms and images (`summaries`), and to the stability
+monitor (`monitor.Monitor`) when one is given. `add` keeps the device arrays; `flush` fetches and writes
+them, so an instrumented step never waits for the host: the training loop flushes the moments of
+earlier steps while the current one runs.
 `receive` (one probe site's statistics) and `receive_table` (a step's whole table) are the
 `jax.debug.callback` targets of `instrument.delivery='callback'`: they buffer what arrives (from XLA's
 host-callback thread, in any order) until the next `flush`, which drops any record already seen.
@@ -22,6 +24,7 @@ import jax
 import numpy as np
 
 from dsjax.instrument import stats as stats_lib
+from dsjax.instrument import summaries
 from dsjax.instrument.probe import ACTIVATION_STATS, EMBEDDING_SITE, LAYER_SITES, SITES, Moments
 
 Key = tuple[int, int, str, str]  # (step, layer, site, statistic)
@@ -81,7 +84,8 @@ class Collector:
   """De-duplicating sink of per-step moments; writes JSONL and TensorBoard when given a workdir.
 
   Records also stay in memory (`records`) unless `keep_records=False`. With `enabled=False` (non-chief
-  processes) everything is a no-op.
+  processes) everything is a no-op. `monitor` (a `monitor.Monitor`) sees every new record, on the host,
+  as it is flushed; `close` closes it.
   """
 
   def __init__(
@@ -91,10 +95,15 @@ class Collector:
     enabled: bool = True,
     tensorboard: bool = True,
     keep_records: bool = True,
+    monitor=None,
   ):
     self.enabled = enabled
     self.keep_records = keep_records
     self.records: list[dict[str, Any]] = []
+    self.monitor = monitor
+    # Records by step until the step is complete (a later step's arrived, or close): then its histograms
+    # and images are written (with per-site callbacks a step can arrive over several flushes).
+    self._summary_pending: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     self.num_duplicates = 0
     self._seen: set[Key] = set()
     self._pending: list[tuple[int, Moments]] = []
@@ -153,6 +162,8 @@ class Collector:
       self._seen.add(key)
       new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3], 'value': float(value)})
     self._write(new)
+    if self.monitor is not None:
+      self.monitor.observe(new)
     return new
 
   def _write(self, new: list[dict[str, Any]]):
@@ -172,16 +183,32 @@ class Collector:
         by_step[r['step']].append(
           Summary.Value(tag=f'moments/{r["site"]}/{r["stat"]}/{where}', simple_value=r['value'])
         )
+      for r in new:
+        self._summary_pending[r['step']].append(r)
+      self._write_step_summaries(complete_before=max(r['step'] for r in new))
       for step, values in sorted(by_step.items()):
         self._tensorboard.add_summary(Summary(value=values), step)
       self._tensorboard.flush()
 
+  def _write_step_summaries(self, complete_before: int | None):
+    """Histograms and images of the pending steps < `complete_before` (all if None)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    for step in sorted(self._summary_pending):
+      if complete_before is None or step < complete_before:
+        values = summaries.step_summary(self._summary_pending.pop(step))
+        if values:
+          self._tensorboard.add_summary(Summary(value=values), step)
+
   def close(self):
     jax.effects_barrier()  # Callbacks still in flight (delivery='callback') arrive before the flush.
     self.flush()
+    if self.monitor is not None:
+      self.monitor.close()
     if self._jsonl is not None:
       self._jsonl.close()
     if self._tensorboard is not None:
+      self._write_step_summaries(complete_before=None)
       self._tensorboard.close()
 
 

@@ -140,6 +140,14 @@ def predict(
   desc = describe(config, model, data_info)
   if causal is not None:
     desc = dataclasses.replace(desc, causal=causal)
+  return predict_described(desc, measured, input_moments=input_moments, form=form)
+
+
+def predict_described(
+  desc: ModelDescription, measured, *, input_moments: str = 'measured', form: str = 'exact'
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """`predict` for a model already described (`describe`): e.g. described once before training, and
+  predicted from the moments its first instrumented step measures (`dsjax.instrument.monitor`)."""
   if desc.block not in theory_model.BLOCKS:
     raise ValueError(f'the theory covers model.block in {list(theory_model.BLOCKS)}, got {desc.block!r}')
   x0 = input_stats(desc, measured, input_moments)

@@ -9,6 +9,7 @@ Each section is described once, next to its validation:
   data                                            dsjax/data/config.py
   mesh                                            dsjax/train/sharding.py
   instrument                                      dsjax/instrument/probe.py
+  instrument.monitor                              dsjax/instrument/monitor.py
 
 Config files override what they need and document the command, runtime and result; a run locks the
 config (`lock_config=True`) so that a mistyped override (`--config.model.detph=4`) fails at once.
@@ -68,6 +69,7 @@ def base_config(model_name: str, optimizer_name: str = 'adamw') -> ml_collection
   c.data = data_config.get_config('sklearn_digits' if model_name == 'vit' else 'python_docs_bytes')
   c.mesh = sharding_lib.mesh_config()
   c.instrument = instrument.instrument_config()
+  c.instrument.monitor = instrument.monitor_config()
   return c
 
 
@@ -102,6 +104,7 @@ def validate_config(
     optimizers.make_schedule(optimizer, config.total_steps)  # Checks warmup against total_steps.
   data = data_config.parse_config(config.data)
   instrument.validate_instrument_config(config.instrument)
+  instrument.validate_monitor_config(config.instrument.monitor)
 
   shape = sharding_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
   tensor_shards = shape[sharding_lib.MESH_AXES.index('tensor')]

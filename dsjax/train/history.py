@@ -35,11 +35,14 @@ from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import metrics as metrics_lib
 
 LOGS = (metrics_lib.METRICS_FILE, instrument_lib.MOMENTS_FILE)
+# The stability monitor's flags: raised/cleared events and one summary row per run segment, appended by
+# a resumed run (not cut back: a flag is an event of the run that saw it, not a per-step row).
+MONITOR_LOG = instrument_lib.MONITOR_FILE
 CONFIG_FILE = 'config.json'
 TENSORBOARD_DIR = 'tensorboard'
 EXPORT_MARKER = 'export.json'  # what `dsjax.export` writes next to its checkpoint (see `check_not_a_run`)
 # What each path of a workdir must be, if it exists.
-FILES = (CONFIG_FILE, *LOGS, checkpoint_lib.LOCK_FILE)
+FILES = (CONFIG_FILE, *LOGS, MONITOR_LOG, checkpoint_lib.LOCK_FILE)
 DIRECTORIES = (
   checkpoint_lib.CHECKPOINT_DIR,
   checkpoint_lib.CORRUPT_DIR,
@@ -269,7 +272,7 @@ class Start:
       if enabled:
         if self.fresh_steps:
           checkpointer.move_steps(self.fresh_steps, os.path.join(target, checkpoint_lib.CHECKPOINT_DIR))
-        for name in (*LOGS, TENSORBOARD_DIR, CONFIG_FILE, schemes.PREPARATION_FILE):
+        for name in (*LOGS, MONITOR_LOG, TENSORBOARD_DIR, CONFIG_FILE, schemes.PREPARATION_FILE):
           if os.path.lexists(os.path.join(self.workdir, name)):
             os.makedirs(target, exist_ok=True)
             shutil.move(os.path.join(self.workdir, name), os.path.join(target, name))

@@ -16,9 +16,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
+from dsjax.instrument import monitor as monitor_lib
+from dsjax.instrument import theory_adapter
 from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
 from dsjax.train import cli, interrupts, run_guard
@@ -194,7 +197,12 @@ def _train_and_evaluate(
       sharding_lib.global_batch(next(train_data), run.mesh) if first_step < config.total_steps else None
     )
     moments = (
-      instrument_lib.Collector(workdir, enabled=run.is_chief, keep_records=False)  # Files only.
+      instrument_lib.Collector(  # Files only.
+        workdir,
+        enabled=run.is_chief,
+        keep_records=False,
+        monitor=_stability_monitor(run, model, state, first_step),
+      )
       if config.instrument.every
       else None
     )
@@ -336,6 +344,33 @@ def _restore_or_create(run: Run, model: Model, train_data) -> dict[str, Any]:
   train_data.set_state(data_state)
   logging.info('Resumed from step %d', int(state['step']))
   return state
+
+
+def _stability_monitor(run: Run, model: Model, state, first_step: int) -> monitor_lib.Monitor:
+  """The stability monitor of an instrumented run (`dsjax.instrument.monitor`; process 0 writes). Its
+  comparison with the theory happens at step 1 only (the model at initialisation), so the model is
+  described (`theory_adapter.describe`: the mean square of every kernel, fetched once) only when the run
+  starts there, the theory covers it and one process holds every kernel."""
+  config = run.config
+  settings = config.instrument.monitor
+  predictor = None
+  one_process = run.process['process_count'] == 1  # Else a kernel may be split over processes.
+  if one_process and settings.enabled and settings.theory_factor and first_step == 0:
+    nnx_model = nnx.merge(model.setup.graphdef, state['params'], state['rest'])
+    gap = theory_adapter.coverage_gap(config, nnx_model)
+    if gap is None:
+      description = theory_adapter.describe(config, nnx_model, run.data_info)
+      predictor = lambda measured: theory_adapter.predict_described(description, measured)[0]
+    else:
+      logging.info('stability monitor: no comparison with the theory, which does not cover %s', gap)
+  return monitor_lib.Monitor(
+    settings,
+    config.model.depth,
+    config.model.dropout,
+    predictor=predictor,
+    workdir=run.workdir,
+    enabled=run.is_chief,
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,4 +579,6 @@ class Training:
     step = int(state['step'])
     seen = ''.join(f', {k} {v:.4g}' for k, v in self._tokens_seen(step).items())
     logging.info('Done in %.1fs: %s%s', time.time() - self.t_start, self.last_eval, seen)
+    if self.moments is not None and self.moments.monitor.enabled:
+      logging.info('%s', self.moments.monitor.summary())  # The run's last line: its stability flags.
     return self.last_eval

@@ -326,7 +326,13 @@ def _tensorboard_scalars(directory):
       (length,) = struct.unpack('<Q', data[pos : pos + 8])
       event = Event.FromString(data[pos + 12 : pos + 12 + length])
       pos += 12 + length + 4
-      scalars.update({(event.step, v.tag): v.simple_value for v in event.summary.value})
+      scalars.update(
+        {
+          (event.step, v.tag): v.simple_value
+          for v in event.summary.value
+          if v.WhichOneof('value') == 'simple_value'
+        }
+      )
   return scalars
 
 

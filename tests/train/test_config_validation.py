@@ -24,6 +24,7 @@ VALIDATORS = {
   'optimizer': optimizers.validate_optimizer_config,
   'data': data_config.validate_data_config,
   'instrument': instrument.validate_instrument_config,
+  'instrument.monitor': instrument.validate_monitor_config,
   'mesh': sharding_lib.resolve_mesh_shape,
 }
 
