@@ -3,6 +3,7 @@ r"""The Xavier Post-LN gradient of §8 measured by dsjax and by an independent p
   python experiments/xavier_postln_grad_check.py --part=float32 --out=DIR [--batches=16 --seed=0 \
       --activation=relu|gelu --attention=causal|bidirectional]
   python experiments/xavier_postln_grad_check.py --part=float64 --out=DIR [same options]   # batch 1 only
+  python experiments/xavier_postln_grad_check.py --part=forms --out=DIR [same options]     # batch 1 only
   python experiments/xavier_postln_grad_check.py --part=summary --out=DIR
 
 The model of experiments/README.md §8 (`xavier_postln_grad.py`): GPT 192 × 256, 4 heads, Xavier init,
@@ -23,7 +24,9 @@ which every statistic below is exact: the pooled variance (dsjax's `grad_var`), 
 sequence (over its L·D entries: the statistic of that sequence run alone, whose gradient is B times its
 share of the batch's, with the same dropout masks) and the variance at one position. The gradient of
 batch 1 (reference and dsjax) is kept in --raw (100 MB each) for the float64 process to compare with.
-The theory's prediction is `dsjax.instrument.theory_adapter.predict` from the instrument's moments.
+`--part=forms` runs batch 1 through dsjax with its plain attention (and without the dense layers'
+derivative rules) against the reference. The theory's prediction is
+`dsjax.instrument.theory_adapter.predict` from the instrument's moments.
 
 Writes OUT/<activation>_<attention>_seed<seed>_<part>.npz and .json; `--part=summary` writes
 OUT/tables.md from all of them.
@@ -50,10 +53,12 @@ from dsjax import data as data_lib  # noqa: E402
 from dsjax import instrument, schemes  # noqa: E402
 from dsjax.instrument import collector, theory_adapter  # noqa: E402
 from dsjax.instrument import probe as probe_lib  # noqa: E402
+from dsjax.models import layers  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_moments, xavier_postln_grad  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
+WIDTH = 256
 # Buckets of token positions for the per-position tables.
 BUCKETS = ((0, 1), (1, 2), (2, 3), (3, 8), (8, 16), (16, 32), (32, 64), (64, 128))
 
@@ -63,7 +68,7 @@ def build(seed: int, activation: str, causal: bool = True):
   without the causal mask, as `xavier_postln_grad.py` runs them)."""
 
   config = dslm_moments.case_config(
-    'xavier_postln', depth=192, width=256, num_heads=4, seq_len=128, batch_size=4, activation=activation
+    'xavier_postln', depth=192, width=WIDTH, num_heads=4, seq_len=128, batch_size=4, activation=activation
   )
   config.seed = seed
   data_info = data_lib.dataset_info(config.data)
@@ -262,14 +267,55 @@ def run_float64(args):
   save(args, 'float64', {f'ref_{k}': [v] for k, v in sums(g64).items()}, info)
 
 
+def run_forms(args):
+  """Batch 1 through dsjax with `model.attention='plain'` (and its dense layers without their derivative
+  rules, `layers.FAST_MATMUL = False`), against the reference: which of dsjax's forms sets the float32
+  rounding of the 'xla' run."""
+  config, _, data_info, _, _ = build(args.seed, args.activation, args.attention == 'causal')
+  config.model.attention = 'plain'
+  model = xavier_postln_grad.set_causal(
+    schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), None), args.attention == 'causal'
+  )
+  g_ref = np.load(os.path.join(args.raw, f'{case_name(args)}_ref_float32.npy'))
+  g_xla = np.load(os.path.join(args.raw, f'{case_name(args)}_dsjax_float32.npy'))
+  t = jnp.asarray(batches(config, 1)[0])
+  key = step_lib.dropout_key_for_step(config.seed, 1)
+  info = {'xla_attention': agreement(g_xla, g_ref)}
+  for fast in (True, False):
+    layers.FAST_MATMUL = fast
+    g = dsjax_grads_fn(config, model)({'tokens': t}, key)
+    info[f'plain_attention_fast_matmul_{fast}'] = agreement(np.asarray(g), g_ref)
+  layers.FAST_MATMUL = True
+  print(json.dumps(info), flush=True)
+  with open(os.path.join(args.out, f'{case_name(args)}_forms.json'), 'w') as f:
+    json.dump(info, f, indent=1)
+
+
 def case_name(args) -> str:
   return f'{args.activation}_{args.attention}_seed{args.seed}'
 
 
+def compact(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """What the summary needs of the (K, N, B, L) sums: S1, S2 at layers 1 and N only, and per layer the
+  pooled variance and position 0's share of Σg² (K, N)."""
+  out = {}
+  for name, a in arrays.items():
+    if name.endswith('_s1'):
+      src, s2 = name[: -len('_s1')], arrays[name[:-1] + '2']
+      out[f'{src}_pooled_var'] = pooled_var(a, s2, WIDTH, (2, 3))
+      out[f'{src}_share0'] = s2[..., 0].sum(-1) / s2.sum((-1, -2))
+    out[name] = a[:, [0, -1]] if name.endswith(('_s1', '_s2')) else a
+  return out
+
+
 def save(args, part, arrays, info):
-  name = os.path.join(args.out, f'{case_name(args)}_{part}')
-  np.savez_compressed(name + '.npz', **{k: np.stack(v) for k, v in arrays.items() if v})
-  with open(name + '.json', 'w') as f:
+  """OUT/<case>_<part>.npz (compact) and .json; the full sums go to --raw."""
+  arrays = {k: np.stack(v) for k, v in arrays.items() if v}
+  name = f'{case_name(args)}_{part}'
+  os.makedirs(args.raw, exist_ok=True)
+  np.savez_compressed(os.path.join(args.raw, name + '_sums.npz'), **arrays)
+  np.savez_compressed(os.path.join(args.out, name + '.npz'), **compact(arrays))
+  with open(os.path.join(args.out, name + '.json'), 'w') as f:
     json.dump(info, f, indent=1)
 
 
@@ -336,7 +382,7 @@ def case_tables(name: str, z32, info32, z64, info64, width: int) -> list[str]:
     if 'dsjax_s1' not in z32 or i >= z32['dsjax_s1'].shape[0]:
       continue
     dsjax_ratio = layer_ratio(z32['dsjax_s1'][i], z32['dsjax_s2'][i], width)
-    ref_var = pooled_var(s1[i], s2[i], width, (1, 2))
+    ref_var = z32['ref_pooled_var'][i]
     f64 = (
       f'{layer_ratio(z64["ref_s1"][0], z64["ref_s2"][0], width):.4g}' if (z64 is not None and i == 0) else '–'
     )
@@ -350,6 +396,9 @@ def case_tables(name: str, z32, info32, z64, info64, width: int) -> list[str]:
   seq_0 = per_sequence(s1, s2, width, slice(0, 1))
   seq_rest = per_sequence(s1, s2, width, slice(1, None))
   share0 = s2[:, 0, :, 0].sum(-1) / s2[:, 0].sum((-1, -2))
+  low99 = [
+    1 + np.flatnonzero(row < 0.99).min() if (row < 0.99).any() else np.nan for row in z32['ref_share0']
+  ]
   lines += [
     '',
     f"Theory (`dsjax.theory`, from the instrument's moments over the {k} batches): layer 1 / layer N = "
@@ -365,6 +414,7 @@ def case_tables(name: str, z32, info32, z64, info64, width: int) -> list[str]:
     f'| one sequence, position 0 only | {spread(seq_0)} | {seq_0.size} |',
     f'| one sequence, positions ≥ 1 only | {spread(seq_rest)} | {seq_rest.size} |',
     f'| share of position 0 in Σg² at layer 1 (per batch) | {spread(share0)} | {k} |',
+    f"| lowest layer where position 0's share is < 0.99 (per batch) | {spread(low99)} | {k} |",
   ]
   lines += position_table(s1, s2, width, z64)
   if info64 is not None:
@@ -423,7 +473,7 @@ def write_summary(out: str):
     has64 = os.path.exists(load('float64.npz'))
     z64 = dict(np.load(load('float64.npz'))) if has64 else None
     info64 = json.load(open(load('float64.json'))) if has64 else None
-    lines += case_tables(name, z32, info32, z64, info64, width=256)
+    lines += case_tables(name, z32, info32, z64, info64, width=WIDTH)
   with open(os.path.join(out, 'tables.md'), 'w') as f:
     f.write('\n'.join(lines))
   print('\n'.join(lines))
@@ -432,7 +482,7 @@ def write_summary(out: str):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', required=True, help='Output directory.')
-  parser.add_argument('--part', required=True, choices=['float32', 'float64', 'summary'])
+  parser.add_argument('--part', required=True, choices=['float32', 'float64', 'forms', 'summary'])
   parser.add_argument('--batches', type=int, default=16, help='float32: batches of 4 sequences.')
   parser.add_argument('--dsjax_batches', type=int, default=2, help='float32: batches also run through dsjax.')
   parser.add_argument('--seed', type=int, default=0, help='Initialisation and dropout seed.')
@@ -449,6 +499,8 @@ def main(argv=None):
     run_float32(args)
   elif args.part == 'float64':
     run_float64(args)
+  elif args.part == 'forms':
+    run_forms(args)
   else:
     write_summary(args.out)
 
