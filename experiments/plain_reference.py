@@ -1,0 +1,211 @@
+r"""dsjax's GPT written out again in plain `jnp`, differentiated by `jax.grad` alone: an independent check.
+
+The forward pass of `dsjax.models.gpt.GPT` — token and position embedding, embedding dropout, the Pre-LN or
+Post-LN stack (`dsjax.models.transformer.Block`: x ← Norm(λ·x + β·Drop(f(x))), x ← λ·x + β·Drop(f(Norm(x)))),
+final norm, output scale, head — and the next-token cross-entropy of `dsjax.train.step.lm_loss`, written
+from their definitions with none of the project's code on the path: no `custom_jvp` / `custom_vjp`
+anywhere (dsjax's dense layers and its 'xla' attention have their own derivative rules; `jax.nn.softmax`
+and `jax.nn.relu` have JAX's), no dsjax attention implementation, softmax and log-softmax as exp / sum.
+The parameters are dsjax's own, read out of the model's nnx state (`reference_tree`), and so are the
+dropout masks: `dropout_masks` draws them from the same key in the same order as the model does, so a
+model and its reference compute the same function of the same numbers.
+
+`dtype` runs it in float32 (dsjax's precision) or float64 (with `jax_enable_x64`), to see what float32
+rounding does to a statistic. Layers run under `jax.lax.scan` with `jax.checkpoint` (recomputation, not a
+derivative rule), so a 192-layer backward pass keeps only each layer's input.
+
+What it covers: LayerNorm, Pre-LN and Post-LN layouts (and an InputNorm), learned positions, an untied head,
+ReLU / exact GeLU, dropout on the embedding and both branch outputs; `reference_spec` refuses a model with
+anything else (attention dropout, QKNorm, mid norms, RMSNorm, tied embeddings, a concatenation trunk).
+tests/test_plain_reference.py checks loss and every parameter gradient against dsjax's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the reference needs to know about the model besides its arrays."""
+
+  depth: int
+  width: int
+  num_heads: int
+  activation: str  # 'relu' | 'gelu'
+  dropout: float
+  eps: float
+  causal: bool
+  logit_scale: float
+  input_norm: bool
+  pre_norm: bool  # Pre-LN: a norm before each branch and a final one after the stack
+  post_norm: bool  # Post-LN: a norm after each residual add
+
+
+def reference_spec(model: nnx.Module) -> Spec:
+  """Reads the stack's configuration from a dsjax GPT; raises for what the reference does not implement."""
+  cfg = model.trunk.stack.layers.cfg
+  attn = model.trunk.stack.layers.attn
+  lay = cfg.layout
+  unsupported = {
+    'attention dropout': cfg.attn_dropout > 0,
+    'QKNorm or mid norms': lay.qk_norm or lay.mid_attn or lay.mid_ffn,
+    'a norm other than LayerNorm': cfg.norm != 'layernorm',
+    'identity-mixed attention': cfg.attn_identity,
+    'tied embeddings': model.head is None,
+    'Pre-LN norms without a final norm (or the reverse)': (lay.pre_attn or lay.pre_ffn) != lay.final_norm,
+    'one of the two pre-branch norms only': lay.pre_attn != lay.pre_ffn,
+    'an activation other than relu or gelu': cfg.activation not in ('relu', 'gelu'),
+    'no biases': not cfg.use_bias,
+  }
+  missing = [name for name, present in unsupported.items() if present]
+  if missing:
+    raise ValueError(f'the plain reference does not implement: {", ".join(missing)}')
+  return Spec(
+    depth=cfg.depth,
+    width=cfg.width,
+    num_heads=cfg.num_heads,
+    activation=cfg.activation,
+    dropout=float(cfg.dropout),
+    eps=float(cfg.norm_eps),
+    causal=bool(attn.causal),
+    logit_scale=float(attn.logit_scale),
+    input_norm=lay.input_norm,
+    pre_norm=lay.pre_attn,
+    post_norm=lay.post,
+  )
+
+
+def reference_tree(model: nnx.Module) -> dict[str, Any]:
+  """Every array of the model (parameters and constants such as λ, β) as a nested dict of numpy arrays,
+  keyed as in the model's nnx state ('token_embed', 'trunk' → 'stack' → 'layers' → 'attn' → 'q' → …)."""
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+def dropout_masks(spec: Spec, dropout_key: jax.Array | None, batch: int, seq_len: int) -> dict | None:
+  """The keep-masks of the model's dropouts for `dropout_key`, drawn as dsjax draws them: the key is split
+  into (embedding, stack), the stack key into one per layer, each layer's into three (attention
+  probabilities — unused without attention dropout —, attention branch, FFN branch). None: no dropout.
+  The keep probability is passed as float32, so the draws are the same with `jax_enable_x64`."""
+  if dropout_key is None or spec.dropout == 0.0:
+    return None
+  shape = (batch, seq_len, spec.width)
+  keep = jnp.float32(1.0 - spec.dropout)
+  embed_key, stack_key = jax.random.split(dropout_key)
+
+  def layer_masks(layer_key):
+    keys = jax.random.split(layer_key, 3)
+    return jnp.stack([jax.random.bernoulli(keys[i], keep, shape) for i in (1, 2)])
+
+  return {
+    'embedding': jax.random.bernoulli(embed_key, keep, shape),
+    'layers': jax.vmap(layer_masks)(jax.random.split(stack_key, spec.depth)),  # (N, 2, B, L, D)
+  }
+
+
+def _layernorm(x, p, eps):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / jnp.sqrt(var + eps) * p['scale'] + p['bias']
+
+
+def _dense(x, p):
+  return jnp.einsum('...i,io->...o', x, p['kernel'], precision='highest') + p['bias']
+
+
+def _softmax(z, mask):
+  """exp(z − max) / Σ exp(z − max) over the last axis, entries where `mask` is False excluded."""
+  z_max = jax.lax.stop_gradient(jnp.max(jnp.where(mask, z, -jnp.inf), axis=-1, keepdims=True))
+  e = jnp.where(mask, jnp.exp(jnp.where(mask, z, 0.0) - z_max), 0.0)
+  return e / e.sum(-1, keepdims=True)
+
+
+def _attention(x_BLD, p, spec: Spec):
+  b, l, d = x_BLD.shape
+  heads = lambda t: t.reshape(b, l, spec.num_heads, d // spec.num_heads)  # noqa: E731
+  q, k, v = heads(_dense(x_BLD, p['q'])), heads(_dense(x_BLD, p['k'])), heads(_dense(x_BLD, p['v']))
+  logits_BHQT = spec.logit_scale * jnp.einsum('bqhk,bthk->bhqt', q, k, precision='highest')
+  mask_QT = jnp.tril(jnp.ones((l, l), bool)) if spec.causal else jnp.ones((l, l), bool)
+  probs_BHQT = _softmax(logits_BHQT, mask_QT)
+  out_BLHK = jnp.einsum('bhqt,bthk->bqhk', probs_BHQT, v, precision='highest')
+  return _dense(out_BLHK.reshape(b, l, d), p['o'])
+
+
+def _activation(h, name):
+  if name == 'relu':
+    return jnp.where(h > 0, h, 0.0)
+  return 0.5 * h * (1.0 + jax.lax.erf(h / np.sqrt(2.0).astype(h.dtype)))
+
+
+def _dropout(x, keep, rate):
+  return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def _block(x_BLD, p, keep_2BLD, spec: Spec):
+  """One layer: attention add, then FFN add, in the layout of `dsjax.models.transformer.Block`."""
+  keep = (None, None) if keep_2BLD is None else (keep_2BLD[0], keep_2BLD[1])
+  skip_ffn = p.get('skip_ffn', p['skip_attn'])
+  branch_ffn = p.get('branch_ffn', p['branch_attn'])
+  norm = lambda name, t, on: _layernorm(t, p[name], spec.eps) if on else t  # noqa: E731
+
+  h = _dropout(
+    _attention(norm('pre_attn_norm', x_BLD, spec.pre_norm), p['attn'], spec), keep[0], spec.dropout
+  )
+  x_BLD = norm('post_attn_norm', p['skip_attn'] * x_BLD + p['branch_attn'] * h, spec.post_norm)
+  ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_norm)
+  h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1']), spec.activation), p['ffn']['ffn2'])
+  h = _dropout(h, keep[1], spec.dropout)
+  return norm('post_ffn_norm', skip_ffn * x_BLD + branch_ffn * h, spec.post_norm)
+
+
+def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
+  """Next-token logits (B, L, vocab) in the dtype of `tree`'s arrays. `deltas_NBLD`: added to each layer's
+  output (the residual stream entering the next layer), so that the gradient with respect to them is the
+  gradient with respect to the layer outputs."""
+  l = tokens_BL.shape[1]
+  x_BLD = tree['token_embed'][tokens_BL] + tree['pos_embedding'][:l]
+  x_BLD = _dropout(x_BLD, None if masks is None else masks['embedding'], spec.dropout)
+  if spec.input_norm:
+    x_BLD = _layernorm(x_BLD, tree['trunk']['input_norm'], spec.eps)
+  layer_masks = None if masks is None else masks['layers']
+  deltas = jnp.zeros((spec.depth,), x_BLD.dtype) if deltas_NBLD is None else deltas_NBLD
+
+  @jax.checkpoint
+  def layer(x_BLD, xs):
+    p, keep, delta = xs
+    return _block(x_BLD, p, keep, spec) + delta, None
+
+  x_BLD, _ = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks, deltas))
+  if spec.pre_norm:
+    x_BLD = _layernorm(x_BLD, tree['trunk']['final_norm'], spec.eps)
+  x_BLD = x_BLD * tree['trunk']['output_scale']
+  return jnp.einsum('bld,dv->blv', x_BLD, tree['head']['kernel'], precision='highest')
+
+
+def loss(tree, tokens_BL1, spec: Spec, masks=None, deltas_NBLD=None):
+  """Mean next-token cross-entropy over the batch: the model reads tokens[:, :-1], predicts tokens[:, 1:]."""
+  z_BLV = logits(tree, tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
+  z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
+  log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
+  target_BL = jnp.take_along_axis(z_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+  return (log_norm_BL - target_BL).mean()
+
+
+def cast(tree, dtype):
+  """`tree`'s floating arrays in `dtype` (float64 needs `jax_enable_x64`)."""
+  return jax.tree.map(lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def layer_output_grads(tree, tokens_BL1, spec: Spec, masks=None) -> jax.Array:
+  """∂loss/∂(output of layer n) for every layer n: (N, B, L, D), by `jax.grad` with respect to zero
+  tensors added to the layer outputs."""
+  b, l1 = tokens_BL1.shape
+  dtype = tree['token_embed'].dtype
+  deltas_NBLD = jnp.zeros((spec.depth, b, l1 - 1, spec.width), dtype)
+  return jax.grad(lambda deltas: loss(tree, tokens_BL1, spec, masks, deltas))(deltas_NBLD)

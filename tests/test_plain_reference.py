@@ -1,0 +1,119 @@
+"""The plain-`jnp` reference GPT of the experiments computes dsjax's loss and gradients from dsjax's weights.
+
+Tiny models (3 layers × 32): the loss and every parameter gradient of `experiments/plain_reference.py`
+equal those of dsjax's GPT — plain attention and the CPU's 'xla' form, Post-LN and Pre-LN, with and
+without dropout (the reference draws dsjax's masks from the same key) — to float32 rounding; and the
+gradients with respect to the layer outputs equal those that the instrumentation's probe records.
+"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+from dsjax import instrument, schemes  # noqa: E402
+from dsjax.instrument import probe as probe_lib  # noqa: E402
+from dsjax.train import step as step_lib  # noqa: E402
+from experiments import plain_reference as ref  # noqa: E402
+from tests.helpers import TEXT_INFO, tiny_config  # noqa: E402
+
+DEPTH, BATCH, SEQ = 3, 2, 16
+
+
+def _model(block: str, attention: str, dropout: float, activation: str = 'relu'):
+  c = tiny_config(
+    'gpt', depth=DEPTH, block=block, attention=attention, dropout=dropout, activation=activation
+  )
+  c.model.scheme = 'vanilla'
+  c.data.seq_len = SEQ
+  return c, schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None)
+
+
+def _batch():
+  return {'tokens': jax.random.randint(jax.random.key(7), (BATCH, SEQ + 1), 0, TEXT_INFO.vocab_size)}
+
+
+def _dsjax_loss_and_grads(model, batch, key):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss_of = lambda p: step_lib.lm_loss(nnx.merge(graphdef, p, rest), batch, key)[0]  # noqa: E731
+  loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
+  return float(loss), nnx.to_pure_dict(grads)
+
+
+def _assert_grads_close(got, want):
+  """Leaf by leaf, to float32 rounding relative to the largest entry of the leaf's module (a key bias has a
+  gradient of exactly 0 — softmax ignores a shift of a query's logits —, so only rounding is left of it)."""
+  flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+  module_scale = {}
+  for path, w in flat_want.items():
+    module_scale[path[:-1]] = max(module_scale.get(path[:-1], 0.0), float(np.abs(w).max()))
+  for path, g in jax.tree_util.tree_leaves_with_path(got):
+    if path not in flat_want:
+      continue  # a constant (λ, β, output scale): the reference differentiates it, dsjax does not
+    np.testing.assert_allclose(
+      np.asarray(g),
+      np.asarray(flat_want.pop(path)),
+      rtol=1e-4,
+      atol=1e-5 * module_scale[path[:-1]],
+      err_msg=jax.tree_util.keystr(path),
+    )
+  assert not flat_want, f'parameters missing from the reference: {list(flat_want)}'
+
+
+@pytest.mark.parametrize(
+  'block,attention,dropout,activation',
+  [
+    ('postln', 'plain', 0.0, 'relu'),
+    ('postln', 'xla', 0.1, 'relu'),
+    ('preln', 'plain', 0.1, 'gelu'),
+    ('preln', 'xla', 0.0, 'gelu'),
+  ],
+)
+def test_loss_and_parameter_gradients_match_dsjax(block, attention, dropout, activation):
+  c, model = _model(block, attention, dropout, activation)
+  batch = _batch()
+  key = step_lib.dropout_key_for_step(c.seed, 1) if dropout else None
+  loss, grads = _dsjax_loss_and_grads(model, batch, key)
+
+  spec = ref.reference_spec(model)
+  tree = ref.reference_tree(model)
+  masks = ref.dropout_masks(spec, key, BATCH, SEQ)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda t: ref.loss(t, batch['tokens'], spec, masks)))(
+    ref.cast(tree, jnp.float32)
+  )
+  np.testing.assert_allclose(float(ref_loss), loss, rtol=1e-6)
+  _assert_grads_close(ref_grads, grads)
+
+
+def test_layer_output_gradients_match_the_probe():
+  """grad_var of the instrumentation at each layer output = the variance of the reference's gradient."""
+  c, model = _model('postln', 'xla', 0.1)
+  batch, key = _batch(), step_lib.dropout_key_for_step(c.seed, 1)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss_of = lambda p, probe: step_lib.lm_loss(nnx.merge(graphdef, p, rest), batch, key, probe)[0]  # noqa: E731
+  _, _, moments = jax.jit(lambda p: instrument.value_and_grad(loss_of, p, weights=False))(params)
+  site = probe_lib.SITES.index('ffn_residual')
+  stat = probe_lib.ACTIVATION_STATS.index('grad_var')
+  probe_var_N = np.asarray(moments['activations'])[1:, site, stat]
+
+  spec = ref.reference_spec(model)
+  g_NBLD = ref.layer_output_grads(
+    ref.cast(ref.reference_tree(model), jnp.float32),
+    batch['tokens'],
+    spec,
+    ref.dropout_masks(spec, key, BATCH, SEQ),
+  )
+  np.testing.assert_allclose(np.var(np.asarray(g_NBLD, np.float64), axis=(1, 2, 3)), probe_var_N, rtol=1e-4)
+
+
+def test_unsupported_model_is_refused():
+  c = tiny_config('gpt', block='dnt')
+  model = schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None)
+  with pytest.raises(ValueError, match='does not implement'):
+    ref.reference_spec(model)
