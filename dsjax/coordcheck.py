@@ -359,6 +359,25 @@ def _series_order(points, quantity: str) -> list[str]:
   return [n for n in known if n in names] + sorted(names - set(known))
 
 
+def _log_y_axis(ax):
+  """A log y axis spanning at least a factor 4 (a flat curve looks flat, not like magnified noise),
+  labelled on its minor ticks too when it spans less than a factor 30."""
+  values = np.concatenate([line.get_ydata() for line in ax.get_lines()]).astype(float)
+  values = values[np.isfinite(values)]
+  if not values.size:
+    return
+  low, high = values.min(), values.max()
+  if high < 4 * low:
+    centre = np.sqrt(low * high)
+    ax.set_ylim(centre / 2, centre * 2)
+  bottom, top = ax.get_ylim()
+  # Plain '%.3g' labels: the default mathtext ones have hit pyparsing's recursion limit (dsjax.moments).
+  label = matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:.3g}')
+  ax.yaxis.set_major_formatter(label)
+  ax.yaxis.set_minor_formatter(label if top < 30 * bottom else matplotlib.ticker.NullFormatter())
+  ax.tick_params(axis='y', which='both', labelsize=7)
+
+
 def plot(points, quantity: str, against: str, steps: int, path: str, title: str):
   """One panel per series (columns) and per value of the other axis (rows); one line per step t."""
   other = 'depth' if against == 'width' else 'width'
@@ -382,12 +401,10 @@ def plot(points, quantity: str, against: str, steps: int, path: str, title: str)
       ax.plot(xs, ys, 'o-', ms=3, lw=1.2, color=colours[t], label=f't={t}')
     ax.set_xscale('log', base=2)
     ax.set_yscale('log')
-    # Plain tick labels: the default mathtext ones have hit pyparsing's recursion limit (dsjax.moments).
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(sorted({x for key, (xs, _) in curves.items() for x in xs}))
-    ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _log_y_axis(ax)
     ax.set_title(f'{name} ({other} {fixed})', fontsize=9)
     ax.set_xlabel(against)
     ax.grid(alpha=0.3, which='both')
