@@ -361,7 +361,7 @@ def _series_order(points, quantity: str) -> list[str]:
 
 def _log_y_axis(ax):
   """A log y axis spanning at least a factor 4 (a flat curve looks flat, not like magnified noise),
-  labelled on its minor ticks too when it spans less than a factor 30."""
+  labelled on its minor ticks too when it spans less than a factor 10."""
   values = np.concatenate([line.get_ydata() for line in ax.get_lines()]).astype(float)
   values = values[np.isfinite(values)]
   if not values.size:
@@ -374,7 +374,7 @@ def _log_y_axis(ax):
   # Plain '%.3g' labels: the default mathtext ones have hit pyparsing's recursion limit (dsjax.moments).
   label = matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:.3g}')
   ax.yaxis.set_major_formatter(label)
-  ax.yaxis.set_minor_formatter(label if top < 30 * bottom else matplotlib.ticker.NullFormatter())
+  ax.yaxis.set_minor_formatter(label if top < 10 * bottom else matplotlib.ticker.NullFormatter())
   ax.tick_params(axis='y', which='both', labelsize=7)
 
 
