@@ -1,7 +1,7 @@
 r"""The coordinate check: activation and update sizes after 0…K training steps, across widths and depths.
 
   python -m dsjax.coordcheck --config=configs/gpt_preln.py --widths=32,64,128,256 [--depths=2,8,32]
-      --steps=4 --out=DIR [--seeds=0,1] [--lr=1e-2] [--config.model.scheme=mup ...]
+      --steps=4 --out=DIR [--seeds=0,1] [--lr=3e-3] [--config.model.scheme=mup ...]
 
 The check of Yang & Hu 2021 ("Tensor Programs IV", arXiv:2011.14522) and Yang et al. 2021 ("Tensor
 Programs V", arXiv:2203.03466): a parametrisation is right for wide (or deep) models when the size of
@@ -16,7 +16,8 @@ config.seed = each of --seeds. The batches depend on the seed only, so every wid
 same ones. The learning rate is held at --lr (default optimizer.lr): no warmup, no decay
 (optimizer.schedule='constant', warmup_steps=0, total_steps=K); everything else of the optimizer is the
 config's. Before the first step and after each step t = 1…K the model is measured on one fixed batch,
-the first training batch, with dropout off:
+the first training batch, by the same instrumented train step with its update dropped (so dropout, if
+the config has any, is as in training; the logits are computed without it):
 
   activation_rms         RMS of the coordinates, sqrt(E[x²]), at every probe site of every layer
                          (`dsjax.instrument`: 'embedding', 'attn_branch', 'attn_residual', 'ffn_branch',
