@@ -135,7 +135,7 @@ def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
 _stats_tap.defvjp(_stats_tap_fwd, _stats_tap_bwd)
 
 
-def _layer_trees(tree: Any) -> tuple[Any, bool]:
+def layer_trees(tree: Any) -> tuple[Any, bool]:
   """The block parameters (or their gradients) of a model's trunk, and whether they are stacked: the
   scanned stack at LAYER_STACK_PATH, or one subtree per layer at ('trunk', 'layers', n) when the layers
   differ in width (a concatenation residual)."""
@@ -148,7 +148,7 @@ def _layer_trees(tree: Any) -> tuple[Any, bool]:
 
 
 def stack_depth(params: Any) -> int:
-  layers, stacked = _layer_trees(params)
+  layers, stacked = layer_trees(params)
   return jax.tree.leaves(layers)[0].shape[0] if stacked else len(layers)
 
 
@@ -235,7 +235,7 @@ def value_and_grad(
     loss, grads = jax.value_and_grad(lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
     moments = {}
   if weights:
-    moments['weights'] = stats_lib.weight_grad_stats(*_layer_trees(grads))
+    moments['weights'] = stats_lib.weight_grad_stats(*layer_trees(grads))
   return loss, grads, moments
 
 
