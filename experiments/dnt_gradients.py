@@ -1,12 +1,12 @@
 r"""DNT (Qi et al. 2025, arXiv:2507.17501) Fig. 1: the distribution of |gradient| entries per weight type,
 standard Pre-LN ViT vs V-DNT, at initialisation and after training.
 
-  python experiments/dnt_gradients.py --out=experiments/results/dnt_gradients \
-      [--sweep=experiments/results/dnt_vit/results.json]
+  python experiments/dnt_gradients.py --out=experiments/results/dnt_gradients [--lrs=S1:0.01,S5:0.01]
 
-Models: the ViT of `experiments/dnt_sweeps.py --task=vit` (4 × 64 on the embedded digits), setting S1
-(standard Pre-Norm) and S5 (DNT), RMSNorm in both. Each is trained for 300 steps with AdamW at its own best
-learning rate of that sweep (read from --sweep; seed 0). The gradient of the loss on 512 training images
+Models: the ViT of `experiments/configs/dnt.py:vit,adamw` (4 × 64 on the embedded digits), setting S1
+(standard Pre-Norm) and S5 (DNT), RMSNorm in both. Each is trained for 300 steps with AdamW at the
+learning rate --lrs gives it (default 0.01, the best lr of both in an earlier sweep on the digits; seed
+0), cosine to 0 as those numbers were measured. The gradient of the loss on 512 training images
 (no dropout) is taken at initialisation and after training; per weight type (q, k, v, o, ffn1, ffn2,
 norms; all layers pooled) the instrumentation's heavy-tail statistics (`dsjax.instrument.stats.
 distribution_stats`: |g| quantiles, kurtosis E[(g−μ)⁴]/σ⁴ — 3 for a Gaussian — and the tail ratio
@@ -33,16 +33,20 @@ from dsjax import data as data_lib  # noqa: E402
 from dsjax.instrument import stats as stats_lib  # noqa: E402
 from dsjax.train import state as state_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
-from experiments import dnt_sweeps, population  # noqa: E402
+from experiments import population  # noqa: E402
+from experiments.configs import dnt as dnt_config  # noqa: E402
 
 SETTINGS = ('S1', 'S5')
 TAIL_STATS = ('grad_abs_p50', 'grad_abs_p99.9', 'grad_kurtosis', 'grad_tail_ratio')
 
 
-def best_lrs(path: str) -> dict[str, float]:
-  with open(path) as f:
-    cells = json.load(f)['cells']
-  return {c['setting']: c['best_lr'] for c in cells if c['optimizer'] == 'adamw'}
+def vit_config(setting: str, steps: int):
+  config = dnt_config.get_config('vit,adamw')
+  config.total_steps = config.eval_every = config.checkpoint_every = steps
+  config.model.dnt_setting = setting
+  config.optimizer.warmup_steps = steps // 10
+  config.optimizer.min_lr_ratio = 0.0
+  return config
 
 
 def gradient_groups(config, params, rest, graphdef, batch) -> dict[str, np.ndarray]:
@@ -55,7 +59,7 @@ def gradient_groups(config, params, rest, graphdef, batch) -> dict[str, np.ndarr
 
 
 def measure(setting: str, lr: float, steps: int, batch) -> dict[str, dict]:
-  config = dnt_sweeps.task_config('vit', setting, 'adamw', steps)
+  config = vit_config(setting, steps)
   setup = state_lib.make_setup(config, data_lib.dataset_info(config.data))
   initial = jax.jit(setup.create_state)()
   trained = jax.tree.map(lambda x: x[0], population.train(config, [population.Member(lr, 0)])['state'])
@@ -68,18 +72,12 @@ def measure(setting: str, lr: float, steps: int, batch) -> dict[str, dict]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', required=True, help='Output directory.')
-  parser.add_argument(
-    '--sweep',
-    default='experiments/results/dnt_vit/results.json',
-    help='results.json of the ViT 2×2 sweep (its best AdamW lr per setting).',
-  )
+  parser.add_argument('--lrs', default='S1:0.01,S5:0.01', help='AdamW peak lr per setting.')
   parser.add_argument('--steps', type=int, default=300, help='Training steps.')
   args = parser.parse_args(argv)
-  if not os.path.isfile(args.sweep):
-    parser.error(f'--sweep: {args.sweep} does not exist (run experiments/dnt_sweeps.py --task=vit first)')
-  lrs = best_lrs(args.sweep)
+  lrs = {setting: float(lr) for setting, lr in (item.split(':') for item in args.lrs.split(','))}
   os.makedirs(args.out, exist_ok=True)
-  config = dnt_sweeps.task_config('vit', 'S1', 'adamw', args.steps)
+  config = vit_config('S1', args.steps)
   pipeline = data_lib.make_pipeline(
     config.data, global_batch_size=512, seed=123, process_index=0, process_count=1, train=True
   )
