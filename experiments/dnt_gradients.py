@@ -33,7 +33,7 @@ from dsjax import data as data_lib  # noqa: E402
 from dsjax.instrument import stats as stats_lib  # noqa: E402
 from dsjax.train import state as state_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
-from experiments import population  # noqa: E402
+from dsjax.train import population  # noqa: E402
 from experiments.configs import dnt as dnt_config  # noqa: E402
 
 SETTINGS = ('S1', 'S5')

@@ -2,8 +2,8 @@ r"""The DSLM paper's BERT recipe at CPU scale (Kedia et al. 2024, arXiv:2403.096
 config of the sweeps of experiments/README.md §4 (DSLM against the vanilla model at constant N·d²,
 Table 4) and §7 (prior methods, Table 11). `--config=experiments/configs/dslm_bert.py:DEPTHxWIDTH`.
 
-  python -m dsjax.sweep --config=experiments/configs/dslm_bert.py:16x32 --lrs=1e-3,3e-3,1e-2,3e-2 \
-      --seeds=0,1,2 --arm=vanilla: --arm=dslm:model.scheme=dslm --out=experiments/results/dslm_depth_16x32
+  python -m dsjax.sweep --config=experiments/configs/dslm_bert.py:4x64 --lrs=1e-3,3e-3,1e-2,3e-2 \
+      --seeds=0,1,2 --arm=vanilla_postln: --arm=dslm_postln:model.scheme=dslm --out=experiments/results/dslm_depth_4x64
 
 Commands, runtimes and results: experiments/README.md §4 and §7.
 
