@@ -68,7 +68,7 @@ def main(argv):
     splits = document['splits']
     swept = {(m['lr'], m['seed']): m['select']['eval/loss'] for m in document['arms'][0]['members']}
 
-    run_s, differences = [], []
+    run_s, differences, members = [], [], []
     for lr in lrs:
       for seed in seeds:
         workdir = os.path.join(scratch, f'run_{lr}_{seed}')
@@ -79,6 +79,7 @@ def main(argv):
         ]
         run_s.append(_timed([sys.executable, '-m', 'dsjax.main', *common, *member, f'--workdir={workdir}']))
         differences.append(abs(_final_eval_loss(workdir) - swept[float(lr), int(seed)]))
+        members.append((lr, seed))
 
   sequential_s = sum(run_s)
   results = {
@@ -98,6 +99,7 @@ def main(argv):
     'sequential_member_steps_per_s': round(member_steps / sequential_s, 2),
     'speedup': round(sequential_s / sweep_s, 2),
     'max_abs_eval_loss_difference': max(differences),
+    'abs_eval_loss_differences': {f'{lr},{seed}': d for (lr, seed), d in zip(members, differences)},
   }
   for key, value in results.items():
     print(f'{key}: {value}')
