@@ -3,7 +3,8 @@ config of the sweeps of experiments/README.md §4 (DSLM against the vanilla mode
 Table 4) and §7 (prior methods, Table 11). `--config=experiments/configs/dslm_bert.py:DEPTHxWIDTH`.
 
   python -m dsjax.sweep --config=experiments/configs/dslm_bert.py:4x64 --lrs=1e-3,3e-3,1e-2,3e-2 \
-      --seeds=0,1,2 --arm=vanilla_postln: --arm=dslm_postln:model.scheme=dslm --out=experiments/results/dslm_depth_4x64
+      --seeds=0,1,2 --arm=vanilla_postln: --arm=dslm_postln:model.scheme=dslm \
+      --out=experiments/results/dslm_depth_4x64
 
 Commands, runtimes and results: experiments/README.md §4 and §7.
 
