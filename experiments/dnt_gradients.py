@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 from dsjax import data as data_lib  # noqa: E402
 from dsjax.instrument import stats as stats_lib  # noqa: E402
+from dsjax.train import population  # noqa: E402
 from dsjax.train import state as state_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
-from dsjax.train import population  # noqa: E402
 from experiments.configs import dnt as dnt_config  # noqa: E402
 
 SETTINGS = ('S1', 'S5')
