@@ -41,10 +41,30 @@ def _scaled(stat: str, values: np.ndarray) -> tuple[str, np.ndarray]:
 
 
 def _histogram(tag: str, values: np.ndarray) -> Summary.Value | None:
+  """A histogram proto of the finite values, binned here over an explicit range: numpy cannot bin a
+  range narrower than the values' float spacing (one layer, or equal values, at 1e18 say), so such a
+  range is widened by a millionth of the values' magnitude."""
+  values = np.asarray(values, np.float64)
   values = values[np.isfinite(values)]
   if values.size == 0:
     return None
-  return tb_summary.histogram(tag, values, bins=min(30, max(1, values.size))).value[0]
+  low, high = float(values.min()), float(values.max())
+  pad = 1e-6 * max(abs(low), abs(high), 1e-30)
+  if high - low <= pad:
+    low, high = low - pad, high + pad
+  counts, edges = np.histogram(values, bins=min(30, values.size), range=(low, high))
+  with np.errstate(over='ignore'):
+    sum_squares = float(np.sum(values * values))
+  return tb_summary.histogram_raw(
+    tag,
+    min=float(values.min()),
+    max=float(values.max()),
+    num=float(values.size),
+    sum=float(values.sum()),
+    sum_squares=sum_squares,
+    bucket_limits=edges[1:].tolist(),
+    bucket_counts=counts.astype(np.float64).tolist(),
+  ).value[0]
 
 
 def _quantile_histogram(tag: str, quantiles: np.ndarray) -> Summary.Value | None:
