@@ -38,7 +38,7 @@ from flax import nnx
 from dsjax.models import layers
 from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import WEIGHT_KEYS, ConcatPlan, InitPlan
-from dsjax.models.transformer import Probe, TransformerConfig, Trunk, apply_remat, no_probe
+from dsjax.models.transformer import Probe, TransformerConfig, Trunk, apply_remat, attention, no_probe
 
 
 def check_concat_plan(concat: ConcatPlan, depth: int, num_heads: int) -> None:
@@ -79,25 +79,8 @@ class ConcatLayer(nnx.Module):
     lr_scale = dict(cfg.lr_scale)
     self.dropout, self.dtype = cfg.dropout, cfg.dtype
     self.pre_attn_norm, self.mid_attn_norm = norm(lay.pre_attn, w_attn), norm(lay.mid_attn, g)
-    self.attn = layers.Attention(
-      w_attn,
-      cfg.num_heads,
-      stds=layer_init,
-      distribution=cfg.distribution,
-      use_bias=cfg.use_bias,
-      qk_norm=lay.qk_norm,
-      norm_kind=cfg.norm,
-      norm_eps=cfg.norm_eps,
-      causal=cfg.causal,
-      attn_dropout=cfg.attn_dropout,
-      logit_scale=cfg.attn_logit_scale,
-      logit_warmup_steps=cfg.attn_logit_warmup_steps,
-      identity_mix=cfg.attn_identity,
-      lr_scale=lr_scale,
-      inner_width=concat.attn_width,
-      out_width=g,
-      implementation=cfg.attention,
-      rngs=rngs,
+    self.attn = attention(
+      cfg, w_attn, layer_init, lay.qk_norm, lr_scale, rngs, inner_width=concat.attn_width, out_width=g
     )
     self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn, w_ffn), norm(lay.mid_ffn, g)
     self.ffn = layers.FFN(

@@ -103,6 +103,32 @@ def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
   return layers.param(value, axes) if how.learnable else layers.constant(value, axes)
 
 
+def attention(
+  cfg: TransformerConfig, width: int, stds, qk_norm: bool, lr_scale, rngs: nnx.Rngs, **widths
+) -> layers.Attention:
+  """The attention block of a layer as the config and the method's plan set it (one place for both the
+  additive and the concatenating layers); `widths`: `inner_width`/`out_width` where they differ."""
+  return layers.Attention(
+    width,
+    cfg.num_heads,
+    stds=stds,
+    distribution=cfg.distribution,
+    use_bias=cfg.use_bias,
+    qk_norm=qk_norm,
+    norm_kind=cfg.norm,
+    norm_eps=cfg.norm_eps,
+    causal=cfg.causal,
+    attn_dropout=cfg.attn_dropout,
+    logit_scale=cfg.attn_logit_scale,
+    logit_warmup_steps=cfg.attn_logit_warmup_steps,
+    identity_mix=cfg.attn_identity,
+    lr_scale=lr_scale,
+    implementation=cfg.attention,
+    rngs=rngs,
+    **widths,
+  )
+
+
 class Block(nnx.Module):
   """One layer: the attention residual add followed by the FFN residual add."""
 
@@ -115,24 +141,7 @@ class Block(nnx.Module):
     self.pre_ffn_norm, self.mid_ffn_norm = norm(lay.pre_ffn), norm(lay.mid_ffn)
     self.post_ffn_norm = norm(lay.post)
     lr_scale = dict(cfg.lr_scale)
-    self.attn = layers.Attention(
-      cfg.width,
-      cfg.num_heads,
-      stds=layer_init,
-      distribution=cfg.distribution,
-      use_bias=cfg.use_bias,
-      qk_norm=lay.qk_norm,
-      norm_kind=cfg.norm,
-      norm_eps=cfg.norm_eps,
-      causal=cfg.causal,
-      attn_dropout=cfg.attn_dropout,
-      logit_scale=cfg.attn_logit_scale,
-      logit_warmup_steps=cfg.attn_logit_warmup_steps,
-      identity_mix=cfg.attn_identity,
-      lr_scale=lr_scale,
-      implementation=cfg.attention,
-      rngs=rngs,
-    )
+    self.attn = attention(cfg, cfg.width, layer_init, lay.qk_norm, lr_scale, rngs)
     self.ffn = layers.FFN(
       cfg.width,
       cfg.mlp_hidden,
