@@ -24,7 +24,7 @@ import os
 import re
 import shlex
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import matplotlib
 import numpy as np
@@ -308,6 +308,7 @@ def train_lrs(out: str, base, arm: Arm, lrs: list[float], seeds: list[int], spli
           'config_diff': config_diff(base, member),
           'diverged': r['diverged'],
           'nonfinite_steps': r['nonfinite_steps'],
+          'clipped_steps': r['clipped_steps'],
           'train_loss': r['train_loss'],
           'eval_curve': [(step, m['eval/loss']) for step, m in sorted(r['eval'].items())],
           'select': r['final'],
@@ -544,8 +545,10 @@ def check(args) -> Plan:
   return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, out, command)
 
 
-def run(plan: Plan) -> list[dict]:
-  """Trains what OUT does not hold yet, arm by arm, and writes the outputs; the arms' results."""
+def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[dict] | None:
+  """Trains what OUT does not hold yet, arm by arm, and writes the outputs; the arms' results.
+  `stop_before(arm)` True (e.g. a time budget that the arm would overrun) stops the sweep there, with
+  what was finished kept under OUT and no outputs written; it returns None then."""
   out = plan.out
   this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
   sweep_path = os.path.join(out, 'sweep.json')
@@ -565,6 +568,9 @@ def run(plan: Plan) -> list[dict]:
   progress = Progress(sum(a.config.total_steps for a in plan.arms) * len(plan.lrs) * len(plan.seeds))
   results = []
   for arm in plan.arms:
+    if stop_before is not None and stop_before(arm):
+      logging.info('Stopped before arm %s; rerun the command to resume', arm.name)
+      return None
     records = run_arm(out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress)
     r = arm_result(arm, records)
     results.append(r)

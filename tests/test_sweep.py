@@ -52,6 +52,7 @@ class StandInTrainer:
           'seed': m.seed,
           'diverged': m.lr >= 1,
           'nonfinite_steps': int(m.lr >= 1),
+          'clipped_steps': 0,
           'train_loss': [(config.total_steps, loss)],
           'eval': {config.total_steps: metrics},
           'final': metrics,

@@ -106,8 +106,9 @@ def train(
 
   Returns {'members': [{'lr', 'seed', 'diverged', 'nonfinite_steps', 'eval': {step: metrics},
   'final': metrics of the last step, 'report': metrics on `report_split` (if given), 'train_loss':
-  [(step, mean loss over the last `log_every` steps)]}], 'seconds': wall time, 'steps': total_steps,
-  'state': the stacked final states}."""
+  [(step, mean loss over the last `log_every` steps)], 'clipped_steps': steps whose gradient norm
+  exceeded `optimizer.clip_norm` (so that clipping scaled it down; 0 without clipping)}], 'seconds':
+  wall time, 'steps': total_steps, 'state': the stacked final states}."""
   data_config = config_lib.validate_config(config, num_devices=1).data
   data_info = data_lib.dataset_info(data_config)
   config_lib.validate_against_data(config, data_info)
@@ -183,6 +184,8 @@ def train(
 
   records = [{'lr': m.lr, 'seed': m.seed, 'eval': {}, 'train_loss': []} for m in members]
   window: list[np.ndarray] = []
+  clip_norm = config.optimizer.get('clip_norm') or 0.0
+  clipped_K = jnp.zeros(len(members), jnp.int32)  # counted on the device: no transfer per step
   t0 = time.time()
   metrics = None
   for step in range(1, config.total_steps + 1):
@@ -190,6 +193,8 @@ def train(
     batch_K = {k: np.stack([by_seed[m.seed][k] for m in members]) for k in by_seed[seeds[0]]}
     state_K, metrics = train_step(state_K, batch_K, lr_K, seed_K)
     window.append(metrics['train/loss'])
+    if clip_norm:
+      clipped_K = clipped_K + (metrics['train/grad_norm'] > clip_norm)
     if step % log_every == 0 or step == config.total_steps:
       losses_K = _finite_mean(np.stack(jax.device_get(window)))
       window = []
@@ -201,8 +206,9 @@ def train(
       for r, ev in zip(records, evaluate(state_K)):
         r['eval'][step] = ev
   nonfinite_K = np.asarray(jax.device_get(metrics['train/nonfinite_steps']))
-  for r, n in zip(records, nonfinite_K):
+  for r, n, clipped in zip(records, nonfinite_K, np.asarray(jax.device_get(clipped_K))):
     r['nonfinite_steps'] = int(n)
+    r['clipped_steps'] = int(clipped)
     r['final'] = r['eval'][config.total_steps]
     r['diverged'] = bool(n > 0 or not math.isfinite(r['final']['eval/loss']))
   if report_split is not None:

@@ -47,6 +47,7 @@ def test_a_member_on_its_splits_is_the_loop_on_them(tmp_path):
   c.total_steps = c.eval_every = c.checkpoint_every = 3
   c.optimizer.warmup_steps = 1
   c.data.train_split, c.data.eval_split = 'train', 'validation[:50%]'
+  c.optimizer.clip_norm = 1e-6  # Every step's gradient is clipped, and counted.
   member = population.train(c, population.grid([3e-3], [1]), report_split='validation[50%:]', verbose=False)
   member = member['members'][0]
   run = c.copy_and_resolve_references()
@@ -54,3 +55,4 @@ def test_a_member_on_its_splits_is_the_loop_on_them(tmp_path):
   final = loop.train_and_evaluate(run, str(tmp_path / 'run'))
   np.testing.assert_allclose(member['report']['eval/loss'], final['eval/loss'], atol=2e-5)
   assert member['final']['eval/loss'] != member['report']['eval/loss']  # two different splits
+  assert member['clipped_steps'] == 3

@@ -1,0 +1,553 @@
+r"""The papers' headline claims at ≥ 20 tokens per parameter, on one GPU, in one resumable command.
+
+  python experiments/gpu_decisive.py --out=experiments/results/gpu_decisive --budget_s=420
+
+(a) DSLM at constant N·d² (Kedia et al. 2024, arXiv:2403.09635, Table 4 for BERT, Table 8 for GPT): GPTs
+of 4×128, 16×64 and 64×32 (N·d² = 65,536; ~0.8M non-embedding parameters), each with four arms —
+vanilla and DSLM, Post-LN and Pre-LN — at 4 peak lrs × 3 seeds.
+(b) DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): an 8×128 GPT (~1.6M non-embedding
+parameters), Pre-Norm (S1) against DNT (S5), with AdamW and with mSGDW, at 4 peak lrs × 3 seeds.
+
+Every sweep is a `python -m dsjax.sweep` (docs/sweeps.md) on `python_stdlib` with a 4,096-token BPE
+tokenizer trained first (OUT/tokenizer); the configs and the papers' settings they follow are in
+experiments/configs/gpu_decisive.py. Order: the depth sweeps first (4×128, 64×32, 16×64), then DNT's.
+
+Resumable: every finished (arm, lr) is kept under OUT/<sweep>/ (dsjax.sweep's own resumption), so a
+command cut off — or stopped by `--budget_s` before an arm its measured speed says would not fit —
+continues where it stopped when rerun with the same OUT, on this machine or another one of the same
+Python (the corpus is the running Python's standard library; a different one is refused). It prints the
+plan (members × tokens of every sweep, model FLOPs) first, then each arm's measured tokens/s and the
+projected time of what is left. Outputs:
+  OUT/plan.json                  parameters, tokens per parameter (embeddings included and not), epochs
+  OUT/<sweep>/trained_<arm>.json device kind, jax version, date, commit, seconds and tokens/s of an arm
+  OUT/<sweep>/{results.json, summary.md, lr_curves.png, arms/}   dsjax.sweep's outputs
+  OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals and verdicts (when all
+                                      sweeps have finished; the part finished so far otherwise)
+On a GPU machine whose image lacks some of dsjax's dependencies, see experiments/README.md ("On a GPU")
+for the command that installs them from wheels and brings OUT back. `--tiny` runs every sweep at a tiny
+size on the CPU (tests/test_gpu_decisive.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+import types
+
+import jax
+from absl import flags
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
+import gpu_decisive as configs  # noqa: E402  (experiments/configs/gpu_decisive.py)
+
+from dsjax import bench, sweep  # noqa: E402
+from dsjax import data as data_lib  # noqa: E402
+from dsjax import tokenizer as tokenizer_cli  # noqa: E402
+from dsjax.data import corpus as corpus_lib  # noqa: E402
+from dsjax.train import cli, protocol  # noqa: E402
+from dsjax.train import config as config_lib  # noqa: E402
+from dsjax.train import state as state_lib  # noqa: E402
+
+
+def _define_flags():
+  # Defined only when run as a program, so that importing this file (tests) defines no absl flags.
+  flags.DEFINE_string('out', None, 'Output directory; rerunning with the same one resumes.')
+  flags.DEFINE_float(
+    'budget_s', 0, 'Stop before an arm that would end later than this many seconds after the start (0: none).'
+  )
+  flags.DEFINE_list('only', [], 'Run only these sweeps (names as in the plan), in the plan order.')
+  flags.DEFINE_boolean('tiny', False, 'Every sweep at a tiny size, for checking the script on a CPU.')
+  flags.DEFINE_boolean('plan_only', False, 'Print and write the plan (OUT/plan.json), train nothing.')
+  flags.DEFINE_string(
+    'data',
+    'python_stdlib',
+    "The corpus (data.name): 'python_stdlib', or 'text:GLOB' for a check on other text.",
+  )
+
+
+DEPTH_ARMS = (
+  'vanilla_postln:',
+  'dslm_postln:model.scheme=dslm',
+  'vanilla_preln:model.block=preln',
+  'dslm_preln:model.block=preln,model.scheme=dslm',
+)
+DNT_ARMS = ('preln:', 'dnt:model.dnt_setting=S5')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  name: str
+  config_arg: str  # experiments/configs/gpu_decisive.py's argument
+  arms: tuple[str, ...]
+  lrs: tuple[float, ...]
+  baseline: str
+
+
+PLANS = (
+  Plan('depth_4x128', 'depth,4x128', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
+  Plan('depth_64x32', 'depth,64x32', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
+  Plan('depth_16x64', 'depth,16x64', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
+  Plan('dnt_adamw', 'dnt,adamw', DNT_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'preln'),
+  Plan('dnt_msgdw', 'dnt,msgdw', DNT_ARMS, (0.03, 0.1, 0.3, 1.0), 'preln'),
+)
+SEEDS = (0, 1, 2)
+TINY = {'depth': 3, 'width': 32, 'heads': 2, 'steps': 4, 'batch': 4, 'seq_len': 32, 'vocab': 300}
+
+
+def tiny(config):
+  """The config at a tiny size: the same arms and settings, a few steps of a 3×32 model (6×32 for the
+  deeper shapes; DSLM needs N > 2 at its k = 2)."""
+  c = copy.deepcopy(config)
+  deep = c.model.depth > 4  # keep a deeper and a shallower shape apart
+  c.model.depth, c.model.width, c.model.num_heads = TINY['depth'] * (2 if deep else 1), TINY['width'], 2
+  c.total_steps = c.eval_every = c.checkpoint_every = TINY['steps']
+  c.log_every = 2
+  c.data.seq_len, c.batch_size, c.eval_batch_size = TINY['seq_len'], TINY['batch'], 64
+  c.optimizer.warmup_steps = 1
+  return c
+
+
+def base_config(plan: Plan, data_name: str, tokenizer: str, is_tiny: bool):
+  c = configs.get_config(plan.config_arg)
+  c.data.name, c.data.tokenizer = data_name, tokenizer
+  return tiny(c) if is_tiny else c
+
+
+# ------------------------------------------------------------------------------------------------
+# What was run where: the machine, the code, the date.
+# ------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+  device = jax.devices()[0]
+  return {
+    'device_kind': device.device_kind,
+    'platform': device.platform,
+    'num_devices': jax.device_count(),
+    'jax': jax.__version__,
+    'python': platform.python_version(),
+    'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+    # A copy of the working tree without .git (a lent GPU machine) names its commit in DSJAX_COMMIT.
+    'commit': bench.source_commit() or os.environ.get('DSJAX_COMMIT', 'unknown'),
+  }
+
+
+def write_json(path: str, value) -> None:
+  sweep.write_atomically(path, json.dumps(value, indent=1, default=float))
+
+
+def read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------------
+# The tokenizer and the plan's sizes.
+# ------------------------------------------------------------------------------------------------
+
+
+def ensure_tokenizer(out: str, data_name: str, vocab_size: int) -> str:
+  """OUT/tokenizer/tokenizer.json, trained on this machine's corpus unless there already; one trained on
+  another corpus (for python_stdlib: another Python's standard library) is refused."""
+  directory = os.path.join(out, 'tokenizer')
+  path = os.path.join(directory, tokenizer_cli.TOKENIZER_FILE)
+  corpus = corpus_lib.open_corpus(data_name, 'text')
+  if os.path.exists(path):
+    info = read_json(os.path.join(directory, tokenizer_cli.INFO_FILE))
+    if info['corpus_sha256'] != corpus.identity:
+      raise ValueError(
+        f'--out={out} holds a tokenizer of another {data_name} corpus (trained under Python '
+        f'{info.get("python", "?")}, this is {platform.python_version()}); resume where the corpus is the '
+        'same, or name another --out'
+      )
+    return path
+  info = tokenizer_cli.train(data_name, vocab_size, directory)
+  write_json(os.path.join(directory, tokenizer_cli.INFO_FILE), dict(info, python=platform.python_version()))
+  return path
+
+
+def param_counts(config) -> dict[str, int]:
+  """Parameters of the model `config` builds: all, those outside the embedding tables, and the vocabulary."""
+  info = data_lib.dataset_info(config_lib.validate_config(config, num_devices=1).data)
+  model = state_lib.make_setup(config, info).abstract_model
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  # matmul_params leaves out the looked-up tables, and so a tied output layer; an untied one is a matrix.
+  head = 0 if config.model.tie_embeddings else info.vocab_size * config.model.width
+  return {
+    'params': total,
+    'non_embedding_params': bench.matmul_params(model) - head,
+    'vocab_size': info.vocab_size,
+  }
+
+
+def train_tokens(config) -> int:
+  data = config_lib.validate_config(config, num_devices=1).data
+  pipeline = data_lib.make_pipeline(
+    data, split='train', global_batch_size=1, process_index=0, process_count=1, train=True
+  )
+  return len(pipeline.stream)
+
+
+def flops_per_token(config, counts) -> float:
+  """Training FLOPs per token: 6 per matmul parameter, the output layer included, and the attention's
+  12·N·d·L (PaLM's count, arXiv:2204.02311 App. B, as `dsjax.bench` counts)."""
+  m = config.model
+  head = m.width * counts['vocab_size']
+  return 6 * (counts['non_embedding_params'] + head) + 12 * m.depth * m.width * config.data.seq_len
+
+
+def sizes(plan: Plan, config, corpus_tokens: int) -> dict:
+  counts = param_counts(config)
+  tokens = config.total_steps * config.batch_size * config.data.seq_len
+  members = len(plan.lrs) * len(SEEDS)
+  per_token = flops_per_token(config, counts)
+  return {
+    'sweep': plan.name,
+    'depth': config.model.depth,
+    'width': config.model.width,
+    'heads': config.model.num_heads,
+    'steps': config.total_steps,
+    'tokens_per_member': tokens,
+    **counts,
+    'tokens_per_param': tokens / counts['params'],
+    'tokens_per_non_embedding_param': tokens / counts['non_embedding_params'],
+    'epochs': tokens / corpus_tokens,
+    'arms': len(plan.arms),
+    'members_per_arm': members,
+    'flops_per_token': per_token,
+    'flops': per_token * tokens * members * len(plan.arms),
+  }
+
+
+def plan_table(rows: list[dict]) -> list[str]:
+  """The sizes of every sweep as a Markdown table (printed first, and the summary's first table)."""
+  lines = [
+    '| sweep | N×d | steps | params (non-emb.) | tokens/param (non-emb.) | epochs | arms × members | PFLOP |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for r in rows:
+    lines.append(
+      f'| {r["sweep"]} | {r["depth"]}×{r["width"]} | {r["steps"]} | {r["params"] / 1e6:.2f}M '
+      f'({r["non_embedding_params"] / 1e6:.2f}M) | {r["tokens_per_param"]:.1f} '
+      f'({r["tokens_per_non_embedding_param"]:.1f}) | {r["epochs"]:.2f} | '
+      f'{r["arms"]} × {r["members_per_arm"]} × {r["tokens_per_member"] / 1e6:.1f}M tokens | '
+      f'{r["flops"] / 1e15:.1f} |'
+    )
+  return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the sweeps within the budget.
+# ------------------------------------------------------------------------------------------------
+
+
+class Clock:
+  """Measured model FLOP/s of the arms trained so far (this machine, this process), to decide whether
+  the next arm fits the budget."""
+
+  def __init__(self, budget_s: float):
+    self.start, self.budget_s = time.time(), budget_s
+    self.rates: list[float] = []
+
+  def left(self) -> float:
+    return self.budget_s - (time.time() - self.start) if self.budget_s else math.inf
+
+  def estimate(self, flops: float) -> float | None:
+    return flops / min(self.rates) if self.rates else None  # the slowest arm so far: on the safe side
+
+
+def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
+  args = types.SimpleNamespace(
+    config=config,
+    lrs=','.join(map(str, plan.lrs)),
+    seeds=','.join(map(str, SEEDS)),
+    arm=list(plan.arms),
+    baseline=plan.baseline,
+    out=os.path.join(out, plan.name),
+    max_extend=max_extend,
+    train_split=None,
+    select_split=None,
+    report_split=None,
+  )
+  checked = sweep.check(args)
+  command = f'python experiments/gpu_decisive.py --out={out}  (sweep {plan.name})'
+  return dataclasses.replace(checked, command=command)
+
+
+def run_sweep(plan: Plan, checked: sweep.Plan, size: dict, clock: Clock, where: dict) -> bool:
+  """Runs the sweep's unfinished arms while they fit the budget; True when every arm has finished."""
+  arm_flops = size['flops'] / len(plan.arms)
+  started: dict[str, float] = {}
+
+  def stop_before(arm) -> bool:
+    previous = [name for name in started if name != arm.name]
+    for name in previous:  # the arm before this one has just finished: record it
+      finish_arm(name)
+    if len(sweep.finished_lrs(checked.out, arm.name)) >= len(plan.lrs):
+      return False  # finished earlier: nothing to train (its extensions, if any, were trained too)
+    need = clock.estimate(arm_flops)
+    if need is not None and need > clock.left():
+      print(
+        f'{plan.name}/{arm.name}: needs ~{need:.0f}s, {clock.left():.0f}s left: stopping here', flush=True
+      )
+      return True
+    started[arm.name] = time.time()
+    print(f'{plan.name}/{arm.name}: training ({"~%.0fs" % need if need else "first arm: speed unknown"})')
+    return False
+
+  def finish_arm(name: str) -> None:
+    seconds = time.time() - started.pop(name)
+    records = sweep.finished_lrs(checked.out, name)
+    member_tokens = size['tokens_per_member'] * sum(len(r['members']) for r in records.values())
+    # Extensions beyond the grid train more members than planned: count what was trained.
+    flops = size['flops_per_token'] * member_tokens
+    clock.rates.append(flops / seconds)
+    record = dict(
+      where,
+      sweep=plan.name,
+      arm=name,
+      seconds=seconds,
+      member_tokens=member_tokens,
+      tokens_per_s=member_tokens / seconds,
+      model_tflops_per_s=flops / seconds / 1e12,
+    )
+    write_json(os.path.join(checked.out, f'trained_{name}.json'), record)
+    print(
+      f'{plan.name}/{name}: {seconds:.0f}s, {member_tokens / seconds:,.0f} member-tokens/s '
+      f'({flops / seconds / 1e12:.3g} model TFLOP/s, compilation and evaluation included)',
+      flush=True,
+    )
+
+  results = sweep.run(checked, stop_before=stop_before)
+  for name in list(started):
+    finish_arm(name)
+  return results is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# The claims: contrasts across arms and sweeps, with the verdict rule of experiments/README.md.
+# ------------------------------------------------------------------------------------------------
+
+
+def verdict(interval: dict, paper_sign: int) -> str:
+  """'reproduced' when the 95% interval excludes zero in the paper's direction (paper_sign: the sign
+  of the paper's difference), 'not reproduced' when it excludes zero the other way, else 'not resolved'."""
+  low, high = interval['low'], interval['high']
+  if not (math.isfinite(low) and math.isfinite(high)):
+    return 'not resolved'
+  if (paper_sign < 0 and high < 0) or (paper_sign > 0 and low > 0):
+    return 'reproduced'
+  if (paper_sign < 0 and low > 0) or (paper_sign > 0 and high < 0):
+    return 'not reproduced'
+  return 'not resolved'
+
+
+def load_results(out: str) -> dict[str, dict]:
+  found = {}
+  for plan in PLANS:
+    path = os.path.join(out, plan.name, 'results.json')
+    if os.path.exists(path):
+      found[plan.name] = {a['name']: a for a in read_json(path)['arms']}
+  return found
+
+
+# (label, [(weight, sweep, arm)], paper's sign of the loss difference, source in the paper)
+DEPTHS = ('4x128', '16x64', '64x32')
+CLAIMS = [
+  *[
+    (
+      f'DSLM − vanilla, {ln}, {shape}',
+      [(1, f'depth_{shape}', f'dslm_{ln}'), (-1, f'depth_{shape}', f'vanilla_{ln}')],
+      -1,
+      'DSLM Tables 4, 5, 8',
+    )
+    for ln in ('postln', 'preln')
+    for shape in DEPTHS
+  ],
+  *[
+    (
+      f'deeper DSLM − 4×128 vanilla, {ln}, {shape}',
+      [(1, f'depth_{shape}', f'dslm_{ln}'), (-1, 'depth_4x128', f'vanilla_{ln}')],
+      -1,
+      'DSLM Tables 4, 8 (deeper-narrower at constant N·d²)',
+    )
+    for ln in ('postln', 'preln')
+    for shape in DEPTHS[1:]
+  ],
+  ('DNT − Pre-LN, AdamW', [(1, 'dnt_adamw', 'dnt'), (-1, 'dnt_adamw', 'preln')], -1, 'DNT Table 1'),
+  ('DNT − Pre-LN, mSGDW', [(1, 'dnt_msgdw', 'dnt'), (-1, 'dnt_msgdw', 'preln')], -1, 'DNT Table 1'),
+  (
+    'mSGDW penalty (mSGDW − AdamW), Pre-LN',
+    [(1, 'dnt_msgdw', 'preln'), (-1, 'dnt_adamw', 'preln')],
+    1,
+    'DNT Table 1 (the standard transformer loses with mSGDW)',
+  ),
+  (
+    'mSGDW penalty (mSGDW − AdamW), DNT',
+    [(1, 'dnt_msgdw', 'dnt'), (-1, 'dnt_adamw', 'dnt')],
+    0,
+    'DNT Table 1',
+  ),
+  (
+    "DNT's penalty − Pre-LN's penalty",
+    [
+      (1, 'dnt_msgdw', 'dnt'),
+      (-1, 'dnt_adamw', 'dnt'),
+      (-1, 'dnt_msgdw', 'preln'),
+      (1, 'dnt_adamw', 'preln'),
+    ],
+    -1,
+    'DNT Table 1 (DNT trains with mSGDW as with AdamW)',
+  ),
+]
+
+
+def claim_rows(results: dict[str, dict]) -> list[dict]:
+  rows = []
+  for label, terms, sign, source in CLAIMS:
+    arms = [results.get(s, {}).get(a) for _, s, a in terms]
+    if any(a is None for a in arms):
+      continue
+    groups = [a['report']['eval/loss']['values'] for a in arms]
+    interval = protocol.contrast_interval(groups, [w for w, _, _ in terms])
+    if interval is None:  # fewer than two seeds
+      continue
+    unsettled = [f'{s}/{a}' for (_, s, a), arm in zip(terms, arms) if not arm['settled']]
+    # A penalty the paper says is ~0 (DNT's) is judged by whether the interval holds zero.
+    if sign == 0:
+      judged = 'consistent with 0' if interval['low'] <= 0 <= interval['high'] else 'not 0'
+    else:
+      judged = verdict(interval, sign)
+    rows.append(dict(label=label, source=source, unsettled=unsettled, verdict=judged, **interval))
+  return rows
+
+
+def arm_rows(results: dict[str, dict], sizes_by_sweep: dict[str, dict]) -> list[dict]:
+  rows = []
+  for name, arms in results.items():
+    for arm in arms.values():
+      chosen = [m for m in arm['members'] if m['lr'] == arm['selected_lr']]
+      steps = sizes_by_sweep[name]['steps']
+      diverged = {
+        f'{lr:.3g}': sum(m['diverged'] for m in arm['members'] if m['lr'] == lr) for lr in arm['lrs']
+      }
+      rows.append(
+        {
+          'sweep': name,
+          'arm': arm['name'],
+          'selected_lr': arm['selected_lr'],
+          'settled': arm['settled'],
+          'report': arm['report']['eval/loss'],
+          'diverged_by_lr': diverged,
+          'clipped_fraction': [m.get('clipped_steps', 0) / steps for m in chosen],
+        }
+      )
+  return rows
+
+
+def summary_markdown(plan_rows, arms, claims, where) -> str:
+  lines = [
+    '# GPU experiments: DSLM at constant N·d², DNT 2×2',
+    '',
+    f'Machine of the last window: {where["device_kind"]}, jax {where["jax"]}, Python {where["python"]}, '
+    f"{where['date']}, commit {where['commit']} (each arm's own: `<sweep>/trained_<arm>.json`).",
+    '',
+    *plan_table(plan_rows),
+  ]
+  lines += [
+    '',
+    '## Arms: test-split eval loss at the lr selected on validation',
+    '',
+    '| sweep | arm | lr | mean ± sd (min–max), n | diverged seeds by lr | clipped steps (fraction) |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in arms:
+    s = r['report']
+    lr = f'{r["selected_lr"]:.3g}' + ('' if r['settled'] else ' UNSETTLED')
+    div = ', '.join(f'{k}: {v}' for k, v in r['diverged_by_lr'].items())
+    clip = ', '.join(f'{x:.2f}' for x in r['clipped_fraction'])
+    spread = f'{s["mean"]:.4f} ± {s["sd"]:.4f} ({s["min"]:.4f}–{s["max"]:.4f}), {s["n"]}'
+    lines.append(f'| {r["sweep"]} | {r["arm"]} | {lr} | {spread} | {div} | {clip} |')
+  lines += [
+    '',
+    '## Claims: differences of mean test loss with 95% Welch–Satterthwaite intervals',
+    '',
+    '| contrast | paper | difference [95% CI] | verdict |',
+    '|---|---|---|---|',
+  ]
+  for c in claims:
+    note = f' (UNSETTLED: {", ".join(c["unsettled"])})' if c['unsettled'] else ''
+    lines.append(
+      f'| {c["label"]} | {c["source"]} | {c["difference"]:+.4f} [{c["low"]:+.4f}, {c["high"]:+.4f}] | '
+      f'{c["verdict"]}{note} |'
+    )
+  return '\n'.join(lines) + '\n'
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv):
+  del argv
+  args = flags.FLAGS
+  out = args.out
+  if not out:
+    raise ValueError('--out: the output directory is required')
+  known = [p.name for p in PLANS]
+  unknown = [name for name in args.only if name not in known]
+  if unknown:
+    raise ValueError(f'--only: {unknown} are not sweeps of the plan; choose from {known}')
+  if args.budget_s < 0:
+    raise ValueError(f'--budget_s must be >= 0, got {args.budget_s}')
+  cli.check_output_dir('--out', out)
+  to_train = [p for p in PLANS if not args.only or p.name in args.only]
+  clock = Clock(args.budget_s)
+  where = machine()
+  print(
+    f'{where["device_kind"]} ({where["platform"]}), jax {where["jax"]}, commit {where["commit"]}', flush=True
+  )
+
+  cli.create_output_dir('--out', out)
+  vocab = TINY['vocab'] if args.tiny else configs.VOCAB_SIZE
+  tokenizer = ensure_tokenizer(out, args.data, vocab)
+  config_of = {p.name: base_config(p, args.data, tokenizer, args.tiny) for p in PLANS}
+  corpus_tokens = train_tokens(config_of[PLANS[0].name])
+  plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
+  print(f'train split: {corpus_tokens:,} tokens', flush=True)
+  print('\n'.join(plan_table(plan_rows)), flush=True)
+  write_json(os.path.join(out, 'plan.json'), {'train_tokens': corpus_tokens, 'sweeps': plan_rows})
+  sizes_by_sweep = {r['sweep']: r for r in plan_rows}
+  if args.plan_only:
+    return
+
+  complete = True
+  for p in to_train:
+    checked = sweep_plan(p, config_of[p.name], out, max_extend=0 if args.tiny else 2)
+    if not run_sweep(p, checked, sizes_by_sweep[p.name], clock, where):
+      complete = False
+      break
+  results = load_results(out)
+  arms, claims = arm_rows(results, sizes_by_sweep), claim_rows(results)
+  write_json(
+    os.path.join(out, 'decisive.json'), {'machine': where, 'plan': plan_rows, 'arms': arms, 'claims': claims}
+  )
+  sweep.write_atomically(os.path.join(out, 'summary.md'), summary_markdown(plan_rows, arms, claims, where))
+  print(summary_markdown(plan_rows, arms, claims, where), flush=True)
+  print(
+    ('All sweeps finished.' if complete else 'Stopped within the budget; rerun the command to resume.'),
+    flush=True,
+  )
+
+
+if __name__ == '__main__':
+  _define_flags()
+  cli.run(main)
