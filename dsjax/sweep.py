@@ -179,12 +179,19 @@ def sweep_splits(base, given: dict[str, str | None]) -> dict[str, str]:
   return splits
 
 
+# How a model is computed, not what it computes (the fast forms are tested against the plain math): a
+# sweep may resume with another, e.g. model.attention='xla' where cuDNN's kernel failed on a machine.
+IMPLEMENTATION_KEYS = ('attention', 'remat', 'scan_layers', 'scan_unroll')
+
+
 def identity(base, arms: list[Arm], lrs, seeds, splits) -> dict[str, Any]:
-  """What a resumed sweep must share with the one in OUT."""
+  """What a resumed sweep must share with the one in OUT (all but the model's `IMPLEMENTATION_KEYS`)."""
+  config = base.to_dict()
+  config['model'] = {k: v for k, v in config['model'].items() if k not in IMPLEMENTATION_KEYS}
   return json.loads(
     json.dumps(
       {
-        'config': base.to_dict(),
+        'config': config,
         'arms': {a.name: a.changes for a in arms},
         'lrs': lrs,
         'seeds': seeds,

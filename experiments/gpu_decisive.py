@@ -10,7 +10,7 @@ parameters), Pre-Norm (S1) against DNT (S5), with AdamW and with mSGDW, at 4 pea
 
 Every sweep is a `python -m dsjax.sweep` (docs/sweeps.md) on `python_stdlib` with a 4,096-token BPE
 tokenizer trained first (OUT/tokenizer); the configs and the papers' settings they follow are in
-experiments/configs/gpu_decisive.py. Order: the depth sweeps first (4×128, 64×32, 16×64), then DNT's.
+experiments/configs/gpu_stdlib.py. Order: the depth sweeps first (4×128, 64×32, 16×64), then DNT's.
 
 Resumable: every finished (arm, lr) is kept under OUT/<sweep>/ (dsjax.sweep's own resumption), so a
 command cut off — or stopped by `--budget_s` before an arm its measured speed says would not fit —
@@ -47,7 +47,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
-import gpu_decisive as configs  # noqa: E402  (experiments/configs/gpu_decisive.py)
+import gpu_stdlib as configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 
 from dsjax import bench, sweep  # noqa: E402
 from dsjax import data as data_lib  # noqa: E402
@@ -86,7 +86,7 @@ DNT_ARMS = ('preln:', 'dnt:model.dnt_setting=S5')
 @dataclasses.dataclass(frozen=True)
 class Plan:
   name: str
-  config_arg: str  # experiments/configs/gpu_decisive.py's argument
+  config_arg: str  # experiments/configs/gpu_stdlib.py's argument
   arms: tuple[str, ...]
   lrs: tuple[float, ...]
   baseline: str
@@ -116,9 +116,10 @@ def tiny(config):
   return c
 
 
-def base_config(plan: Plan, data_name: str, tokenizer: str, is_tiny: bool):
+def base_config(plan: Plan, data_name: str, tokenizer: str, is_tiny: bool, attention: str = 'auto'):
   c = configs.get_config(plan.config_arg)
   c.data.name, c.data.tokenizer = data_name, tokenizer
+  c.model.attention = attention
   return tiny(c) if is_tiny else c
 
 
@@ -519,7 +520,7 @@ def main(argv):
   cli.create_output_dir('--out', out)
   vocab = TINY['vocab'] if args.tiny else configs.VOCAB_SIZE
   tokenizer = ensure_tokenizer(out, args.data, vocab)
-  config_of = {p.name: base_config(p, args.data, tokenizer, args.tiny) for p in PLANS}
+  config_of = {p.name: base_config(p, args.data, tokenizer, args.tiny, args.attention) for p in PLANS}
   corpus_tokens = train_tokens(config_of[PLANS[0].name])
   plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
@@ -529,10 +530,11 @@ def main(argv):
   if args.plan_only:
     return
 
+  max_extend = 0 if args.tiny else 2
+  checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in to_train}  # all, first
   complete = True
   for p in to_train:
-    checked = sweep_plan(p, config_of[p.name], out, max_extend=0 if args.tiny else 2)
-    if not run_sweep(p, checked, sizes_by_sweep[p.name], clock, where):
+    if not run_sweep(p, checked[p.name], sizes_by_sweep[p.name], clock, where):
       complete = False
       break
   results = load_results(out)

@@ -118,6 +118,18 @@ def test_a_rerun_trains_nothing_finished_and_refuses_another_sweep(tmp_path, tra
   assert {p: p.stat().st_mtime_ns for p in (tmp_path / 'arms').rglob('*.json')} == files
   with pytest.raises(ValueError, match='holds another sweep'):
     sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+  plain = tiny_config('gpt', attention='plain')  # another form of the same math resumes too
+  sweep.run(sweep.check(_args(tmp_path, config=plain)))
+  assert trainer.calls == []
+
+
+def test_stop_before_an_arm_keeps_what_finished_and_a_rerun_resumes(tmp_path, trainer):
+  assert sweep.run(sweep.check(_args(tmp_path)), stop_before=lambda arm: arm.name == 'b') is None
+  assert os.listdir(tmp_path / 'arms') == ['a'] and not (tmp_path / 'results.json').exists()
+  trainer.calls.clear()
+  results = sweep.run(sweep.check(_args(tmp_path)))
+  assert [r['name'] for r in results] == ['a', 'b']
+  assert trainer.calls == [[1e-3, 3e-3], [pytest.approx(9e-3)], [pytest.approx(2.7e-2)]]  # b's only
 
 
 # ------------------------------------------------------------------------------------------------

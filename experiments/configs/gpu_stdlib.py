@@ -2,7 +2,7 @@ r"""The base configs of the GPU experiments (experiments/README.md, "On a GPU"):
 library (`python_stdlib`) with a 4,096-token BPE tokenizer, at ≥ 20 training tokens per non-embedding
 parameter. `experiments/gpu_decisive.py` runs every sweep of them; one of them alone:
 
-  python -m dsjax.sweep --config=experiments/configs/gpu_decisive.py:depth,16x64 \
+  python -m dsjax.sweep --config=experiments/configs/gpu_stdlib.py:depth,16x64 \
       --config.data.tokenizer=TOKENIZER_DIR/tokenizer.json --lrs=3e-4,1e-3,3e-3,1e-2 --seeds=0,1,2 \
       --arm=vanilla_postln: --arm=dslm_postln:model.scheme=dslm --out=/tmp/depth_16x64
 
@@ -93,4 +93,4 @@ def get_config(arg: str = 'depth,16x64'):
     return depth_config(value)
   if study == 'dnt':
     return dnt_config(value)
-  raise ValueError(f"experiments/configs/gpu_decisive.py takes 'depth,NxD' or 'dnt,OPTIMIZER', got {arg!r}")
+  raise ValueError(f"experiments/configs/gpu_stdlib.py takes 'depth,NxD' or 'dnt,OPTIMIZER', got {arg!r}")

@@ -1,0 +1,112 @@
+"""The GPU experiments' script (experiments/gpu_decisive.py): its sizes, its verdicts, and — at a tiny size on
+the CPU — a run that stops within its time budget and resumes where it stopped."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+from dsjax import bench, schemes  # noqa: E402
+from experiments import gpu_decisive  # noqa: E402
+from experiments.gpu_decisive import configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
+from tests.helpers import TEXT_INFO  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
+
+
+@pytest.mark.parametrize('plan', gpu_decisive.PLANS, ids=lambda p: p.name)
+def test_every_sweep_trains_20_tokens_per_non_embedding_parameter(plan):
+  c = configs.get_config(plan.config_arg)
+  model = nnx.eval_shape(lambda: schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None))
+  non_embedding = bench.matmul_params(model)  # tied embeddings: the looked-up table is left out
+  assert c.model.tie_embeddings
+  tokens = c.total_steps * c.batch_size * c.data.seq_len
+  assert tokens >= configs.TOKENS_PER_PARAM * non_embedding
+  # 4,096-token BPE: python_stdlib's train split is ~8.5M tokens (docs/data.md): at most 4 epochs.
+  assert tokens <= 4 * 8.4e6
+
+
+def test_depth_shapes_hold_n_d2_and_the_head_dimension():
+  shapes = [configs.get_config(p.config_arg).model for p in gpu_decisive.PLANS if p.name.startswith('depth')]
+  assert len({m.depth * m.width**2 for m in shapes}) == 1
+  assert {m.width // m.num_heads for m in shapes} == {configs.HEAD_DIM}
+
+
+def test_claims_name_arms_of_the_plan():
+  arms = {p.name: {a.split(':')[0] for a in p.arms} for p in gpu_decisive.PLANS}
+  for label, terms, _, _ in gpu_decisive.CLAIMS:
+    for _, sweep_name, arm in terms:
+      assert arm in arms[sweep_name], label
+    assert sum(w for w, _, _ in terms) == 0, label  # a difference: no overall level
+
+
+@pytest.mark.parametrize(
+  'low, high, sign, expected',
+  [
+    (-0.3, -0.1, -1, 'reproduced'),
+    (0.1, 0.3, -1, 'not reproduced'),
+    (-0.1, 0.2, -1, 'not resolved'),
+    (0.1, 0.3, 1, 'reproduced'),
+    (float('nan'), 0.3, 1, 'not resolved'),
+  ],
+)
+def test_verdict_rule(low, high, sign, expected):
+  assert gpu_decisive.verdict({'low': low, 'high': high}, sign) == expected
+
+
+def _run(out, *flags):
+  return subprocess.run(
+    [sys.executable, 'experiments/gpu_decisive.py', f'--out={out}', *flags],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
+
+
+def test_bad_only_is_one_line_and_writes_nothing(tmp_path):
+  out = tmp_path / 'out'
+  result = _run(out, '--only=depth_4x128,nope')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+    "gpu_decisive.py: error: --only: ['nope'] are not sweeps of the plan; choose from "
+    "['depth_4x128', 'depth_64x32', 'depth_16x64', 'dnt_adamw', 'dnt_msgdw']"
+  ]
+  assert not out.exists()
+
+
+@pytest.mark.slow  # ~80 s: a tokenizer, two arms of 12 tiny members each, trained in two calls
+def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
+  texts = tmp_path / 'texts'  # small modules of the standard library: a few seconds to tokenize
+  texts.mkdir()
+  stdlib = sysconfig.get_paths()['stdlib']
+  for name in sorted(os.listdir(stdlib)):
+    path = os.path.join(stdlib, name)
+    if name.endswith('.py') and os.path.getsize(path) < 12_000:
+      shutil.copy(path, texts)
+  out = tmp_path / 'out'
+  flags = ('--tiny', f'--data=text:{texts}/*.py', '--only=dnt_adamw')
+
+  first = _run(out, *flags, '--budget_s=1')  # the first arm (speed unknown) runs, the second would not fit
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert 'Stopped within the budget' in first.stdout
+  assert os.listdir(out / 'dnt_adamw' / 'arms') == ['preln']
+  trained = json.loads((out / 'dnt_adamw' / 'trained_preln.json').read_text())
+  assert trained['device_kind'] and trained['commit'] and trained['tokens_per_s'] > 0
+
+  second = _run(out, *flags)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert 'All sweeps finished' in second.stdout
+  assert 'arm preln: lr 0.0003, 0.001, 0.003, 0.01 finished earlier, skipped' in second.stderr
+  decisive = json.loads((out / 'decisive.json').read_text())
+  assert [c['label'] for c in decisive['claims']] == ['DNT − Pre-LN, AdamW']
+  assert {a['arm'] for a in decisive['arms']} == {'preln', 'dnt'}
+  assert all(0 <= f <= 1 for a in decisive['arms'] for f in a['clipped_fraction'])
+  assert json.loads((out / 'plan.json').read_text())['sweeps'][0]['sweep'] == 'depth_4x128'
