@@ -321,3 +321,27 @@ def test_on_a_mesh_without_axis_rules_the_kernels_refuse_to_run():
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="needs logical axis rules for 'batch'"):
       fused_ops._row_spec(16)
+
+
+def test_the_kernels_run_under_vmap():
+  """A sweep's population vmaps the train step over its members (`dsjax.train.population`): each member
+  with its own λ, β, gains and biases gets its own values and gradients."""
+  x, h = _normal(0, (3, 26, 48), scale=2.0), _normal(1, (3, 26, 48))
+  gain, bias = _normal(2, (3, 48), scale=0.1, shift=1.0), _normal(3, (3, 48), scale=0.1)
+  skip, branch = jnp.asarray([0.9, 0.8, 0.7]), jnp.asarray([0.3, 0.2, 0.1])
+  norm = dict(kind='layernorm', eps=1e-6, out_dtype=jnp.float32)
+
+  def loss(forms, *args):
+    residual_norm, bias_gelu = forms
+    x_new, y = residual_norm(*args, **norm)
+    return jnp.sum(jnp.sin(x_new) * bias_gelu(y, args[-1]))
+
+  def value_and_grads(forms):
+    step = jax.value_and_grad(lambda *a: loss(forms, *a), argnums=tuple(range(6)))
+    return jax.vmap(step)(x, h, skip, branch, gain, bias)
+
+  got = value_and_grads((fused_ops.residual_norm, fused_ops.bias_gelu))
+  want = value_and_grads((fused_ops.residual_norm_reference, fused_ops.bias_gelu_reference))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, g_ref in zip(got[1], want[1]):
+    _assert_close(g, g_ref, jnp.float32, terms=_terms(g[0], 26, 48))
