@@ -3,8 +3,8 @@ one pass over the activations (Pallas kernels for GPUs, Triton backend).
 
 XLA runs a transformer layer's elementwise work — residual adds, norms, casts, the bias and GELU — in
 fusions of its own choosing, and each fusion reads and writes whole activations. Two chains are written
-here as one kernel forward and one backward, each computing exactly the plain math of
-`dsjax.models.layers` and `dsjax.models.transformer` (up to rounding):
+here as one kernel forward and one backward, each the same function as the plain math of
+`dsjax.models.layers` and `dsjax.models.transformer` up to rounding:
   * `residual_norm`: the stream update x ← λ·x + β·h and the next branch's input Norm(x) cast to the
     compute dtype. Forward: reads x (float32) and h, writes the new float32 stream and the normalised,
     cast branch input. Backward: reads x, h, and the two output gradients, recomputes λ·x + β·h and the

@@ -29,9 +29,10 @@ widths and are not scanned.
 
 Fused forms (`fused_ops='pallas'`, `dsjax.models.fused_ops`): a layer's first norm and its cast, the
 attention's residual add with the FFN's norm and cast after it (where the layout puts no norm on the stream
-between them: Pre-LN, DNT), and the FFN's bias with its GELU each run as one kernel. They compute the
-math written here, and run only in a step without probes: an instrumented step's probes must see the
-stream between a residual add and the norm that follows it, so that step runs the plain math.
+between them: Pre-LN, DNT), and the FFN's bias with its GELU each run as one kernel, computing the math
+written here. The norms' fused forms run only in a step without probes: an instrumented step's probes
+must see the stream between a residual add and the norm that follows it, so that step runs the plain
+norms (the FFN's kernel runs in every step: no probe looks inside the FFN).
 
 Layout: the stream after the embedding and every branch output and residual add keep their batch axis
 on the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning.constrain_batch`; the identity
