@@ -272,9 +272,9 @@ def _loss_and_grads(config):
   [
     dict(dtype='float32'),
     dict(dtype='bfloat16'),
-    dict(dtype='float32', norm='rmsnorm', block='dnt'),
+    dict(dtype='float32', norm='rmsnorm', block='dnt', remat='full'),
   ],
-  ids=['preln-f32', 'preln-bf16', 'dnt-rmsnorm-f32'],
+  ids=['preln-f32', 'preln-bf16', 'dnt-rmsnorm-f32-remat'],
 )
 def test_a_gpt_trains_on_the_same_loss_and_gradients_with_the_kernels(overrides):
   """The whole model (configs/gpt_preln.py, tiny): loss and every parameter gradient with
