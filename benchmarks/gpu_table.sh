@@ -44,3 +44,10 @@ echo "=== ${prefix}_instrument_deliveries_gpt_192x256"
 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=model.depth=192 \
   --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 --set=batch_size=16 \
   --set=model.scan_unroll=1 --rounds=20 --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
+
+# Not yet in the table: the fused norm and GELU kernels (model.fused_ops=pallas) side by side with the
+# plain math, profiled, on this machine (the plain rows are gpt2_small_b16_profile and vit_b16_b128_profile).
+bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" --instrument=off --config.model.fused_ops=pallas \
+  --profile="$out/profile_gpt2_small_fused_ops"
+bench vit_b16_b128_fused_ops_profile "${vit[@]}" --instrument=off --config.model.fused_ops=pallas \
+  --profile="$out/profile_vit_b16_fused_ops"

@@ -470,6 +470,7 @@ def run_benchmark(
       'dtype': dtype,
       'param_dtype': config.model.param_dtype,
       'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
+      'fused_ops': models.fused_ops_implementation(config.model),
       'remat': config.model.remat,
       'scan_layers': config.model.scan_layers,
       'scan_unroll': config.model.scan_unroll,
@@ -528,7 +529,7 @@ def report(results: dict) -> str:
     f'{c["model"]} {c["block"]} {c["scheme"]}, depth {c["depth"]} x width {c["width"]}, '
     f'{c["num_heads"]} heads, seq {c["seq_len"]}, batch {c["batch_size"]} '
     f'({c["microbatches"]} microbatch(es)), {c["dtype"]} compute, {c["param_dtype"]} params, '
-    f'attention {c["attention"]}, remat {c["remat"]}, '
+    f'attention {c["attention"]}, fused ops {c.get("fused_ops", "none")}, remat {c["remat"]}, '
     f'{"scan unroll " + str(c["scan_unroll"]) if c["scan_layers"] else "python loop"}, {c["optimizer"]}',
     f'device: {d["kind"]} ({d["platform"]}), jax {d["jax"]}, {d["date"]}; inputs: {results["inputs"]} '
     f'{"(random values of the configured shape)" if results["inputs"] == "random" else "(one real batch)"}',

@@ -18,6 +18,7 @@ from dsjax.models.config import (
   MODEL_NAMES,
   attention_implementation,
   compute_dtype,
+  fused_ops_implementation,
   model_config,
   validate_against_data,
   validate_model,
@@ -35,6 +36,7 @@ __all__ = [
   'attention_implementations',
   'build_model',
   'compute_dtype',
+  'fused_ops_implementation',
   'model_config',
   'model_dims',
   'model_inputs',
@@ -70,6 +72,7 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
     scan_unroll=m.scan_unroll,
     dtype=compute_dtype(m),
     attention=attention_implementation(m, head_dim=head_dim),
+    fused_ops=fused_ops_implementation(m),
   )
   if plan is None:
     return cfg

@@ -92,6 +92,7 @@ class ConcatLayer(nnx.Module):
       use_bias=cfg.use_bias,
       lr_scale=lr_scale,
       out_width=g,
+      fused_gelu=cfg.fused_ops == 'pallas',
       rngs=rngs,
     )
 

@@ -46,6 +46,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.dtype = 'auto'  # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
   m.param_dtype = 'float32'  # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
   m.attention = 'auto'  # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
+  m.fused_ops = 'auto'  # 'auto' (= 'none' for now) | 'none' | 'pallas' (fused norm and GELU kernels)
   m.remat = 'none'  # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True  # False: a Python loop over the layers instead of jax.lax.scan
   m.scan_unroll = 1  # layers per scan iteration
@@ -61,10 +62,20 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
 # Model keys that a resumed run may change: they alter how a step is computed (regularisation,
 # rematerialisation), not the parameters or what they mean. Every other model key is part of the
 # architecture that a checkpoint was trained with.
-RESUMABLE_KEYS = ('dropout', 'attn_dropout', 'remat', 'dtype', 'attention', 'scan_layers', 'scan_unroll')
+RESUMABLE_KEYS = (
+  'dropout',
+  'attn_dropout',
+  'remat',
+  'dtype',
+  'attention',
+  'fused_ops',
+  'scan_layers',
+  'scan_unroll',
+)
 
 DTYPES = ('float32', 'bfloat16')
 ATTENTIONS = ('auto', *ATTENTION_IMPLEMENTATIONS)
+FUSED_OPS = ('auto', 'none', 'pallas')
 
 
 def one_of(key: str, value, allowed):
@@ -135,6 +146,8 @@ def validate_model(m) -> None:
   one_of('model.param_dtype', m.param_dtype, DTYPES)
   one_of('model.attention', m.attention, ATTENTIONS)
   attention_implementation(m)  # Checks that an explicit 'cudnn' or 'splash' can run here.
+  one_of('model.fused_ops', m.fused_ops, FUSED_OPS)
+  fused_ops_implementation(m)  # Warns where an explicit 'pallas' runs in the interpreter.
   one_of('model.remat', m.remat, REMAT_POLICIES)
   boolean('model.scan_layers', m.scan_layers)
   positive_int('model.scan_unroll', m.scan_unroll)
@@ -195,6 +208,34 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
     ),
   }
   return _fused_or_xla(m.attention, 'cudnn', blockers)
+
+
+def fused_ops_implementation(m, backend: str | None = None) -> str:
+  """`model.fused_ops` resolved: 'none' (the plain math, fused by XLA as it chooses) or 'pallas'
+  (`dsjax.models.fused_ops`: a Pre-LN or DNT layer's residual add with the norm and cast after it, a
+  layer's first norm with its cast, and the FFN's bias with its exact GELU, each one Pallas kernel
+  forward and one backward; the same math up to rounding).
+
+  'auto' resolves to 'none' on every backend, a GPU included: no GPU measurement has yet shown the
+  kernels faster than XLA's own fusions (benchmarks/README.md says how to measure them side by side).
+  An explicit 'pallas' off a GPU runs the kernels in Pallas' interpreter: the same function, many
+  times slower (for checking them, as the tests do on a CPU). `backend`: resolved for that backend.
+  """
+  if m.fused_ops != 'pallas':
+    return 'none'
+  backend = backend or jax.default_backend()
+  if backend != 'gpu':
+    _warn_fused_ops_interpreted(backend)
+  return 'pallas'
+
+
+@functools.cache
+def _warn_fused_ops_interpreted(backend: str) -> None:
+  logging.warning(
+    "model.fused_ops=pallas on %s runs the GPU kernels in Pallas' interpreter: the same function, "
+    'many times slower (model.fused_ops=auto runs the plain math)',
+    backend,
+  )
 
 
 @functools.cache

@@ -11,8 +11,9 @@ signal-propagation research:
 The attention is written as plain math (`Attention`, `plain_attention`); its fast forms, selected by
 `model.attention`, each live in their own module: `attention_xla` (query blocks and a derivative rule
 tuned for the CPU), `attention_cudnn` (cuDNN's fused kernel) and `tpu_attention` (Pallas' splash
-kernel). The dense layers' derivative rules live in `fast_matmul`. This module defines no derivative
-rule of its own: whatever is changed here, JAX differentiates.
+kernel). The dense layers' derivative rules live in `fast_matmul`, the FFN's fused bias and GELU
+(`model.fused_ops`) in `fused_ops`. This module defines no derivative rule of its own: whatever is
+changed here, JAX differentiates (the fast forms compute the math as it is written now, not an edit).
 
 Shape suffixes: B batch, L sequence, D model width, H heads, K head dim, F FFN hidden width.
 """
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.models import fast_matmul
+from dsjax.models import fast_matmul, fused_ops
 from dsjax.models.attention_cudnn import cudnn_attention
 from dsjax.models.attention_xla import xla_attention
 from dsjax.models.tpu_attention import splash_attention
@@ -333,7 +334,8 @@ ACTIVATIONS = {'relu': jax.nn.relu, 'gelu': jax.checkpoint(_gelu)}
 
 
 class FFN(nnx.Module):
-  """Linear d→F, activation, Linear F→d."""
+  """Linear d→F, activation, Linear F→d. `fused_gelu`: the first layer's bias and the exact GELU run as
+  one Pallas kernel (`fused_ops.bias_gelu`, the same math up to rounding; `model.fused_ops`)."""
 
   def __init__(
     self,
@@ -347,10 +349,12 @@ class FFN(nnx.Module):
     rngs: nnx.Rngs,
     lr_scale: dict[str, float] | None = None,
     out_width: int | None = None,
+    fused_gelu: bool = False,
   ):
     if activation not in ACTIVATIONS:
       raise ValueError(f'model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}')
     self.activation = activation
+    self.fused_gelu = fused_gelu and activation == 'gelu'
     lr = lr_scale or {}
     self.ffn1 = Dense(
       d,
@@ -374,4 +378,8 @@ class FFN(nnx.Module):
     )
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    if self.fused_gelu:  # ffn1's matmul, then its bias and the GELU in one pass
+      z_BLF = matmul_last_axis(x_BLD, self.ffn1.kernel[...].astype(x_BLD.dtype))
+      bias_F = None if self.ffn1.bias is None else self.ffn1.bias[...]
+      return self.ffn2(fused_ops.bias_gelu(z_BLF, bias_F))
     return self.ffn2(ACTIVATIONS[self.activation](self.ffn1(x_BLD)))

@@ -27,6 +27,13 @@ float32 stream by type promotion — the mixed precision of PyTorch autocast. A 
 (`InitPlan.concat`) replaces the stack by `dsjax.models.concat.ConcatTrunk`, whose modules have distinct
 widths and are not scanned.
 
+Fused forms (`fused_ops='pallas'`, `dsjax.models.fused_ops`): a layer's first norm and its cast, the
+attention's residual add with the FFN's norm and cast after it (where the layout puts no norm on the stream
+between them: Pre-LN, DNT), and the FFN's bias with its GELU each run as one kernel, computing the math
+written here. The norms' fused forms run only in a step without probes: an instrumented step's probes
+must see the stream between a residual add and the norm that follows it, so that step runs the plain
+norms (the FFN's kernel runs in every step: no probe looks inside the FFN).
+
 Layout: the stream after the embedding and every branch output and residual add keep their batch axis
 on the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning.constrain_batch`; the identity
 outside a training run's mesh), before any probe sees them.
@@ -41,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.models import layers
+from dsjax.models import fused_ops, layers
 from dsjax.models.partitioning import constrain_batch
 from dsjax.models.plan import LAYER_INIT_KEYS, NormLayout, ResidualScale
 
@@ -93,6 +100,7 @@ class TransformerConfig:
   scan_unroll: int = 1  # layers per scan iteration (jax.lax.scan's `unroll`)
   dtype: str = 'float32'  # compute dtype of the branches (the residual stream stays float32)
   attention: str = 'xla'  # attention implementation: 'xla' | 'cudnn' | 'splash' (layers.Attention)
+  fused_ops: str = 'none'  # 'none' | 'pallas' (`dsjax.models.fused_ops`; module docstring)
 
 
 def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
@@ -150,6 +158,7 @@ class Block(nnx.Module):
       distribution=cfg.distribution,
       use_bias=cfg.use_bias,
       lr_scale=lr_scale,
+      fused_gelu=cfg.fused_ops == 'pallas',
       rngs=rngs,
     )
     # λ (skip) and β (branch) of both adds; a shared scale is one variable used at both adds.
@@ -176,19 +185,46 @@ class Block(nnx.Module):
     p = self.cfg.dropout
     keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
     scale = self.scales()
-    branch_input = lambda t: t.astype(self.cfg.dtype)
+    fused = self.cfg.fused_ops == 'pallas' and probe is no_probe  # (module docstring)
 
-    h_BLD = self.attn(branch_input(layers.apply_norm(self.pre_attn_norm, x_BLD)), keys[0])
+    h_BLD = self.attn(self.branch_input(self.pre_attn_norm, x_BLD, fused), keys[0])
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
     h_BLD = probe('attn_branch', constrain_batch(h_BLD), layer)
-    x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
-    x_BLD = probe('attn_residual', constrain_batch(layers.apply_norm(self.post_attn_norm, x_BLD)), layer)
+    if fused and self.post_attn_norm is None and self.pre_ffn_norm is not None:
+      # λ·x + β·h and the FFN's input Norm(λ·x + β·h), as below, in one pass.
+      x_BLD, ffn_input_BLD = self.fused_residual_norm(x_BLD, h_BLD, scale['skip_attn'], scale['branch_attn'])
+    else:
+      x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
+      x_BLD = probe('attn_residual', constrain_batch(layers.apply_norm(self.post_attn_norm, x_BLD)), layer)
+      ffn_input_BLD = self.branch_input(self.pre_ffn_norm, x_BLD, fused)
 
-    h_BLD = self.ffn(branch_input(layers.apply_norm(self.pre_ffn_norm, x_BLD)))
+    h_BLD = self.ffn(ffn_input_BLD)
     h_BLD = layers.dropout(layers.apply_norm(self.mid_ffn_norm, h_BLD), p, keys[2])
     h_BLD = probe('ffn_branch', constrain_batch(h_BLD), layer)
     x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
     return probe('ffn_residual', constrain_batch(layers.apply_norm(self.post_ffn_norm, x_BLD)), layer)
+
+  def fused_residual_norm(self, x_BLD, h_BLD, skip, branch) -> tuple[jax.Array, jax.Array]:
+    """(λ·x + β·h, Norm(λ·x + β·h) in the compute dtype) by `fused_ops.residual_norm`, Norm the
+    layer's pre-FFN norm."""
+    norm = self.pre_ffn_norm
+    params, kind = _norm_params(norm), _norm_kind(norm, self.cfg)
+    x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind)
+    return constrain_batch(x_BLD), y_BLD
+
+  def branch_input(self, norm: layers.Norm | None, x_BLD: jax.Array, fused: bool) -> jax.Array:
+    """Norm(x) (x where the layout has no such norm) in the branches' compute dtype."""
+    if fused and norm is not None:
+      return fused_ops.norm_cast(x_BLD, *_norm_params(norm), **_norm_kind(norm, self.cfg))
+    return layers.apply_norm(norm, x_BLD).astype(self.cfg.dtype)
+
+
+def _norm_params(norm: layers.Norm) -> tuple[jax.Array, jax.Array | None]:
+  return norm.scale[...], None if norm.bias is None else norm.bias[...]
+
+
+def _norm_kind(norm: layers.Norm, cfg: TransformerConfig) -> dict[str, Any]:
+  return dict(kind=norm.kind, eps=norm.eps, out_dtype=cfg.dtype)
 
 
 def apply_remat(fn: Callable, policy: str) -> Callable:

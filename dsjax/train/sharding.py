@@ -52,10 +52,10 @@ AXIS_RULES = {
   'seq': None,
   None: None,
 }
-# Logical axes of activations, for the model code that lays them out (`dsjax.models.partitioning`, and a
-# fused attention kernel that runs per device inside `jax.shard_map`), as Flax's logical axis rules
-# (`use_mesh`).
-ACTIVATION_AXIS_RULES = (('batch', BATCH_AXES), ('heads', AXIS_RULES['heads']))
+# Logical axes of activations, for the model code that lays them out (`dsjax.models.partitioning`, and the
+# Pallas kernels that run per device inside `jax.shard_map`: the splash attention, `model.fused_ops`), as
+# Flax's logical axis rules (`use_mesh`).
+ACTIVATION_AXIS_RULES = (('batch', BATCH_AXES), ('heads', AXIS_RULES['heads']), ('mlp', AXIS_RULES['mlp']))
 
 
 def mesh_config() -> ml_collections.ConfigDict:

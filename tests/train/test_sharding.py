@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax import data as data_lib
 from dsjax import schemes
-from dsjax.models import layers, tpu_attention
+from dsjax.models import fused_ops, layers, tpu_attention
 from dsjax.train import loop
 from dsjax.train import sharding as sharding_lib
 from dsjax.train import state as state_lib
@@ -129,8 +129,10 @@ MESHES = [((2, 2, 2), 0.0)] + [
 ]
 
 
-def _config(model_name, dropout=0.0, microbatches=1, attention='auto'):
-  config = tiny_config(model_name, dropout=dropout, depth=2, width=32, num_heads=4, attention=attention)
+def _config(model_name, dropout=0.0, microbatches=1, attention='auto', fused_ops='auto'):
+  config = tiny_config(
+    model_name, dropout=dropout, depth=2, width=32, num_heads=4, attention=attention, fused_ops=fused_ops
+  )
   config.total_steps, config.microbatches = STEPS, microbatches
   return config
 
@@ -164,9 +166,9 @@ def _initial_state(model_name, dropout):
   return jax.device_get(jax.jit(setup.create_state)())
 
 
-def _train(model_name, shape, dropout=0.0, microbatches=1, attention='auto'):
+def _train(model_name, shape, dropout=0.0, microbatches=1, attention='auto', fused_ops='auto'):
   """(the losses of STEPS steps, the final train state on its mesh)."""
-  config = _config(model_name, dropout, microbatches, attention)
+  config = _config(model_name, dropout, microbatches, attention, fused_ops)
   setup = state_lib.make_setup(config, TEXT_INFO if model_name == 'gpt' else IMAGE_INFO)
   mesh = sharding_lib.make_mesh(shape, jax.devices()[: math.prod(shape)])
   shardings = sharding_lib.state_shardings(
@@ -298,6 +300,22 @@ def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(m
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="needs logical axis rules for 'batch'"):
       jax.jit(lambda q: tpu_attention.splash_attention(q, q, q, 1.0, True))(q)
+
+
+def test_fused_kernels_on_a_mesh_run_per_device_and_train_like_one_device(monkeypatch):
+  """model.fused_ops='pallas' (the GPU kernels, in Pallas' interpreter here) runs each kernel inside
+  `jax.shard_map`, rows over data×fsdp and the FFN's hidden columns over tensor: 5 steps on a (2, 2, 2)
+  mesh match the plain model's on one device."""
+  specs, row_spec = [], fused_ops._row_spec
+
+  def recorded_row_spec(*args, **kwargs):
+    specs.append(row_spec(*args, **kwargs))
+    return specs[-1]
+
+  monkeypatch.setattr(fused_ops, '_row_spec', recorded_row_spec)
+  losses, state = _train('gpt', (2, 2, 2), fused_ops='pallas')
+  assert set(specs) == {P(('data', 'fsdp'), None), P(('data', 'fsdp'), 'tensor')}
+  _assert_same_training('gpt', 0.0, losses, state)
 
 
 def test_evaluation_runs_on_the_mesh_with_its_axis_rules():

@@ -1,0 +1,433 @@
+"""`model.fused_ops='pallas'`: the elementwise chains around the norms and the FFN's activation, each in
+one pass over the activations (Pallas kernels for GPUs, Triton backend).
+
+XLA runs a transformer layer's elementwise work — residual adds, norms, casts, the bias and GELU — in
+fusions of its own choosing, and each fusion reads and writes whole activations. Two chains are written
+here as one kernel forward and one backward, each the same function as the plain math of
+`dsjax.models.layers` and `dsjax.models.transformer` up to rounding:
+  * `residual_norm`: the stream update x ← λ·x + β·h and the next branch's input Norm(x) cast to the
+    compute dtype. Forward: reads x (float32) and h, writes the new float32 stream and the normalised,
+    cast branch input. Backward: reads x, h, and the two output gradients, recomputes λ·x + β·h and the
+    row statistics (float32), writes the gradients of x and h, and per-program partial sums for the
+    gradients of λ, β and the norm's gain and bias (summed over programs outside, a (programs, d) array).
+    `norm_cast` is the same without the residual add (a layer's first norm).
+  * `bias_gelu`: GELU(z + b), the exact x·Φ(x) (erf form, as `layers._gelu`), of the FFN's first
+    matmul output z. Backward: recomputes z + b and writes dz = da·GELU'(z + b) and the bias gradient's
+    partial sums. Triton's Pallas lowering has no rule for `lax.erf` (jax 0.10.2), so the kernel
+    evaluates erf by the rational approximation XLA itself uses for float32 erf (`_erf`; coefficients and
+    the saturation bound from XLA's `xla/codegen/emitters/transforms/expand_float_ops.cc`): the same
+    function as `lax.erf` on a GPU to within float32 rounding, never the tanh approximation.
+
+Block layout. Triton's tensors have power-of-two sizes, and widths such as 768 or 3072 are not, so
+every kernel takes whole arrays (no `BlockSpec`) and loads a block of `rows × next_power_of_2(width)`
+(the norms: the whole row, whose statistics need all of it) or `rows × COLUMN_BLOCK` (the GELU) with
+index vectors and a mask: columns and rows past the array's end are loaded as 0 and never stored, and
+the statistics divide by the true width. The backward kernels run `BACKWARD_PROGRAMS` programs at most,
+each looping over its share of the rows and summing the parameter gradients of its rows in registers,
+so the partial sums stay small. These sizes are first guesses, not measured on a GPU.
+
+Off a GPU the kernels run in Pallas' interpreter (`INTERPRET`): slow, but the same blocks and masks,
+which is how tests/models/test_fused_ops.py checks them on a CPU against the plain functions here
+(`*_reference`). A Pallas kernel is a custom call XLA cannot partition: on a mesh of several devices
+each kernel runs per device inside `jax.shard_map`, rows over the mesh axes of the logical axis 'batch'
+(and the GELU's columns over those of 'mlp').
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+# True/False: always/never the Pallas interpreter; None: the interpreter unless the backend is a GPU.
+INTERPRET: bool | None = None
+# Elements one program of a forward kernel handles (rows × padded width); a first guess.
+BLOCK_ELEMENTS = 4096
+# Columns of one GELU block (a power of two; 3 blocks cover GPT-2 small's 3072 exactly).
+COLUMN_BLOCK = 1024
+# At most this many programs in a backward kernel (about two per streaming multiprocessor of an H100).
+BACKWARD_PROGRAMS = 256
+NUM_WARPS = 4
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+# --- The plain math (what the kernels compute) ---------------------------------------------------------
+
+
+def normalize_reference(x: jax.Array, gain: jax.Array, bias: jax.Array | None, kind: str, eps: float):
+  """`dsjax.models.layers.Norm` as a function: statistics in float32 over the last axis, the result in
+  x's dtype."""
+  x32 = x.astype(jnp.float32)
+  if kind == 'layernorm':
+    x32 = x32 - x32.mean(-1, keepdims=True)
+  y = (x32 * lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + eps)).astype(x.dtype) * gain.astype(x.dtype)
+  return y if bias is None else y + bias.astype(x.dtype)
+
+
+def norm_cast_reference(x, gain, bias, *, kind: str, eps: float, out_dtype) -> jax.Array:
+  """Norm(x) cast to `out_dtype` (a branch input), as the block computes it."""
+  return normalize_reference(x, gain, bias, kind, eps).astype(out_dtype)
+
+
+def residual_norm_reference(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype):
+  """(λ·x + β·h, Norm(λ·x + β·h) cast to `out_dtype`), as a Pre-LN block computes them; λ = `skip`, β =
+  `branch` (float32 scalars or width-d vectors), so the stream is float32."""
+  x_new = skip * x + branch * h
+  return x_new, norm_cast_reference(x_new, gain, bias, kind=kind, eps=eps, out_dtype=out_dtype)
+
+
+def bias_gelu_reference(z: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """GELU(z + b) as the FFN computes it: the bias added in z's dtype, then the exact GELU."""
+  u = z if bias is None else z + bias.astype(z.dtype)
+  return 0.5 * u * (1.0 + lax.erf(u * _SQRT_HALF))
+
+
+# --- The fused forms -----------------------------------------------------------------------------------
+
+
+def norm_cast(x, gain, bias, *, kind: str, eps: float, out_dtype) -> jax.Array:
+  """`norm_cast_reference` in one kernel forward and one backward; x (..., d), gain and bias (d,)
+  (bias None for RMSNorm)."""
+  fn = functools.partial(_norm_cast, kind=kind, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
+  bias = jnp.zeros_like(gain) if bias is None else bias
+  rows = _rows(x)
+  spec = _row_spec(rows.shape[0])
+  if spec is not None:
+    fn = jax.shard_map(fn, in_specs=(spec, P(), P()), out_specs=spec, check_vma=False)
+  return fn(rows, gain.astype(jnp.float32), bias.astype(jnp.float32)).reshape(x.shape)
+
+
+def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype):
+  """`residual_norm_reference` in one kernel forward and one backward: (the float32 stream λ·x + β·h,
+  its Norm cast to `out_dtype`); x, h (..., d), λ and β scalars or (d,), gain and bias (d,) (bias None
+  for RMSNorm)."""
+  d = x.shape[-1]
+  fn = functools.partial(_residual_norm, kind=kind, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
+  vector = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (d,))  # noqa: E731
+  bias = jnp.zeros_like(gain) if bias is None else bias
+  x_rows, h_rows = _rows(x), _rows(h)
+  spec = _row_spec(x_rows.shape[0])
+  if spec is not None:
+    fn = jax.shard_map(fn, in_specs=(spec, spec) + (P(),) * 4, out_specs=(spec, spec), check_vma=False)
+  x_new, y = fn(x_rows, h_rows, vector(skip), vector(branch), vector(gain), vector(bias))
+  return x_new.reshape(x.shape), y.reshape(x.shape)
+
+
+def bias_gelu(z: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """`bias_gelu_reference` in one kernel forward and one backward (the sum z + b and the GELU in
+  float32, the result in z's dtype); z (..., F), bias (F,) or None."""
+  bias = jnp.zeros((z.shape[-1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
+  rows = _rows(z)
+  spec = _row_spec(rows.shape[0], columns=('mlp', rows.shape[1]))
+  fn = _bias_gelu
+  if spec is not None:
+    fn = jax.shard_map(fn, in_specs=(spec, P(spec[1])), out_specs=spec, check_vma=False)
+  return fn(rows, bias).reshape(z.shape)
+
+
+def _rows(x: jax.Array) -> jax.Array:
+  return x.reshape(-1, x.shape[-1])
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != 'gpu' if INTERPRET is None else INTERPRET
+
+
+def _row_spec(num_rows: int, columns: tuple[str, int] | None = None) -> P | None:
+  """The (rows, columns) spec for `jax.shard_map` over the current mesh, or None without one (or on one
+  device): rows over the mesh axes of the logical axis 'batch', `columns` = (logical name, size) over
+  that name's axes (the norms' rows stay whole). Axes that do not divide a dimension leave it whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  rules = dict(spmd.get_logical_axis_rules())
+  if 'batch' not in rules:
+    raise ValueError(
+      f"model.fused_ops=pallas on a mesh of {mesh.size} devices needs logical axis rules for 'batch': "
+      'set them with flax.core.spmd.logical_axis_rules'
+    )
+
+  def axes_dividing(logical: str, size: int):
+    names = rules.get(logical)
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
+
+  return P(axes_dividing('batch', num_rows), None if columns is None else axes_dividing(*columns))
+
+
+# --- Norms: custom VJPs --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm_cast(x_ND, gain_D, bias_D, kind, eps, out_dtype):
+  return _norm_forward(x_ND, None, None, None, gain_D, bias_D, kind, eps, out_dtype)[1]
+
+
+def _norm_cast_fwd(x_ND, gain_D, bias_D, kind, eps, out_dtype):
+  return _norm_cast(x_ND, gain_D, bias_D, kind, eps, out_dtype), (x_ND, gain_D)
+
+
+def _norm_cast_bwd(kind, eps, out_dtype, residuals, dy_ND):
+  x_ND, gain_D = residuals
+  dx_ND, _, sums = _norm_backward(x_ND, None, None, None, gain_D, None, dy_ND, kind, eps)
+  return dx_ND, sums['gain'], sums['bias']
+
+
+_norm_cast.defvjp(_norm_cast_fwd, _norm_cast_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _residual_norm(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
+  return _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype)
+
+
+def _residual_norm_fwd(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
+  out = _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype)
+  return out, (x_ND, h_ND, skip_D, branch_D, gain_D)
+
+
+def _residual_norm_bwd(kind, eps, out_dtype, residuals, cotangents):
+  x_ND, h_ND, skip_D, branch_D, gain_D = residuals
+  dstream_ND, dy_ND = cotangents
+  dx_ND, dh_ND, sums = _norm_backward(x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND, kind, eps)
+  return dx_ND, dh_ND, sums['skip'], sums['branch'], sums['gain'], sums['bias']
+
+
+_residual_norm.defvjp(_residual_norm_fwd, _residual_norm_bwd)
+
+
+# --- Norms: kernels ------------------------------------------------------------------------------------
+
+
+def _norm_blocks(n: int, d: int) -> tuple[int, int]:
+  """(rows, columns) of a norm kernel's block: the whole row padded to a power of two, and as many rows
+  as fit in `BLOCK_ELEMENTS` (at least one, at most the rows there are, rounded up to a power of two)."""
+  cols = pl.next_power_of_2(d)
+  return min(max(1, BLOCK_ELEMENTS // cols), pl.next_power_of_2(n)), cols
+
+
+def _block_indices(first_row, block_rows: int, block_cols: int, n: int, d: int, first_col=0):
+  """Row and column index vectors of a block and its mask (rows < n and columns < d)."""
+  rows = first_row + jnp.arange(block_rows)
+  cols = first_col + jnp.arange(block_cols)
+  return rows[:, None], cols[None, :], (rows < n)[:, None] & (cols < d)[None, :]
+
+
+def _load(ref, rows, cols, mask) -> jax.Array:
+  return plgpu.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+
+
+def _load_vector(ref, cols, d: int) -> jax.Array:
+  """A (d,) parameter as a (1, columns) row, 0 past d."""
+  return plgpu.load(ref.at[cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
+
+
+def _store(ref, rows, cols, mask, value) -> None:
+  plgpu.store(ref.at[rows, cols], value.astype(ref.dtype), mask=mask)
+
+
+def _normalized(u, col_mask, kind: str, eps: float, d: int):
+  """(x̂, rstd) of the rows of u (float32, padded columns 0): (u − mean)·rstd for LayerNorm, u·rstd for
+  RMSNorm, with the statistics over the d real columns."""
+  if kind == 'layernorm':
+    u = jnp.where(col_mask, u - (u.sum(axis=1, keepdims=True) / d), 0.0)
+  rstd = lax.rsqrt((u * u).sum(axis=1, keepdims=True) / d + eps)
+  return u * rstd, rstd
+
+
+def _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
+  """The forward kernel: (stream, y) with a residual add (h given), y alone without."""
+  n, d = x_ND.shape
+  block_rows, block_cols = _norm_blocks(n, d)
+  residual = h_ND is not None
+
+  def kernel(*refs):
+    if residual:
+      x_ref, h_ref, skip_ref, branch_ref, gain_ref, bias_ref, stream_ref, y_ref = refs
+    else:
+      (x_ref, gain_ref, bias_ref, y_ref), stream_ref = refs, None
+    rows, cols, mask = _block_indices(pl.program_id(0) * block_rows, block_rows, block_cols, n, d)
+    u = _load(x_ref, rows, cols, mask)
+    if residual:
+      u = _load_vector(skip_ref, cols, d) * u + _load_vector(branch_ref, cols, d) * _load(
+        h_ref, rows, cols, mask
+      )
+      _store(stream_ref, rows, cols, mask, u)
+    xhat, _ = _normalized(u, cols < d, kind, eps, d)
+    y = xhat * _load_vector(gain_ref, cols, d) + _load_vector(bias_ref, cols, d)
+    _store(y_ref, rows, cols, mask, y)
+
+  y_shape = jax.ShapeDtypeStruct((n, d), out_dtype)
+  out_shape = (jax.ShapeDtypeStruct((n, d), jnp.float32), y_shape) if residual else (y_shape,)
+  inputs = (x_ND, h_ND, skip_D, branch_D, gain_D, bias_D) if residual else (x_ND, gain_D, bias_D)
+  out = _call(kernel, (pl.cdiv(n, block_rows),), out_shape, 'fused_residual_norm', *inputs)
+  return tuple(out) if residual else (None, out[0])
+
+
+def _backward_programs(n: int, block_rows: int) -> tuple[int, int]:
+  """(programs, row blocks per program) for a backward kernel over n rows in blocks of block_rows."""
+  row_blocks = pl.cdiv(n, block_rows)
+  per_program = pl.cdiv(row_blocks, min(row_blocks, BACKWARD_PROGRAMS))
+  return pl.cdiv(row_blocks, per_program), per_program
+
+
+def _norm_backward(x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND, kind, eps):
+  """The backward kernel: (dx, dh or None, {parameter: gradient}); with h, the stream's gradient
+  `dstream_ND` adds to the norm's input gradient."""
+  n, d = x_ND.shape
+  block_rows, block_cols = _norm_blocks(n, d)
+  programs, per_program = _backward_programs(n, block_rows)
+  residual = h_ND is not None
+  names = ('gain', 'bias', 'skip', 'branch') if residual else ('gain', 'bias')
+
+  def kernel(*refs):
+    if residual:
+      x_ref, h_ref, skip_ref, branch_ref, gain_ref, dstream_ref, dy_ref, dx_ref, dh_ref, *sum_refs = refs
+    else:
+      x_ref, gain_ref, dy_ref, dx_ref, *sum_refs = refs
+    _, cols, _ = _block_indices(0, 1, block_cols, 1, d)
+    gain = _load_vector(gain_ref, cols, d)
+    if residual:
+      skip, branch = _load_vector(skip_ref, cols, d), _load_vector(branch_ref, cols, d)
+    program = pl.program_id(0)  # (read outside the loop: the interpreter replaces it only here)
+
+    def row_block(i, sums):
+      first = (program * per_program + i) * block_rows
+      rows, cols, mask = _block_indices(first, block_rows, block_cols, n, d)
+      x = _load(x_ref, rows, cols, mask)
+      if residual:
+        h = _load(h_ref, rows, cols, mask)
+        x_new = skip * x + branch * h
+      else:
+        x_new = x
+      xhat, rstd = _normalized(x_new, cols < d, kind, eps, d)
+      dy = _load(dy_ref, rows, cols, mask)
+      g = dy * gain  # the gradient of x̂
+      proj = xhat * ((g * xhat).sum(axis=1, keepdims=True) / d)
+      if kind == 'layernorm':
+        proj = proj + g.sum(axis=1, keepdims=True) / d
+      du = rstd * (g - proj)  # the gradient of the norm's input (0 in the padded columns)
+      new = [(dy * xhat).sum(axis=0), dy.sum(axis=0)]
+      if residual:
+        du = du + _load(dstream_ref, rows, cols, mask)
+        _store(dh_ref, rows, cols, mask, branch * du)
+        _store(dx_ref, rows, cols, mask, skip * du)
+        new += [(du * x).sum(axis=0), (du * h).sum(axis=0)]
+      else:
+        _store(dx_ref, rows, cols, mask, du)
+      return tuple(s + v[None, :] for s, v in zip(sums, new))
+
+    zeros = jnp.zeros((1, block_cols), jnp.float32)
+    sums = lax.fori_loop(0, per_program, row_block, (zeros,) * len(names))
+    for ref, total in zip(sum_refs, sums):
+      _store(ref, jnp.full((1, 1), program), cols, cols < d, total)
+
+  sums_shape = jax.ShapeDtypeStruct((programs, d), jnp.float32)
+  grads_shape = [jax.ShapeDtypeStruct((n, d), x_ND.dtype)]
+  if residual:
+    grads_shape.append(jax.ShapeDtypeStruct((n, d), h_ND.dtype))
+    inputs = (x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND)
+  else:
+    inputs = (x_ND, gain_D, dy_ND)
+  out_shape = (*grads_shape, *(sums_shape,) * len(names))
+  out = _call(kernel, (programs,), out_shape, 'fused_residual_norm_backward', *inputs)
+  grads, partial_sums = out[: len(grads_shape)], out[len(grads_shape) :]
+  sums = {name: s.sum(axis=0) for name, s in zip(names, partial_sums)}
+  return grads[0], (grads[1] if residual else None), sums
+
+
+def _call(kernel, grid, out_shape, name: str, *inputs):
+  return pl.pallas_call(
+    kernel,
+    grid=grid,
+    out_shape=out_shape,
+    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+    interpret=_interpret(),
+    name=name,
+  )(*inputs)
+
+
+# --- Bias + GELU ---------------------------------------------------------------------------------------
+
+
+def _erf(x: jax.Array) -> jax.Array:
+  """erf of float32 x by XLA's own rational approximation for float32 (`RewriteErf32Pattern` in
+  xla/codegen/emitters/transforms/expand_float_ops.cc): x·P(x²)/Q(x²), x clamped to ±erfinv(1 − 2⁻²³),
+  where erf is ±1 to within float32 rounding."""
+  x = jnp.minimum(jnp.maximum(x, -3.7439211627767994), 3.7439211627767994)
+  x2 = x * x
+  p = x2 * 0.00022905065861350646 + 0.0034082910107109506
+  for c in (0.050955695062380861, 0.18520832239976145, 1.128379143519084):
+    p = p * x2 + c
+  q = x2 * -1.1791602954361697e-7 + 0.000023547966471313185
+  for c in (0.0010179625278914885, 0.014070470171167667, 0.11098505178285362, 0.49746925110067538, 1.0):
+    q = q * x2 + c
+  return x * p / q
+
+
+def _gelu_blocks(n: int, f: int) -> tuple[int, int]:
+  cols = min(pl.next_power_of_2(f), COLUMN_BLOCK)
+  return min(max(1, BLOCK_ELEMENTS // cols), pl.next_power_of_2(n)), cols
+
+
+@jax.custom_vjp
+def _bias_gelu(z_NF: jax.Array, bias_F: jax.Array) -> jax.Array:
+  n, f = z_NF.shape
+  block_rows, block_cols = _gelu_blocks(n, f)
+
+  def kernel(z_ref, bias_ref, a_ref):
+    first_col = pl.program_id(1) * block_cols
+    rows, cols, mask = _block_indices(pl.program_id(0) * block_rows, block_rows, block_cols, n, f, first_col)
+    u = _load(z_ref, rows, cols, mask) + _load_vector(bias_ref, cols, f)
+    _store(a_ref, rows, cols, mask, 0.5 * u * (1.0 + _erf(u * _SQRT_HALF)))
+
+  grid = (pl.cdiv(n, block_rows), pl.cdiv(f, block_cols))
+  out_shape = jax.ShapeDtypeStruct((n, f), z_NF.dtype)
+  return _call(kernel, grid, out_shape, 'fused_bias_gelu', z_NF, bias_F)
+
+
+def _bias_gelu_fwd(z_NF, bias_F):
+  return _bias_gelu(z_NF, bias_F), (z_NF, bias_F)
+
+
+def _bias_gelu_bwd(residuals, da_NF):
+  z_NF, bias_F = residuals
+  n, f = z_NF.shape
+  block_rows, block_cols = _gelu_blocks(n, f)
+  programs, per_program = _backward_programs(n, block_rows)
+
+  def kernel(z_ref, bias_ref, da_ref, dz_ref, dbias_ref):
+    first_col = pl.program_id(1) * block_cols
+    _, cols, _ = _block_indices(0, 1, block_cols, 1, f, first_col)
+    bias = _load_vector(bias_ref, cols, f)
+    program = pl.program_id(0)
+
+    def row_block(i, dbias):
+      first = (program * per_program + i) * block_rows
+      rows, cols, mask = _block_indices(first, block_rows, block_cols, n, f, first_col)
+      u = _load(z_ref, rows, cols, mask) + bias
+      # GELU'(u) = Φ(u) + u·φ(u)
+      slope = 0.5 * (1.0 + _erf(u * _SQRT_HALF)) + u * (_INV_SQRT_2PI * jnp.exp(-0.5 * u * u))
+      dz = _load(da_ref, rows, cols, mask) * slope
+      _store(dz_ref, rows, cols, mask, dz)
+      return dbias + jnp.where(mask, dz, 0.0).sum(axis=0)[None, :]
+
+    dbias = lax.fori_loop(0, per_program, row_block, jnp.zeros((1, block_cols), jnp.float32))
+    _store(dbias_ref, jnp.full((1, 1), program), cols, cols < f, dbias)
+
+  grid = (programs, pl.cdiv(f, block_cols))
+  out_shape = (jax.ShapeDtypeStruct((n, f), z_NF.dtype), jax.ShapeDtypeStruct((programs, f), jnp.float32))
+  dz_NF, dbias_PF = _call(kernel, grid, out_shape, 'fused_bias_gelu_backward', z_NF, bias_F, da_NF)
+  return dz_NF, dbias_PF.sum(axis=0)
+
+
+_bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
