@@ -114,21 +114,21 @@ def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5))
 def _stats_tap(
   site_index: int,
   sink_shape: tuple[int, ...],
-  sample_rows: int,
   x_BLD: jax.Array,
   sink: jax.Array,
   layer: jax.Array,
+  sample_rows: int = 0,
 ) -> jax.Array:
   """Identity on x; d(loss)/d(sink) receives x's forward and gradient statistics at [layer+1, site]."""
   del site_index, sink_shape, sample_rows, sink, layer
   return x_BLD
 
 
-def _stats_tap_fwd(site_index, sink_shape, sample_rows, x_BLD, sink, layer):
+def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer, sample_rows):
   del site_index, sink_shape, sink
   return x_BLD, (_forward_row(x_BLD, sample_rows), layer)
 
@@ -166,7 +166,7 @@ def stack_depth(params: Any) -> int:
 
 def _sink_probe(sink: jax.Array, sample_rows: int) -> Probe:
   return _probe_with(
-    lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, sample_rows, x_BLD, sink, layer)
+    lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink, layer, sample_rows)
   )
 
 
@@ -180,9 +180,14 @@ def _sink_probe(sink: jax.Array, sample_rows: int) -> Probe:
 Receiver = Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5))
 def _callback_tap(
-  site_index: int, receiver: Receiver, sample_rows: int, x_BLD: jax.Array, step: jax.Array, layer: jax.Array
+  site_index: int,
+  receiver: Receiver,
+  x_BLD: jax.Array,
+  step: jax.Array,
+  layer: jax.Array,
+  sample_rows: int = 0,
 ) -> jax.Array:
   """Identity on x; in the backward pass sends x's forward and gradient statistics to `receiver`,
   tagged with (step, layer, site)."""
@@ -190,7 +195,7 @@ def _callback_tap(
   return x_BLD
 
 
-def _callback_tap_fwd(site_index, receiver, sample_rows, x_BLD, step, layer):
+def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer, sample_rows):
   # The forward statistics wait, as a few scalars, for the backward rule's callback: one host round
   # trip per site instead of two, and none from the forward pass that remat re-runs in the backward.
   del site_index, receiver
@@ -209,7 +214,7 @@ _callback_tap.defvjp(_callback_tap_fwd, _callback_tap_bwd)
 def _callback_probe(receiver: Receiver, step: jax.Array, sample_rows: int) -> Probe:
   step = jnp.asarray(step, jnp.int32)
   return _probe_with(
-    lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, sample_rows, x_BLD, step, layer)
+    lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step, layer, sample_rows)
   )
 
 
