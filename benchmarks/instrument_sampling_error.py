@@ -67,9 +67,10 @@ def _records(moments) -> dict:
   return {key[1:]: float(value) for key, value in collector_lib.moments_to_records(0, moments)}
 
 
-def errors_of(whole: dict, sampled: dict) -> dict[str, list[float]]:
-  """Per statistic, the error of each sampled record against the whole tensor's (module docstring)."""
-  out: dict[str, list[float]] = {}
+def errors_of(whole: dict, sampled: dict) -> dict[str, list[tuple[float, str]]]:
+  """Per statistic, the error of each sampled record against the whole tensor's (module docstring),
+  with where it is ('layer L site')."""
+  out: dict[str, list[tuple[float, str]]] = {}
   for (layer, site, stat), value in whole.items():
     if stat == 'grad_norm':
       error = abs(sampled[(layer, site, stat)] / value - 1) if value else 0.0
@@ -87,7 +88,7 @@ def errors_of(whole: dict, sampled: dict) -> dict[str, list[float]]:
         continue
       error = abs(sampled[(layer, site, stat)] - value)
     key = f'weight_{stat}' if site.startswith('weight/') else stat
-    out.setdefault(key, []).append(error)
+    out.setdefault(key, []).append((error, f'layer {layer} {site}'))
   return out
 
 
@@ -100,7 +101,7 @@ def main():
   train_step = jax.jit(prepared.make_step(), donate_argnums=0)
   instrumented = {rows: jax.jit(prepared.make_step(True, sample_rows=rows)) for rows in [0, *args.rows]}
   state, step = jax.jit(prepared.setup.create_state)(), 0
-  errors: dict[int, dict[str, list[float]]] = {rows: {} for rows in args.rows}
+  errors: dict[int, dict[str, list[tuple[float, str]]]] = {rows: {} for rows in args.rows}
   start = time.perf_counter()
   for at in args.at:
     while step < at:
@@ -112,7 +113,7 @@ def main():
       for rows in args.rows:
         sampled = _records(jax.device_get(instrumented[rows](state, batch)[1]['moments']))
         for stat, values in errors_of(whole, sampled).items():
-          errors[rows].setdefault(stat, []).extend(values)
+          errors[rows].setdefault(stat, []).extend((e, f'step {at}, {where}') for e, where in values)
     print(f'step {at}: compared ({time.perf_counter() - start:.0f} s)', flush=True)
 
   b, l = config.batch_size, config.data.seq_len
@@ -142,13 +143,16 @@ def main():
       f'{weight_rows} rows per layer of each weight-gradient leaf'
     )
     summary = {}
-    for stat, values in errors[rows].items():
+    for stat, found in errors[rows].items():
+      values = [e for e, _ in found]
       summary[stat] = {name: float(np.percentile(values, q)) for name, q in QUANTILES.items()}
       summary[stat]['count'] = len(values)
+      worst = max(found)
+      summary[stat]['max_at'] = worst[1] if worst[0] > 0 else None
       kind = 'absolute' if stat in ABSOLUTE else 'in std' if stat == 'mean' else 'relative'
       print(
         f'  {stat:24s} {kind:9s} median {summary[stat]["median"]:.4f}  p90 {summary[stat]["p90"]:.4f}'
-        f'  max {summary[stat]["max"]:.4f}  ({len(values)} values)'
+        f'  max {summary[stat]["max"]:.4f} ({summary[stat]["max_at"] or "all exact"}; {len(values)} values)'
       )
     results['errors'][str(rows)] = {
       'positions_per_example': per_example,

@@ -57,6 +57,9 @@ def test_the_sample_is_fixed_distinct_and_whole_rows():
   assert (first == positions[:, :, None]).all()  # whole rows
   assert all(np.all(np.diff(p) > 0) for p in positions)  # distinct, sorted
   assert len({tuple(p) for p in positions}) == 4  # each example its own draw
+  # Balanced: 64 examples × 8 of 64 positions take every position exactly 8 times.
+  balanced = np.asarray(stats_lib.take_rows(_position_coded(64, 64, 1), 512))[..., 0]
+  np.testing.assert_array_equal(np.bincount(balanced.astype(int).ravel(), minlength=64), np.full(64, 8))
   # Weight leaves: the same rows of every layer's (R, C) view, from a draw per layer.
   w = _position_coded(3, 64, 8).transpose(0, 1, 2)
   rows = np.asarray(stats_lib.take_layer_rows(w, 5))
@@ -87,9 +90,9 @@ def _correlated_activations(key, shape, mean, seq_std, hidden_std, noise_std):
 
 # Tolerances of a sample of 2048 of 16384 rows (32 examples × 64 of 512 positions, D 128) against the
 # whole tensor: relative for var, grad_var and the quantiles, absolute for mean (in units of σ) and the
-# correlations: 2.5–3× the largest deviation over seeds 0–19 (0.037, 0.021, 0.012, 0.014).
+# correlations: ~3× the largest deviation over seeds 0–19 (0.022, 0.023, 0.014, 0.015).
 SYNTHETIC_SHAPE, SYNTHETIC_ROWS = (32, 512, 128), 2048
-SYNTHETIC_TOLERANCE = {'mean': 0.1, 'var': 0.06, 'corr_seq': 0.03, 'corr_hidden': 0.04}
+SYNTHETIC_TOLERANCE = {'mean': 0.06, 'var': 0.06, 'corr_seq': 0.04, 'corr_hidden': 0.04}
 
 
 @pytest.mark.parametrize('seed', [0, 1, 2])
@@ -198,13 +201,13 @@ def test_sampling_off_is_the_whole_tensor_path():
 
 # A tiny model's statistics (2 layers × 32, batch 16 × 64 tokens = 1024 rows per site) from 256 sampled
 # rows (4 positions per example) against the whole tensors': relative bounds for the variances, absolute
-# ones for the correlations and the mean (in units of the whole tensor's std), 3–4× the largest
-# deviations measured (mean 0.010, var 0.064, grad_var 0.051, corr_seq 0.018, corr_hidden 0.003,
-# grad_corr_seq 0.014). The weight gradients' distributions from 32 rows per leaf (16 of each layer's 32
-# or 128): within 2× the largest deviation measured, 0.145 (ffn2's kurtosis).
+# ones for the correlations and the mean (in units of the whole tensor's std), 3–5× the largest
+# deviations measured (mean 0.006, var 0.036, grad_var 0.060, corr_seq 0.019, corr_hidden 0.002,
+# grad_corr_seq 0.005). The weight gradients' distributions from 32 rows per leaf (16 of each layer's 32
+# or 128): within 2× the largest deviation measured, 0.25.
 TINY_ROWS, TINY_WEIGHT_ROWS = 256, 32
-TINY_RELATIVE = {'var': 0.2, 'grad_var': 0.2}
-TINY_ABSOLUTE = {'mean': 0.05, 'corr_seq': 0.06, 'corr_hidden': 0.02, 'grad_corr_seq': 0.06}
+TINY_RELATIVE = {'var': 0.15, 'grad_var': 0.2}
+TINY_ABSOLUTE = {'mean': 0.03, 'corr_seq': 0.06, 'corr_hidden': 0.01, 'grad_corr_seq': 0.03}
 
 
 def test_sampled_statistics_of_a_tiny_model():
@@ -223,7 +226,7 @@ def test_sampled_statistics_of_a_tiny_model():
   for kind, kind_stats in few_rows['weights'].items():
     chex.assert_trees_all_equal(kind_stats['grad_norm'], full['weights'][kind]['grad_norm'])  # exact
     for name in stats_lib.DISTRIBUTION_STATS:
-      np.testing.assert_allclose(kind_stats[name], full['weights'][kind][name], rtol=0.3, err_msg=kind)
+      np.testing.assert_allclose(kind_stats[name], full['weights'][kind][name], rtol=0.5, err_msg=kind)
 
 
 def test_the_sample_is_the_same_every_step_and_on_a_mesh():
