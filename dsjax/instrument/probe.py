@@ -7,7 +7,9 @@ also returns the step's moments:
 
   * at every site, forward `stats.forward_stats(x)` (mean, var, corr_seq, corr_hidden, max_abs) and
     backward `stats.grad_stats(dL/dx)` (grad_var, grad_corr_seq);
-  * per block weight type, per-layer gradient norms and whole-stack heavy-tail statistics.
+  * per block weight type, per-layer gradient norms and whole-stack heavy-tail statistics;
+  * with `instrument.sample_rows` > 0, all but max |x| and the norms from a fixed sample of rows
+    (`stats.take_rows`, `stats.take_layer_rows`).
 
 How the per-layer statistics leave the layer scan: the probe passes x through an identity with a custom
 VJP that also takes a zero "stats sink" array of shape (depth + 1, sites, statistics). Its forward rule
