@@ -155,12 +155,13 @@ def sample_positions_per_example(batch: int, seq_len: int, sample_rows: int) -> 
 
 def take_rows(x_BLD: jax.Array, sample_rows: int) -> jax.Array:
   """About `sample_rows` (b, t) rows of x (B, L, D), as (B, K, D): every example keeps K =
-  `sample_positions_per_example` of its token positions, drawn once per example (`_sampled_positions`).
+  `sample_positions_per_example` of its token positions, a fixed random subset of its own, the subsets
+  balanced over the positions (`_sampled_positions`).
 
-  Whole examples of the batch all contribute (so on a mesh every device's shard of the batch does, and
-  no example's shift dominates), and whole rows of D (corr_hidden, r^d, needs them). corr_seq (r^l)
-  averages over pairs of distinct sampled positions of one example: uniform draws without replacement
-  make every pair t ≠ t' equally likely, so its expectation is the full tensor's. x itself for
+  All examples of the batch contribute (so on a mesh every device's shard of the batch does, and no
+  example's shift dominates), with whole rows of D (corr_hidden, r^d, needs them). corr_seq (r^l)
+  averages over pairs of distinct sampled positions of one example: each example's subset is uniform,
+  so every pair t ≠ t' is equally likely and the expectation is the whole tensor's. x itself for
   sample_rows 0 or K = L."""
   b, l, _ = x_BLD.shape
   count = sample_positions_per_example(b, l, sample_rows)
