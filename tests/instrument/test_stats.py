@@ -139,9 +139,9 @@ def test_sampled_weight_gradient_distribution(distribution):
 DEPTH, BATCH, SEQ_LEN = 2, 16, 64
 
 
-def _step(sample_rows, dropout=0.0):
+def _step(sample_rows, dropout=0.0, remat='none'):
   """The instrumented train step of a tiny GPT (`sample_rows` None: built without the argument)."""
-  config = tiny_config('gpt', depth=DEPTH, dropout=dropout)
+  config = tiny_config('gpt', depth=DEPTH, dropout=dropout, remat=remat)
   config.data.seq_len = SEQ_LEN
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -168,9 +168,9 @@ def _step(sample_rows, dropout=0.0):
   return step_fn, state, {'tokens': tokens}, sharding_lib.logical_axes(model)
 
 
-def _moments(sample_rows, num_devices=1, steps=(0,)):
+def _moments(sample_rows, num_devices=1, steps=(0,), remat='none'):
   """The moments of the instrumented step from states at each of `steps` (same parameters)."""
-  step_fn, state, batch, axes = _step(sample_rows)
+  step_fn, state, batch, axes = _step(sample_rows, remat=remat)
   if num_devices == 1:
     jitted, mesh_context = jax.jit(step_fn), contextlib.nullcontext()
   else:  # data × fsdp × tensor = 2 × 2 × 2: batch, model width and heads all sharded.
@@ -229,15 +229,17 @@ def test_sampled_statistics_of_a_tiny_model():
       np.testing.assert_allclose(kind_stats[name], full['weights'][kind][name], rtol=0.5, err_msg=kind)
 
 
-def test_the_sample_is_the_same_every_step_and_on_a_mesh():
+def test_the_sample_is_the_same_every_step_on_a_mesh_and_with_remat():
   """The same parameters and batch at two different steps give the same sampled table (the rows do not
-  move with the step), and a mesh of 8 devices (batch, width and heads sharded) the same values as one
-  device, with the activations' and the weight gradients' rows sampled."""
+  move with the step), and a mesh of 8 devices (batch, width and heads sharded) and remat the same
+  values as one device without it, with the activations' and the weight gradients' rows sampled."""
   first, later = _moments(TINY_WEIGHT_ROWS, steps=(0, 5))
   chex.assert_trees_all_equal(first, later)
   assert len(jax.devices()) >= 8
   (on_mesh,) = _moments(TINY_WEIGHT_ROWS, num_devices=8)
   chex.assert_trees_all_close(on_mesh, first, rtol=2e-3, atol=1e-6)
+  (rematerialised,) = _moments(TINY_WEIGHT_ROWS, remat='full')  # the forward rule runs twice
+  chex.assert_trees_all_close(rematerialised, first, rtol=2e-3, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
