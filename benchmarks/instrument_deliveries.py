@@ -7,8 +7,10 @@ Four compiled train steps of one config on one device, built as `python -m dsjax
 'off' (no statistics), 'return' (the statistics table returned from the step), 'callback_table' (the
 table sent in one `jax.debug.callback` per step: `instrument.delivery='callback'` on one device) and
 'callback_per_site' (a callback per probe site from the backward pass of the layer scan, as on several
-devices). Each timed call runs one step, waits for it and for its callbacks (`jax.effects_barrier`),
-and turns its statistics into records (`Collector.flush`, in memory). The steps take turns, one each
+devices); with `--set=instrument.sample_rows=N` (N > 0) also 'return_sampled' (the returned statistics
+from N rows per probe site, `docs/instrumentation.md`; the others use whole tensors). Each timed call
+runs one step, waits for it and for its callbacks (`jax.effects_barrier`), and turns its statistics
+into records (`Collector.flush`, in memory). The steps take turns, one each
 per round, in alternating order, with `--pause` seconds of idle before each; the ratio of each
 instrumented step to the plain one of the same round cancels the machine's drift (benchmarks/README.md,
 "Instrumentation overhead"). Reported: each step's median and min–max time, and per round the ratio to
@@ -47,9 +49,13 @@ def timed_steps(config) -> dict:
   """One function per delivery that runs one step of it and waits for everything it delivers."""
   prepared = bench.prepare(config, ['off', 'return', 'callback'], 'random')
   calls = {}
-  for name, (instrument, by_callback, per_site) in DELIVERIES.items():
+  deliveries = dict(DELIVERIES)
+  if config.instrument.sample_rows:
+    deliveries['return_sampled'] = (True, False, False)
+  for name, (instrument, by_callback, per_site) in deliveries.items():
     collector = instrument_lib.Collector(keep_records=False)
-    step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site)
+    sample_rows = config.instrument.sample_rows if name == 'return_sampled' else 0
+    step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site, sample_rows)
     calls[name] = bench.step_runner(
       prepared,
       step_fn,

@@ -1,7 +1,7 @@
 r"""Train-step speed and memory: compile time, step time, throughput, model FLOPs, MFU, device memory.
 
   python -m dsjax.bench --config=configs/gpt2_small.py [--steps=20]
-                        [--instrument=off,return,callback,monitor]
+                        [--instrument=off,return,callback,monitor,sampled]
                         [--inputs=random|real] [--peak_tflops=...] [--json=bench.json] [--profile=DIR]
                         [--config.*=...]
 
@@ -10,7 +10,9 @@ the optimizer update included) on one device, once per `--instrument` mode: 'off
 'return' (per-layer moments returned from the step) and 'callback' (the same statistics delivered by
 `jax.debug.callback`, as the training loop sends them on one device), and, when listed, 'monitor' (the
 'return' step with the stability monitor checking each step's statistics, `dsjax.instrument.monitor`,
-as the loop does by default; beside 'return' it shows the monitor's cost). Each mode is compiled ahead of
+as the loop does by default; beside 'return' it shows the monitor's cost) and 'sampled' (the 'return' step
+with its statistics from `--config.instrument.sample_rows` rows per site, which it needs; the other modes
+compute them from whole tensors). Each mode is compiled ahead of
 time, run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the median and the
 spread (min–max) are reported. `--inputs=random` (the default) times random tokens / images of the
 configured shape, so no dataset is read; `--inputs=real` times one real batch of the dataset.
@@ -64,7 +66,7 @@ _CONFIG = config_flags.DEFINE_config_file(
   'config', 'configs/gpt_preln.py', 'Config file (configs/*.py).', lock_config=True
 )
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each mode (after 2 warm-up steps).', lower_bound=1)
-INSTRUMENT_MODES = ('off', 'return', 'callback', 'monitor')
+INSTRUMENT_MODES = ('off', 'return', 'callback', 'monitor', 'sampled')
 _INSTRUMENT = flags.DEFINE_list(
   'instrument', ['off', 'return', 'callback'], f'Modes to time, any of {list(INSTRUMENT_MODES)}.'
 )
@@ -118,6 +120,8 @@ def check_args(config, modes: list[str], inputs: str):
     raise ValueError(f'--instrument must list some of {list(INSTRUMENT_MODES)}, got {",".join(modes)!r}')
   if inputs not in INPUTS:
     raise ValueError(f'--inputs must be one of {list(INPUTS)}, got {inputs!r}')
+  if 'sampled' in modes and not config.instrument.sample_rows:
+    raise ValueError('--instrument=sampled needs --config.instrument.sample_rows > 0 (rows per site)')
   return config_lib.validate_single_device_run(config, training=True, require_data=inputs == 'real')
 
 
@@ -365,7 +369,9 @@ class Prepared(NamedTuple):
   setup: state_lib.TrainSetup
   state: dict  # the first train state
   batch: dict  # one batch, on the device
-  make_step: Callable  # (instrument=False, receiver=None, per_site=False) -> the train step, not jitted
+  make_step: (
+    Callable  # (instrument=False, receiver=None, per_site=False, sample_rows=0) -> the step, not jitted
+  )
 
 
 def prepare(config, modes: list[str], inputs: str) -> Prepared:
@@ -388,7 +394,10 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 
   def make_step(
-    instrument: bool = False, receiver: instrument_lib.Collector | None = None, per_site: bool = False
+    instrument: bool = False,
+    receiver: instrument_lib.Collector | None = None,
+    per_site: bool = False,
+    sample_rows: int = 0,
   ) -> Callable:
     # One device: a callback delivery sends each step's table in one callback, as the loop does there
     # (`per_site=True`: a callback per probe site, as on several devices).
@@ -403,6 +412,7 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
       moments_receiver=receiver,
       moments_per_site=per_site,
       microbatches=config.microbatches,
+      moments_sample_rows=sample_rows,
     )
 
   return Prepared(data_info, setup, state, batch, make_step)
@@ -486,6 +496,7 @@ def run_benchmark(
     'commit': source_commit(),
     'inputs': inputs,
     'steps': num_steps,
+    'sample_rows': config.instrument.sample_rows if 'sampled' in modes else 0,
     'matmul_params': num_params,
     'model_flops_per_step': flops,
     'positions_per_step': tokens,
@@ -503,7 +514,11 @@ def run_benchmark(
         config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
       )
     collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
-    step_fn = make_step(mode != 'off', collector if mode == 'callback' else None)
+    step_fn = make_step(
+      mode != 'off',
+      collector if mode == 'callback' else None,
+      sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0,
+    )
     r, state = time_mode(
       mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
     )
@@ -552,13 +567,19 @@ def report(results: dict) -> str:
       f'{"n/a" if mem is None else f"{mem:.2f} GiB"}'
     )
   off = results['modes'].get('off')
-  for mode in ('return', 'callback', 'monitor'):
+  for mode in ('return', 'callback', 'monitor', 'sampled'):
     if off and mode in results['modes']:
       ratio = results['modes'][mode]['step_ms_median'] / off['step_ms_median']
       lines.append(f'  instrumentation overhead ({mode}): {ratio:.2f}x the plain step')
   if 'return' in results['modes'] and 'monitor' in results['modes']:
     ratio = results['modes']['monitor']['step_ms_median'] / results['modes']['return']['step_ms_median']
     lines.append(f'  stability monitor: {ratio:.3f}x the instrumented step without it')
+  if 'return' in results['modes'] and 'sampled' in results['modes']:
+    ratio = results['modes']['sampled']['step_ms_median'] / results['modes']['return']['step_ms_median']
+    lines.append(
+      f'  sampled statistics ({results["sample_rows"]} rows per site): {ratio:.3f}x the instrumented step'
+      ' on whole tensors'
+    )
   if 'device_peak_memory_gib' in results:
     lines.append(f'  device peak memory in use: {results["device_peak_memory_gib"]:.2f} GiB')
   for mode, r in results['modes'].items():

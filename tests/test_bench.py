@@ -94,3 +94,39 @@ assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
 """
   result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
+
+
+def test_sampled_mode_times_the_sampled_statistics_beside_the_whole_tensors(tmp_path):
+  """--instrument=sampled: the 'return' step with instrument.sample_rows rows per site, reported beside
+  the step on whole tensors; without sample_rows it is a one-line error before anything is compiled."""
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  command = [
+    sys.executable,
+    '-m',
+    'dsjax.bench',
+    '--config=configs/gpt_preln.py',
+    f'--config.model.depth={DEPTH}',
+    f'--config.model.width={WIDTH}',
+    f'--config.batch_size={BATCH}',
+    f'--config.data.seq_len={SEQ_LEN}',
+    '--steps=1',
+    '--instrument=off,return,sampled',
+    '--peak_tflops=1',
+  ]
+  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+  assert refused.returncode != 0
+  assert '--instrument=sampled needs --config.instrument.sample_rows > 0' in refused.stderr
+  assert 'Traceback' not in refused.stderr
+  proc = subprocess.run(
+    [*command, '--config.instrument.sample_rows=32', f'--json={out}'],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'instrumentation overhead (sampled)' in proc.stdout
+  assert 'sampled statistics (32 rows per site)' in proc.stdout
+  results = json.loads(out.read_text())
+  assert set(results['modes']) == {'off', 'return', 'sampled'} and results['sample_rows'] == 32

@@ -7,7 +7,9 @@ also returns the step's moments:
 
   * at every site, forward `stats.forward_stats(x)` (mean, var, corr_seq, corr_hidden, max_abs) and
     backward `stats.grad_stats(dL/dx)` (grad_var, grad_corr_seq);
-  * per block weight type, per-layer gradient norms and whole-stack heavy-tail statistics.
+  * per block weight type, per-layer gradient norms and whole-stack heavy-tail statistics;
+  * with `instrument.sample_rows` > 0, all but max |x| and the norms from a fixed sample of rows
+    (`stats.take_rows`, `stats.take_layer_rows`).
 
 How the per-layer statistics leave the layer scan: the probe passes x through an identity with a custom
 VJP that also takes a zero "stats sink" array of shape (depth + 1, sites, statistics). Its forward rule
@@ -60,6 +62,10 @@ def instrument_config() -> ml_collections.ConfigDict:
   # one callback, on several each probe site from inside the layer
   # scan (dsjax/instrument/README.md: why, and why 'return' is the
   # default)
+  c.sample_rows = 0  # > 0: each site's statistics (max |x| aside) from ~this many fixed
+  # (example, token) rows, and the weight-gradient distributions
+  # from ~this many rows per leaf; 0 = whole tensors
+  # (docs/instrumentation.md, "Sampled statistics")
   return c
 
 
@@ -67,6 +73,9 @@ def validate_instrument_config(c) -> None:
   if isinstance(c.every, bool) or not isinstance(c.every, int) or c.every < 0:
     raise ValueError(f'instrument.every must be an integer >= 0 (0 = off), got {c.every!r}')
   one_of('instrument.delivery', c.delivery, DELIVERIES)
+  rows = c.sample_rows
+  if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+    raise ValueError(f'instrument.sample_rows must be an integer >= 0 (0 = whole tensors), got {rows!r}')
 
 
 # Moments of one step: {'activations': (depth + 1, len(SITES), len(ACTIVATION_STATS)) table, row 0 the
@@ -78,17 +87,17 @@ def _stats_vector(stats: dict[str, jax.Array], names: tuple[str, ...]) -> jax.Ar
   return jnp.stack([stats[name].astype(jnp.float32) for name in names])
 
 
-def _forward_row(x_BLD: jax.Array) -> jax.Array:
-  return _stats_vector(stats_lib.forward_stats(x_BLD), stats_lib.FORWARD_STATS)
+def _forward_row(x_BLD: jax.Array, sample_rows: int) -> jax.Array:
+  return _stats_vector(stats_lib.forward_stats(x_BLD, sample_rows), stats_lib.FORWARD_STATS)
 
 
-def _grad_row(g_BLD: jax.Array) -> jax.Array:
-  return _stats_vector(stats_lib.grad_stats(g_BLD), stats_lib.GRAD_STATS)
+def _grad_row(g_BLD: jax.Array, sample_rows: int) -> jax.Array:
+  return _stats_vector(stats_lib.grad_stats(g_BLD, sample_rows), stats_lib.GRAD_STATS)
 
 
-def _site_row(forward_row: jax.Array, g_BLD: jax.Array) -> jax.Array:
+def _site_row(forward_row: jax.Array, g_BLD: jax.Array, sample_rows: int) -> jax.Array:
   """A probe site's statistics in ACTIVATION_STATS order: its forward ones, then its gradient's."""
-  return jnp.concatenate([forward_row, _grad_row(g_BLD)])
+  return jnp.concatenate([forward_row, _grad_row(g_BLD, sample_rows)])
 
 
 def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
@@ -107,23 +116,28 @@ def _probe_with(tap: Callable[[int, jax.Array, jax.Array], jax.Array]) -> Probe:
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5))
 def _stats_tap(
-  site_index: int, sink_shape: tuple[int, ...], x_BLD: jax.Array, sink: jax.Array, layer: jax.Array
+  site_index: int,
+  sink_shape: tuple[int, ...],
+  x_BLD: jax.Array,
+  sink: jax.Array,
+  layer: jax.Array,
+  sample_rows: int = 0,
 ) -> jax.Array:
   """Identity on x; d(loss)/d(sink) receives x's forward and gradient statistics at [layer+1, site]."""
-  del site_index, sink_shape, sink, layer
+  del site_index, sink_shape, sample_rows, sink, layer
   return x_BLD
 
 
-def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer):
+def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer, sample_rows):
   del site_index, sink_shape, sink
-  return x_BLD, (_forward_row(x_BLD), layer)
+  return x_BLD, (_forward_row(x_BLD, sample_rows), layer)
 
 
-def _stats_tap_bwd(site_index, sink_shape, residuals, g_BLD):
+def _stats_tap_bwd(site_index, sink_shape, sample_rows, residuals, g_BLD):
   forward, layer = residuals
-  row = _site_row(forward, g_BLD)
+  row = _site_row(forward, g_BLD, sample_rows)
   # One-hot products rather than a scatter at a traced index: plain elementwise ops, cheap at this
   # size and easy for the SPMD partitioner inside the transposed layer scan.
   at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
@@ -152,8 +166,10 @@ def stack_depth(params: Any) -> int:
   return jax.tree.leaves(layers)[0].shape[0] if stacked else len(layers)
 
 
-def _sink_probe(sink: jax.Array) -> Probe:
-  return _probe_with(lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink, layer))
+def _sink_probe(sink: jax.Array, sample_rows: int) -> Probe:
+  return _probe_with(
+    lambda site_index, x_BLD, layer: _stats_tap(site_index, sink.shape, x_BLD, sink, layer, sample_rows)
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,35 +182,42 @@ def _sink_probe(sink: jax.Array) -> Probe:
 Receiver = Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5))
 def _callback_tap(
-  site_index: int, receiver: Receiver, x_BLD: jax.Array, step: jax.Array, layer: jax.Array
+  site_index: int,
+  receiver: Receiver,
+  x_BLD: jax.Array,
+  step: jax.Array,
+  layer: jax.Array,
+  sample_rows: int = 0,
 ) -> jax.Array:
   """Identity on x; in the backward pass sends x's forward and gradient statistics to `receiver`,
   tagged with (step, layer, site)."""
-  del site_index, receiver, step, layer
+  del site_index, receiver, sample_rows, step, layer
   return x_BLD
 
 
-def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer):
+def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer, sample_rows):
   # The forward statistics wait, as a few scalars, for the backward rule's callback: one host round
   # trip per site instead of two, and none from the forward pass that remat re-runs in the backward.
   del site_index, receiver
-  return x_BLD, (_forward_row(x_BLD), step, layer)
+  return x_BLD, (_forward_row(x_BLD, sample_rows), step, layer)
 
 
-def _callback_tap_bwd(site_index, receiver, residuals, g_BLD):
+def _callback_tap_bwd(site_index, receiver, sample_rows, residuals, g_BLD):
   forward, step, layer = residuals
-  jax.debug.callback(receiver.receive, step, layer, site_index, _site_row(forward, g_BLD))
+  jax.debug.callback(receiver.receive, step, layer, site_index, _site_row(forward, g_BLD, sample_rows))
   return g_BLD, None, None  # step and layer are integers: no cotangents.
 
 
 _callback_tap.defvjp(_callback_tap_fwd, _callback_tap_bwd)
 
 
-def _callback_probe(receiver: Receiver, step: jax.Array) -> Probe:
+def _callback_probe(receiver: Receiver, step: jax.Array, sample_rows: int) -> Probe:
   step = jnp.asarray(step, jnp.int32)
-  return _probe_with(lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step, layer))
+  return _probe_with(
+    lambda site_index, x_BLD, layer: _callback_tap(site_index, receiver, x_BLD, step, layer, sample_rows)
+  )
 
 
 def value_and_grad(
@@ -205,6 +228,7 @@ def value_and_grad(
   receiver: Receiver | None = None,
   step: jax.Array | None = None,
   per_site: bool = True,
+  sample_rows: int = 0,
 ) -> tuple[jax.Array, Any, Moments]:
   """(loss, grads, moments): `jax.value_and_grad(lambda p: loss_fn(p, probe))(params)` plus the moments.
 
@@ -218,13 +242,17 @@ def value_and_grad(
   sends the whole table in one callback after the backward pass; `per_site=True` (the only safe
   choice on a mesh of several devices, where a callback after the scan can deadlock: README.md) sends
   each site's statistics from inside the layer scan, in the backward pass: 4 callbacks per layer.
+
+  `sample_rows` > 0 (instrument.sample_rows): the statistics of each site, max |x| aside, come from a
+  fixed sample of about that many of its (example, token) rows (`stats.take_rows`), and the weight
+  types' distribution statistics from about that many rows of each leaf (`stats.take_layer_rows`).
   """
   if receiver is not None and step is None:
     raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
   if receiver is None or not per_site:
     sink = jnp.zeros((stack_depth(params) + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
     loss, (grads, table) = jax.value_and_grad(
-      lambda params, sink: loss_fn(params, _sink_probe(sink)), argnums=(0, 1)
+      lambda params, sink: loss_fn(params, _sink_probe(sink, sample_rows)), argnums=(0, 1)
     )(params, sink)
     if receiver is None:
       moments = {'activations': table}
@@ -232,10 +260,12 @@ def value_and_grad(
       jax.debug.callback(receiver.receive_table, jnp.asarray(step, jnp.int32), table)
       moments = {}
   else:
-    loss, grads = jax.value_and_grad(lambda params: loss_fn(params, _callback_probe(receiver, step)))(params)
+    loss, grads = jax.value_and_grad(
+      lambda params: loss_fn(params, _callback_probe(receiver, step, sample_rows))
+    )(params)
     moments = {}
   if weights:
-    moments['weights'] = stats_lib.weight_grad_stats(*layer_trees(grads))
+    moments['weights'] = stats_lib.weight_grad_stats(*layer_trees(grads), sample_rows=sample_rows)
   return loss, grads, moments
 
 

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FORWARD_STATS = ('mean', 'var', 'corr_seq', 'corr_hidden', 'max_abs')
 GRAD_STATS = ('grad_var', 'grad_corr_seq')
@@ -45,7 +46,7 @@ class _Sums:
   L and of B·D terms rather than of B·L·D.
   """
 
-  def __init__(self, x_BLD: jax.Array, *, hidden_sums: bool = True):
+  def __init__(self, x_BLD: jax.Array, *, hidden_sums: bool = True, max_abs: bool = True):
     x_BLD = x_BLD.astype(jnp.float32)
     self.b, self.l, self.d = x_BLD.shape
     self.n = float(x_BLD.size)  # a float: see the module docstring, "Numerics"
@@ -53,7 +54,7 @@ class _Sums:
     self.sum_BL = x_BLD.sum(2) if hidden_sums else None  # over hidden units
     self.sum = self.sum_BD.sum()
     self.sum_sq = (x_BLD * x_BLD).sum(1).sum()
-    self.max_abs = jnp.abs(x_BLD).max()
+    self.max_abs = jnp.abs(x_BLD).max() if max_abs else None
 
   @property
   def mean(self) -> jax.Array:
@@ -81,22 +82,90 @@ def _safe_ratio(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-def forward_stats(x_BLD: jax.Array) -> dict[str, jax.Array]:
-  """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D)."""
-  s = _Sums(x_BLD)
+def forward_stats(x_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
+  """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D).
+
+  `sample_rows` > 0: all but max |x| from the fixed subset of rows `take_rows` picks; max |x| stays
+  the whole tensor's (a sample's maximum underestimates it, and the stability monitor's growth and
+  bound flags read it)."""
+  if not sample_rows:
+    s = _Sums(x_BLD)
+    max_abs = s.max_abs
+  else:
+    s = _Sums(take_rows(x_BLD, sample_rows), max_abs=False)
+    max_abs = jnp.abs(x_BLD.astype(jnp.float32)).max()
   return {
     'mean': s.mean,
     'var': s.var,
     'corr_seq': s.pair_corr(s.sum_BD, s.l),
     'corr_hidden': s.pair_corr(s.sum_BL, s.d),
-    'max_abs': s.max_abs,
+    'max_abs': max_abs,
   }
 
 
-def grad_stats(g_BLD: jax.Array) -> dict[str, jax.Array]:
-  """Variance and token correlation (r^l) of the loss gradient w.r.t. an activation tensor (B, L, D)."""
-  s = _Sums(g_BLD, hidden_sums=False)
+def grad_stats(g_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
+  """Variance and token correlation (r^l) of the loss gradient w.r.t. an activation tensor (B, L, D),
+  from the rows `take_rows` picks with `sample_rows` > 0 (the same rows as the activation's)."""
+  s = _Sums(take_rows(g_BLD, sample_rows), hidden_sums=False, max_abs=False)
   return {'grad_var': s.var, 'grad_corr_seq': s.pair_corr(s.sum_BD, s.l)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Row samples (instrument.sample_rows).
+# ------------------------------------------------------------------------------------------------
+
+# The sample is a function of the tensor's shape alone: drawn once, from this seed, at trace time, and
+# the same at every step, in every layer and site of that shape, and for an activation and its gradient.
+SAMPLE_SEED = 0
+
+
+@functools.cache
+def _sampled_positions(rows: int, positions: int, count: int) -> np.ndarray:
+  """(rows, count) int32: for each row, `count` distinct positions of `positions`, sorted, from
+  SAMPLE_SEED. Each row's set is a uniform random subset, and the rows are drawn in groups of
+  positions // count that split one random permutation of the positions between them: within a group
+  every position is taken at most once, and over rows·count ≥ positions every position is taken
+  (nearly) equally often. A statistic that one position dominates (the first token's gradient in a
+  causal model) is then sampled at that position's true weight, where independent draws per row would
+  take it a random number of times."""
+  rng = np.random.default_rng([SAMPLE_SEED, rows, positions, count])
+  group = positions // count
+  out = np.empty((rows, count), np.int32)
+  for start in range(0, rows, group):
+    permutation = rng.permutation(positions)
+    for k, row in enumerate(range(start, min(start + group, rows))):
+      out[row] = np.sort(permutation[k * count : (k + 1) * count])
+  return out
+
+
+def _take_along_1(x: jax.Array, count: int) -> jax.Array:
+  """x (R, P, C) → (R, count, C): the `_sampled_positions` of axis 1, row by row (a gather whose row
+  axis is a batching axis, so a mesh that splits it gathers on each device its own rows)."""
+  index = _sampled_positions(x.shape[0], x.shape[1], count)
+  return jnp.take_along_axis(x, jnp.asarray(index)[:, :, None], axis=1)
+
+
+def sample_positions_per_example(batch: int, seq_len: int, sample_rows: int) -> int:
+  """Token positions `take_rows` keeps in each example: sample_rows / batch, at least 2 (a pair for
+  corr_seq), at most seq_len (then the whole tensor). sample_rows 0: all."""
+  if not sample_rows:
+    return seq_len
+  return min(seq_len, max(2, sample_rows // batch))
+
+
+def take_rows(x_BLD: jax.Array, sample_rows: int) -> jax.Array:
+  """About `sample_rows` (b, t) rows of x (B, L, D), as (B, K, D): every example keeps K =
+  `sample_positions_per_example` of its token positions, a fixed random subset of its own, the subsets
+  balanced over the positions (`_sampled_positions`).
+
+  All examples of the batch contribute (so on a mesh every device's shard of the batch does, and no
+  example's shift dominates), with whole rows of D (corr_hidden, r^d, needs them). corr_seq (r^l)
+  averages over pairs of distinct sampled positions of one example: each example's subset is uniform,
+  so every pair t ≠ t' is equally likely and the expectation is the whole tensor's. x itself for
+  sample_rows 0 or K = L."""
+  b, l, _ = x_BLD.shape
+  count = sample_positions_per_example(b, l, sample_rows)
+  return x_BLD if count >= l else _take_along_1(x_BLD, count)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,16 +309,34 @@ def distribution_stats(g: jax.Array | Sequence[jax.Array]) -> dict[str, jax.Arra
   return out
 
 
-def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[str, jax.Array]]:
+def take_layer_rows(leaf: jax.Array, rows_per_layer: int) -> jax.Array:
+  """A fixed sample of a (layers, ..., C) weight(-gradient) leaf's rows, `rows_per_layer` of each layer's
+  rows of C entries (the leaf viewed as (layers, R, C)), drawn once per layer (`_sampled_positions`):
+  every layer contributes its share, whatever its gradient's scale. The leaf itself for 0, for as many
+  rows as it has, and for a leaf of one row per layer (a norm's gain)."""
+  if not rows_per_layer or leaf.ndim < 3:
+    return leaf
+  view = leaf.reshape(leaf.shape[0], -1, leaf.shape[-1])
+  return leaf if rows_per_layer >= view.shape[1] else _take_along_1(view, rows_per_layer)
+
+
+def weight_grad_stats(
+  layer_grads: Any, stacked: bool = True, sample_rows: int = 0
+) -> dict[str, dict[str, jax.Array]]:
   """Gradient statistics of the block parameters, per weight type.
 
   `layer_grads` is the gradient of the layer stack (leaves of shape (depth, ...)), or with
   `stacked=False` a sequence of per-layer gradient trees (layers of different widths, e.g. a
   concatenation residual). Returns {weight_type: {'grad_norm': (depth,) per-layer norms,
   **distribution_stats (scalars)}}, all float32 whatever the gradients' dtype.
+
+  `sample_rows` > 0: the distribution statistics of each leaf read about `sample_rows` of its rows,
+  spread evenly over the layers (`take_layer_rows`); the per-layer norms stay exact.
   """
   per_layer = [layer_grads] if stacked else [jax.tree.map(lambda x: x[None], t) for t in layer_grads]
   groups = [group_layer_grads(tree) for tree in per_layer]
+  num_layers = sum(jax.tree.leaves(tree)[0].shape[0] for tree in per_layer)
+  rows_per_layer = max(1, sample_rows // num_layers) if sample_rows else 0
   out = {}
   for kind in groups[0]:
     leaves = [leaf for g in groups for leaf in g[kind]]
@@ -259,5 +346,6 @@ def weight_grad_stats(layer_grads: Any, stacked: bool = True) -> dict[str, dict[
         for g in groups
       ]
     )
-    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(leaves)}
+    sampled = [take_layer_rows(leaf, rows_per_layer) for leaf in leaves]
+    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(sampled)}
   return out

@@ -52,7 +52,8 @@ def make_train_step(config, setup: state_lib.TrainSetup, mesh, state_shardings, 
   state on its shardings (donated), the batch split over data × fsdp and the metrics replicated. Trace
   and run it inside `sharding.use_mesh(mesh)`: the model lays out its activations by the mesh and the
   logical axis rules it finds there (without them it constrains nothing).
-  `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver, moments_per_site)."""
+  `step_kwargs` go to `step.make_train_step` (instrument, moments_receiver, moments_per_site,
+  moments_sample_rows)."""
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = sharded_loss(step_lib.LOSSES[config.model.name], mesh)
   step_fn = step_lib.make_train_step(
@@ -407,7 +408,12 @@ def _compile_steps(run: Run, model: Model, state, batch, moments) -> Steps:
     # there each probe site sends its own statistics; on one device the step sends its table once.
     instrumented, _ = compiled(
       'instrumented train step',
-      jit_train_step(instrument=True, moments_receiver=receiver, moments_per_site=mesh.size > 1),
+      jit_train_step(
+        instrument=True,
+        moments_receiver=receiver,
+        moments_per_site=mesh.size > 1,
+        moments_sample_rows=config.instrument.sample_rows,
+      ),
     )
   return Steps(
     train=train_step,
@@ -543,7 +549,7 @@ class Training:
     replay = (
       self.steps.instrumented
       if self.config.instrument.delivery == 'return'
-      else self.steps.jit_train_step(instrument=True)
+      else self.steps.jit_train_step(instrument=True, moments_sample_rows=self.config.instrument.sample_rows)
     )
     _, replayed = jax.device_get(replay(state, batch))
     return instrument_lib.first_nonfinite(replayed['moments'])

@@ -194,13 +194,15 @@ def make_train_step(
   moments_per_site: bool = True,
   on_nonfinite: str = 'stop',
   microbatches: int = 1,
+  moments_sample_rows: int = 0,
 ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
   as metrics['moments']; the default step computes none of it. With a `moments_receiver`
   (instrument.delivery='callback', e.g. a `Collector`) the per-site statistics go to it by
   `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics:
   one callback per probe site, or with `moments_per_site=False` (a step on one device) one per step
-  (`dsjax.instrument.value_and_grad`).
+  (`dsjax.instrument.value_and_grad`). `moments_sample_rows` > 0 (instrument.sample_rows): the statistics
+  from a fixed sample of rows of each probed tensor and weight-gradient leaf (`value_and_grad` again).
   `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`).
 
   `microbatches` > 1 (gradient accumulation): the batch is split on axis 0 (`split_microbatches`), the
@@ -223,6 +225,7 @@ def make_train_step(
         receiver=moments_receiver,
         step=state['step'] + 1,
         per_site=moments_per_site,
+        sample_rows=moments_sample_rows,
       )
       if instrument
       else None

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU measurements of the speed work in one call of at most ~8 minutes, each new form side by side with
+# the previous code on the same machine: the plain ops against `model.fused_ops=pallas`, the whole-tensor
+# instrumentation against `instrument.sample_rows`, and the per-step callback delivery. Rows run in order
+# of importance; a row that would start after BUDGET seconds (default 420) is skipped and named, so the
+# call ends in time. Every JSON goes to OUTDIR under the name benchmarks/README.md cites (PREFIX, default
+# h100, in place of the device). `benchmarks/gpu_table.sh` re-runs the whole table (longer than 8 minutes).
+#
+#   benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]
+#
+# Run from the repository root where jax sees the GPU (see benchmarks/gpu_wheels.sh for an image without
+# network access). Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
+set -uo pipefail
+if [[ $# -lt 1 || $# -gt 3 ]]; then
+  echo "usage: benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]" >&2; exit 2
+fi
+out=$1 prefix=${2:-h100} budget=${3:-420}
+if [[ -e $out && ! -d $out ]]; then
+  echo "OUTDIR: $out exists and is not a directory" >&2; exit 2
+fi
+mkdir -p "$out"
+sample_rows=${SAMPLE_ROWS:-1024}
+skipped=()
+
+row() {  # row NAME COMMAND...: one measurement, unless the budget is spent
+  local name=$1; shift
+  if (( SECONDS > budget )); then skipped+=("$name"); echo "=== ${prefix}_$name: skipped (${SECONDS}s)"; return; fi
+  echo "=== ${prefix}_$name (${SECONDS}s): $*"
+  "$@" || echo "=== ${prefix}_$name FAILED (status $?)"
+}
+bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${prefix}_NAME.json
+  local name=$1; shift
+  row "$name" python -m dsjax.bench "$@" --steps=20 --json="$out/${prefix}_$name.json"
+}
+gpt2=(--config=configs/gpt2_small.py)
+vit=(--config=configs/vit_b16.py)
+deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=192
+      --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
+fused=(--config.model.fused_ops=pallas)
+sampled=(--config.instrument.sample_rows=$sample_rows)
+
+bench gpt2_small_b16 "${gpt2[@]}" --instrument=off,return
+bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
+  --profile="$out/profile_gpt2_small_fused_ops"
+bench gpt2_small_b16_sampled "${gpt2[@]}" "${sampled[@]}" --instrument=return
+bench gpt_192x256 "${deep[@]}" --instrument=off,return
+bench gpt_192x256_sampled "${deep[@]}" "${sampled[@]}" --instrument=return
+bench vit_b16_b128 "${vit[@]}" --instrument=off
+bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
+row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
+  --set=model.depth=192 --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
+  --set=batch_size=16 --set=model.scan_unroll=1 --rounds=10 \
+  --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
+bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
+bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32
+bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=return
+
+echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}"
