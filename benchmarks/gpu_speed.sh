@@ -37,22 +37,20 @@ vit=(--config=configs/vit_b16.py)
 deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=192
       --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
 fused=(--config.model.fused_ops=pallas)
-sampled=(--config.instrument.sample_rows=$sample_rows)
+sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
 
-bench gpt2_small_b16 "${gpt2[@]}" --instrument=off,return
+bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
-bench gpt2_small_b16_sampled "${gpt2[@]}" "${sampled[@]}" --instrument=return
-bench gpt_192x256 "${deep[@]}" --instrument=off,return
-bench gpt_192x256_sampled "${deep[@]}" "${sampled[@]}" --instrument=return
+bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench vit_b16_b128 "${vit[@]}" --instrument=off
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=192 --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
-  --set=batch_size=16 --set=model.scan_unroll=1 --rounds=10 \
+  --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=10 \
   --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
 bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
 bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32
-bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=return
+bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
 
 echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}"
