@@ -181,7 +181,7 @@ def sweep_splits(base, given: dict[str, str | None]) -> dict[str, str]:
 
 # How a model is computed, not what it computes (the fast forms are tested against the plain math): a
 # sweep may resume with another, e.g. model.attention='xla' where cuDNN's kernel failed on a machine.
-IMPLEMENTATION_KEYS = ('attention', 'remat', 'scan_layers', 'scan_unroll')
+IMPLEMENTATION_KEYS = ('attention', 'fused_ops', 'remat', 'scan_layers', 'scan_unroll')
 
 
 def identity(base, arms: list[Arm], lrs, seeds, splits) -> dict[str, Any]:
@@ -341,6 +341,19 @@ def _scores(records: dict[float, dict]) -> dict[float, list[float]]:
   }
 
 
+def lr_to_extend(lrs, done: dict[float, dict], max_extend: int) -> float | None:
+  """The lr the protocol trains next beyond the grid's edge, given the finished lrs `done`; None when
+  the best is inside (or the extensions are spent)."""
+  best = protocol.select(protocol.lr_means(_scores(done)))
+  return protocol.next_lr(lrs, done, best, max_extend)
+
+
+def arm_finished(out: str, arm: str, lrs, max_extend: int) -> bool:
+  """Whether OUT holds every lr of the arm's grid and every extension the protocol asks for."""
+  done = finished_lrs(out, arm)
+  return all(lr in done for lr in lrs) and lr_to_extend(lrs, done, max_extend) is None
+
+
 def run_arm(out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progress) -> dict[float, dict]:
   """The arm's records by lr once its grid is trained and extended as far as the protocol asks."""
   done = finished_lrs(out, arm.name)
@@ -353,10 +366,10 @@ def run_arm(out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progr
     train_lrs(out, base, arm, todo, seeds, splits, progress)
   while True:
     done = finished_lrs(out, arm.name)
-    best = protocol.select(protocol.lr_means(_scores(done)))
-    beyond = protocol.next_lr(lrs, done, best, max_extend)
+    beyond = lr_to_extend(lrs, done, max_extend)
     if beyond is None:
       return done
+    best = protocol.select(protocol.lr_means(_scores(done)))
     logging.info(
       'arm %s: best lr %.3g is at the edge of %s; training lr %.3g', arm.name, best, _lrs(done), beyond
     )

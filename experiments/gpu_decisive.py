@@ -1,30 +1,33 @@
-r"""The papers' headline claims at ≥ 20 tokens per parameter, on one GPU, in one resumable command.
+r"""The papers' headline claims at ≥ 20 tokens per non-embedding parameter, on one GPU, resumable.
 
-  python experiments/gpu_decisive.py --out=experiments/results/gpu_decisive --budget_s=420
+  python experiments/gpu_decisive.py --out=experiments/results/gpu_decisive --budget_s=400
 
 (a) DSLM at constant N·d² (Kedia et al. 2024, arXiv:2403.09635, Table 4 for BERT, Table 8 for GPT): GPTs
 of 4×128, 16×64 and 64×32 (N·d² = 65,536; ~0.8M non-embedding parameters), each with four arms —
-vanilla and DSLM, Post-LN and Pre-LN — at 4 peak lrs × 3 seeds.
-(b) DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): an 8×128 GPT (~1.6M non-embedding
-parameters), Pre-Norm (S1) against DNT (S5), with AdamW and with mSGDW, at 4 peak lrs × 3 seeds.
+vanilla and DSLM, Post-LN and Pre-LN — at 5 peak lrs × 3 seeds.
+(b) DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): a 4×128 GPT, Pre-Norm (S1) against DNT (S5),
+with AdamW and with mSGDW, at 4 peak lrs × 3 seeds.
 
-Every sweep is a `python -m dsjax.sweep` (docs/sweeps.md) on `python_stdlib` with a 4,096-token BPE
-tokenizer trained first (OUT/tokenizer); the configs and the papers' settings they follow are in
-experiments/configs/gpu_stdlib.py. Order: the depth sweeps first (4×128, 64×32, 16×64), then DNT's.
+Every sweep is a `python -m dsjax.sweep` (docs/sweeps.md) with a 4,096-token BPE tokenizer trained first
+(OUT/tokenizer); the configs and the papers' settings they follow are in experiments/configs/gpu_stdlib.py.
+Order: the depth sweeps first (4×128, 64×32, 16×64), then DNT's. The corpus is `python_stdlib`, or — so
+that a machine with another Python trains on the same text — the library of the Python that packed it
+(`experiments/gpu_corpus.py`, then `--data='text:DIR/**/*.py'`: the same documents, splits and hash).
 
 Resumable: every finished (arm, lr) is kept under OUT/<sweep>/ (dsjax.sweep's own resumption), so a
-command cut off — or stopped by `--budget_s` before an arm its measured speed says would not fit —
-continues where it stopped when rerun with the same OUT, on this machine or another one of the same
-Python (the corpus is the running Python's standard library; a different one is refused). It prints the
-plan (members × tokens of every sweep, model FLOPs) first, then each arm's measured tokens/s and the
-projected time of what is left. Outputs:
+command cut off — or stopped by `--budget_s` before an arm that its sweep's measured speed says would not
+fit — continues where it stopped when rerun with the same OUT, here or on another machine with the same
+corpus (a tokenizer of another corpus is refused). It prints the plan (members × tokens of every sweep,
+model FLOPs) first, then for each arm its measured member-tokens/s and the projected time of what is
+left. A sweep that fails (e.g. out of memory) is recorded and the next one runs. Outputs:
   OUT/plan.json                  parameters, tokens per parameter (embeddings included and not), epochs
-  OUT/<sweep>/trained_<arm>.json device kind, jax version, date, commit, seconds and tokens/s of an arm
+  OUT/<sweep>/trained_<arm>.json per call that trained the arm: device kind, jax version, date, commit,
+                                 attention implementation and dtype, seconds, member-tokens/s
   OUT/<sweep>/{results.json, summary.md, lr_curves.png, arms/}   dsjax.sweep's outputs
-  OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals and verdicts (when all
-                                      sweeps have finished; the part finished so far otherwise)
-On a GPU machine whose image lacks some of dsjax's dependencies, see experiments/README.md ("On a GPU")
-for the command that installs them from wheels and brings OUT back. `--tiny` runs every sweep at a tiny
+  OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals and verdicts (for the
+                                      sweeps finished so far)
+`experiments/gpu_decisive_device.sh` is the command for a GPU machine (dependencies from wheels, the
+packed corpus, a time limit, the outputs packed for the trip back). `--tiny` runs every sweep at a tiny
 size on the CPU (tests/test_gpu_decisive.py).
 """
 
@@ -53,6 +56,8 @@ from dsjax import bench, sweep  # noqa: E402
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import tokenizer as tokenizer_cli  # noqa: E402
 from dsjax.data import corpus as corpus_lib  # noqa: E402
+from dsjax.models import config as model_config  # noqa: E402
+from dsjax.models.transformer import REMAT_POLICIES  # noqa: E402
 from dsjax.train import cli, protocol  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
 from dsjax.train import state as state_lib  # noqa: E402
@@ -70,7 +75,16 @@ def _define_flags():
   flags.DEFINE_string(
     'data',
     'python_stdlib',
-    "The corpus (data.name): 'python_stdlib', or 'text:GLOB' for a check on other text.",
+    "The corpus (data.name): 'python_stdlib', or 'text:GLOB' (a packed library, or other text).",
+  )
+  flags.DEFINE_enum(
+    'attention',
+    'auto',
+    ['auto', 'xla', 'plain', 'cudnn'],
+    "model.attention of every sweep ('auto': cuDNN's kernel on a GPU; 'xla' where that fails).",
+  )
+  flags.DEFINE_enum(
+    'remat', 'none', list(REMAT_POLICIES), "model.remat of every sweep (e.g. 'full' where memory runs out)."
   )
 
 
@@ -92,13 +106,19 @@ class Plan:
   baseline: str
 
 
+# Five lrs for the depth study (the DSLM paper searches lrs per model, deeper models wanting larger ones;
+# an extension beyond an edge is a population of its own, compiled again); DNT's grids are centred on the
+# CPU runs' optima (experiments/README.md §1).
+DEPTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 PLANS = (
-  Plan('depth_4x128', 'depth,4x128', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
-  Plan('depth_64x32', 'depth,64x32', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
-  Plan('depth_16x64', 'depth,16x64', DEPTH_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'vanilla_postln'),
-  Plan('dnt_adamw', 'dnt,adamw', DNT_ARMS, (3e-4, 1e-3, 3e-3, 1e-2), 'preln'),
+  Plan('depth_4x128', 'depth,4x128', DEPTH_ARMS, DEPTH_LRS, 'vanilla_postln'),
+  Plan('depth_64x32', 'depth,64x32', DEPTH_ARMS, DEPTH_LRS, 'vanilla_postln'),
+  Plan('depth_16x64', 'depth,16x64', DEPTH_ARMS, DEPTH_LRS, 'vanilla_postln'),
+  Plan('dnt_adamw', 'dnt,adamw', DNT_ARMS, (1e-3, 3e-3, 1e-2, 3e-2), 'preln'),
   Plan('dnt_msgdw', 'dnt,msgdw', DNT_ARMS, (0.03, 0.1, 0.3, 1.0), 'preln'),
 )
+MAX_EXTEND = 2
+ESTIMATE_MARGIN = 1.3  # an arm's projected time × this must fit what is left of the budget
 SEEDS = (0, 1, 2)
 TINY = {'depth': 3, 'width': 32, 'heads': 2, 'steps': 4, 'batch': 4, 'seq_len': 32, 'vocab': 300}
 
@@ -116,10 +136,10 @@ def tiny(config):
   return c
 
 
-def base_config(plan: Plan, data_name: str, tokenizer: str, is_tiny: bool, attention: str = 'auto'):
+def base_config(plan: Plan, data_name: str, tokenizer: str, is_tiny: bool, attention='auto', remat='none'):
   c = configs.get_config(plan.config_arg)
   c.data.name, c.data.tokenizer = data_name, tokenizer
-  c.model.attention = attention
+  c.model.attention, c.model.remat = attention, remat
   return tiny(c) if is_tiny else c
 
 
@@ -252,18 +272,52 @@ def plan_table(rows: list[dict]) -> list[str]:
 
 
 class Clock:
-  """Measured model FLOP/s of the arms trained so far (this machine, this process), to decide whether
-  the next arm fits the budget."""
+  """The budget, and the measured speed of the arms trained on this kind of device (model FLOP/s,
+  compilation and evaluation included), by sweep — in this call, and in earlier calls as their
+  `trained_<arm>.json` recorded it. An arm's time is projected from its own sweep's slowest arm, else
+  from the slowest arm of any sweep, times `ESTIMATE_MARGIN`; with no arm measured yet, it is unknown."""
 
-  def __init__(self, budget_s: float):
-    self.start, self.budget_s = time.time(), budget_s
-    self.rates: list[float] = []
+  def __init__(self, budget_s: float, device_kind: str):
+    self.start, self.budget_s, self.device_kind = time.time(), budget_s, device_kind
+    self.rates: dict[str, list[float]] = {}
+    self.remaining: dict[tuple[str, str], float] = {}  # (sweep, arm) -> model FLOPs still to train
+
+  def load(self, out: str) -> None:
+    for plan in PLANS:
+      for record in trained_records(os.path.join(out, plan.name)):
+        if record['device_kind'] == self.device_kind:
+          self.add(plan.name, record['model_tflops_per_s'] * 1e12)
+
+  def add(self, sweep_name: str, rate: float) -> None:
+    self.rates.setdefault(sweep_name, []).append(rate)
 
   def left(self) -> float:
     return self.budget_s - (time.time() - self.start) if self.budget_s else math.inf
 
-  def estimate(self, flops: float) -> float | None:
-    return flops / min(self.rates) if self.rates else None  # the slowest arm so far: on the safe side
+  def estimate(self, sweep_name: str, flops: float) -> float | None:
+    rates = self.rates.get(sweep_name) or [r for rs in self.rates.values() for r in rs]
+    return ESTIMATE_MARGIN * flops / min(rates) if rates else None
+
+  def projection(self) -> str:
+    times = [self.estimate(name, flops) for (name, _), flops in self.remaining.items()]
+    if not times:
+      return 'nothing left to train'
+    known = sum(t for t in times if t is not None)
+    unknown = sum(t is None for t in times)
+    left = f'{self.left():.0f}s' if self.budget_s else 'no budget'
+    return (
+      f'left: {len(times)} arms, ~{known:.0f}s at the measured speeds'
+      + (f' (+{unknown} of unknown speed)' if unknown else '')
+      + f'; {left} of the budget'
+    )
+
+
+def trained_records(sweep_dir: str) -> list[dict]:
+  records = []
+  for name in sorted(os.listdir(sweep_dir)) if os.path.isdir(sweep_dir) else []:
+    if name.startswith('trained_') and name.endswith('.json'):
+      records += read_json(os.path.join(sweep_dir, name))
+  return records
 
 
 def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
@@ -284,47 +338,52 @@ def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
   return dataclasses.replace(checked, command=command)
 
 
+def arm_flops(plan: Plan, size: dict) -> float:
+  return size['flops'] / len(plan.arms)
+
+
 def run_sweep(plan: Plan, checked: sweep.Plan, size: dict, clock: Clock, where: dict) -> bool:
   """Runs the sweep's unfinished arms while they fit the budget; True when every arm has finished."""
-  arm_flops = size['flops'] / len(plan.arms)
-  started: dict[str, float] = {}
+  started: dict[str, tuple[float, set[float]]] = {}  # arm -> (start time, lrs finished before)
 
   def stop_before(arm) -> bool:
-    previous = [name for name in started if name != arm.name]
-    for name in previous:  # the arm before this one has just finished: record it
+    for name in [n for n in started if n != arm.name]:  # the arm before this one has just finished
       finish_arm(name)
-    if len(sweep.finished_lrs(checked.out, arm.name)) >= len(plan.lrs):
-      return False  # finished earlier: nothing to train (its extensions, if any, were trained too)
-    need = clock.estimate(arm_flops)
-    if need is not None and need > clock.left():
-      print(
-        f'{plan.name}/{arm.name}: needs ~{need:.0f}s, {clock.left():.0f}s left: stopping here', flush=True
-      )
+    if sweep.arm_finished(checked.out, arm.name, checked.lrs, checked.max_extend):
+      return False  # finished in an earlier call: nothing to train
+    need, left = clock.estimate(plan.name, arm_flops(plan, size)), clock.left()
+    if need is not None and need > left:
+      print(f'{plan.name}/{arm.name}: needs ~{need:.0f}s, {left:.0f}s left: stopping here', flush=True)
       return True
-    started[arm.name] = time.time()
-    print(f'{plan.name}/{arm.name}: training ({"~%.0fs" % need if need else "first arm: speed unknown"})')
+    started[arm.name] = (time.time(), set(sweep.finished_lrs(checked.out, arm.name)))
+    guess = f'~{need:.0f}s' if need is not None else 'speed not measured yet'
+    print(f'{plan.name}/{arm.name}: training ({guess})', flush=True)
     return False
 
   def finish_arm(name: str) -> None:
-    seconds = time.time() - started.pop(name)
-    records = sweep.finished_lrs(checked.out, name)
-    member_tokens = size['tokens_per_member'] * sum(len(r['members']) for r in records.values())
-    # Extensions beyond the grid train more members than planned: count what was trained.
+    start, before = started.pop(name)
+    seconds = time.time() - start
+    new = [r for lr, r in sweep.finished_lrs(checked.out, name).items() if lr not in before]
+    member_tokens = size['tokens_per_member'] * sum(len(r['members']) for r in new)  # extensions too
     flops = size['flops_per_token'] * member_tokens
-    clock.rates.append(flops / seconds)
+    clock.add(plan.name, flops / seconds)
+    clock.remaining.pop((plan.name, name), None)
     record = dict(
       where,
       sweep=plan.name,
       arm=name,
+      lrs_trained=sorted(r['lr'] for r in new),
       seconds=seconds,
       member_tokens=member_tokens,
       tokens_per_s=member_tokens / seconds,
       model_tflops_per_s=flops / seconds / 1e12,
     )
-    write_json(os.path.join(checked.out, f'trained_{name}.json'), record)
+    path = os.path.join(checked.out, f'trained_{name}.json')
+    write_json(path, (read_json(path) if os.path.exists(path) else []) + [record])  # one per call
     print(
       f'{plan.name}/{name}: {seconds:.0f}s, {member_tokens / seconds:,.0f} member-tokens/s '
-      f'({flops / seconds / 1e12:.3g} model TFLOP/s, compilation and evaluation included)',
+      f'({flops / seconds / 1e12:.3g} model TFLOP/s, compilation and evaluation included); '
+      + clock.projection(),
       flush=True,
     )
 
@@ -412,7 +471,14 @@ CLAIMS = [
 ]
 
 
+def diverged_at_selected_lr(arm: dict) -> int:
+  return sum(m['diverged'] for m in arm['members'] if m['lr'] == arm['selected_lr'])
+
+
 def claim_rows(results: dict[str, dict]) -> list[dict]:
+  """Each claim whose arms have all finished: the contrast with its 95% interval and the verdict. An arm
+  whose lr is UNSETTLED, or with diverged seeds at its selected lr (reported from their last finite
+  state), is named beside the verdict."""
   rows = []
   for label, terms, sign, source in CLAIMS:
     arms = [results.get(s, {}).get(a) for _, s, a in terms]
@@ -422,13 +488,25 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
     interval = protocol.contrast_interval(groups, [w for w, _, _ in terms])
     if interval is None:  # fewer than two seeds
       continue
-    unsettled = [f'{s}/{a}' for (_, s, a), arm in zip(terms, arms) if not arm['settled']]
-    # A penalty the paper says is ~0 (DNT's) is judged by whether the interval holds zero.
-    if sign == 0:
-      judged = 'consistent with 0' if interval['low'] <= 0 <= interval['high'] else 'not 0'
+    if sign == 0:  # a difference the paper says is about 0 (DNT's mSGDW penalty)
+      finite = math.isfinite(interval['low']) and math.isfinite(interval['high'])
+      judged = (
+        'not resolved'
+        if not finite
+        else 'consistent with 0'
+        if interval['low'] <= 0 <= interval['high']
+        else 'not 0'
+      )
     else:
       judged = verdict(interval, sign)
-    rows.append(dict(label=label, source=source, unsettled=unsettled, verdict=judged, **interval))
+    names = [f'{s}/{a}' for _, s, a in terms]
+    unsettled = [n for n, arm in zip(names, arms) if not arm['settled']]
+    diverged = {
+      n: diverged_at_selected_lr(arm) for n, arm in zip(names, arms) if diverged_at_selected_lr(arm)
+    }
+    rows.append(
+      dict(label=label, source=source, unsettled=unsettled, diverged=diverged, verdict=judged, **interval)
+    )
   return rows
 
 
@@ -486,7 +564,9 @@ def summary_markdown(plan_rows, arms, claims, where) -> str:
     '|---|---|---|---|',
   ]
   for c in claims:
-    note = f' (UNSETTLED: {", ".join(c["unsettled"])})' if c['unsettled'] else ''
+    notes = [f'UNSETTLED: {", ".join(c["unsettled"])}'] if c['unsettled'] else []
+    notes += [f'diverged seeds at the selected lr: {n} of {k}' for k, n in c['diverged'].items()]
+    note = f' ({"; ".join(notes)})' if notes else ''
     lines.append(
       f'| {c["label"]} | {c["source"]} | {c["difference"]:+.4f} [{c["low"]:+.4f}, {c["high"]:+.4f}] | '
       f'{c["verdict"]}{note} |'
@@ -511,7 +591,6 @@ def main(argv):
     raise ValueError(f'--budget_s must be >= 0, got {args.budget_s}')
   cli.check_output_dir('--out', out)
   to_train = [p for p in PLANS if not args.only or p.name in args.only]
-  clock = Clock(args.budget_s)
   where = machine()
   print(
     f'{where["device_kind"]} ({where["platform"]}), jax {where["jax"]}, commit {where["commit"]}', flush=True
@@ -520,7 +599,9 @@ def main(argv):
   cli.create_output_dir('--out', out)
   vocab = TINY['vocab'] if args.tiny else configs.VOCAB_SIZE
   tokenizer = ensure_tokenizer(out, args.data, vocab)
-  config_of = {p.name: base_config(p, args.data, tokenizer, args.tiny, args.attention) for p in PLANS}
+  config_of = {
+    p.name: base_config(p, args.data, tokenizer, args.tiny, args.attention, args.remat) for p in PLANS
+  }
   corpus_tokens = train_tokens(config_of[PLANS[0].name])
   plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
@@ -530,23 +611,56 @@ def main(argv):
   if args.plan_only:
     return
 
-  max_extend = 0 if args.tiny else 2
+  max_extend = 0 if args.tiny else MAX_EXTEND
   checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in to_train}  # all, first
-  complete = True
+  clock = Clock(args.budget_s, where['device_kind'])
+  clock.load(out)
   for p in to_train:
-    if not run_sweep(p, checked[p.name], sizes_by_sweep[p.name], clock, where):
-      complete = False
+    for arm in checked[p.name].arms:
+      if not sweep.arm_finished(checked[p.name].out, arm.name, checked[p.name].lrs, max_extend):
+        clock.remaining[(p.name, arm.name)] = arm_flops(p, sizes_by_sweep[p.name])
+  print(clock.projection(), flush=True)
+
+  stopped, failures = False, []
+  for p in to_train:
+    try:
+      finished = run_sweep(
+        p, checked[p.name], sizes_by_sweep[p.name], clock, sweep_machine(where, config_of[p.name])
+      )
+    except Exception as e:  # noqa: BLE001  (one sweep's failure, e.g. out of memory, must not cost the others)
+      failures.append(dict(where, sweep=p.name, error=f'{type(e).__name__}: {e}'[:4000]))
+      print(f'{p.name}: FAILED, going on with the next sweep: {failures[-1]["error"][:500]}', flush=True)
+      continue
+    if not finished:
+      stopped = True
       break
+  if failures:
+    path = os.path.join(out, 'failures.json')
+    write_json(path, (read_json(path) if os.path.exists(path) else []) + failures)
   results = load_results(out)
   arms, claims = arm_rows(results, sizes_by_sweep), claim_rows(results)
   write_json(
     os.path.join(out, 'decisive.json'), {'machine': where, 'plan': plan_rows, 'arms': arms, 'claims': claims}
   )
-  sweep.write_atomically(os.path.join(out, 'summary.md'), summary_markdown(plan_rows, arms, claims, where))
-  print(summary_markdown(plan_rows, arms, claims, where), flush=True)
-  print(
-    ('All sweeps finished.' if complete else 'Stopped within the budget; rerun the command to resume.'),
-    flush=True,
+  summary = summary_markdown(plan_rows, arms, claims, where)
+  sweep.write_atomically(os.path.join(out, 'summary.md'), summary)
+  print(summary, flush=True)
+  if stopped:
+    print('Stopped within the budget; rerun the command to resume.', flush=True)
+  elif failures:
+    print(f'Failed: {", ".join(f["sweep"] for f in failures)} (OUT/failures.json); the others finished.')
+  else:
+    print('All sweeps finished.', flush=True)
+
+
+def sweep_machine(where: dict, config) -> dict:
+  """The machine's record with how this sweep's model is computed on it."""
+  try:
+    attention = model_config.attention_implementation(config.model)
+  except ValueError as e:
+    attention = f'error: {e}'
+  return dict(
+    where, attention=attention, dtype=model_config.compute_dtype(config.model), remat=config.model.remat
   )
 
 

@@ -82,29 +82,45 @@ def test_bad_only_is_one_line_and_writes_nothing(tmp_path):
   assert not out.exists()
 
 
-@pytest.mark.slow  # ~80 s: a tokenizer, two arms of 12 tiny members each, trained in two calls
-def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
-  texts = tmp_path / 'texts'  # small modules of the standard library: a few seconds to tokenize
-  texts.mkdir()
+def _small_texts(directory):
+  """Small modules of the standard library: a corpus of a few hundred KB that tokenizes in seconds."""
+  directory.mkdir()
   stdlib = sysconfig.get_paths()['stdlib']
   for name in sorted(os.listdir(stdlib)):
     path = os.path.join(stdlib, name)
     if name.endswith('.py') and os.path.getsize(path) < 12_000:
-      shutil.copy(path, texts)
+      shutil.copy(path, directory)
+  return f'--data=text:{directory}/*.py'
+
+
+def test_the_plan_is_printed_and_written_first(tmp_path):
   out = tmp_path / 'out'
-  flags = ('--tiny', f'--data=text:{texts}/*.py', '--only=dnt_adamw')
+  result = _run(out, '--tiny', '--plan_only', _small_texts(tmp_path / 'texts'))
+  assert result.returncode == 0, result.stderr[-2000:]
+  plan = json.loads((out / 'plan.json').read_text())
+  assert [r['sweep'] for r in plan['sweeps']] == [p.name for p in gpu_decisive.PLANS]
+  assert '| depth_64x32 | 6×32 |' in result.stdout  # the tiny shapes
+  assert (out / 'tokenizer' / 'tokenizer.json').exists() and not (out / 'depth_4x128').exists()
+
+
+@pytest.mark.slow  # ~80 s: a tokenizer, two arms of 12 tiny members each, trained in two calls
+def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
+  out = tmp_path / 'out'
+  flags = ('--tiny', _small_texts(tmp_path / 'texts'), '--only=dnt_adamw')
 
   first = _run(out, *flags, '--budget_s=1')  # the first arm (speed unknown) runs, the second would not fit
   assert first.returncode == 0, first.stderr[-2000:]
   assert 'Stopped within the budget' in first.stdout
   assert os.listdir(out / 'dnt_adamw' / 'arms') == ['preln']
-  trained = json.loads((out / 'dnt_adamw' / 'trained_preln.json').read_text())
+  [trained] = json.loads((out / 'dnt_adamw' / 'trained_preln.json').read_text())  # one record per call
   assert trained['device_kind'] and trained['commit'] and trained['tokens_per_s'] > 0
+  assert trained['attention'] == 'xla' and trained['dtype'] == 'float32'  # as resolved on the CPU
+  assert len(trained['lrs_trained']) == 4
 
   second = _run(out, *flags)
   assert second.returncode == 0, second.stderr[-2000:]
   assert 'All sweeps finished' in second.stdout
-  assert 'arm preln: lr 0.0003, 0.001, 0.003, 0.01 finished earlier, skipped' in second.stderr
+  assert 'arm preln: lr 0.001, 0.003, 0.01, 0.03 finished earlier, skipped' in second.stderr
   decisive = json.loads((out / 'decisive.json').read_text())
   assert [c['label'] for c in decisive['claims']] == ['DNT − Pre-LN, AdamW']
   assert {a['arm'] for a in decisive['arms']} == {'preln', 'dnt'}

@@ -16,7 +16,8 @@ weight N(0, 0.02²), the projections into the residual stream scaled by 1/sqrt(2
 'gpt2'`; the paper does not name the GPT baseline's init, and its BERT baseline, Table 14, is σ = 0.02
 without the scaling). Post-LN by default; the arms change `model.block` and `model.scheme`.
 
-`dnt,OPTIMIZER` — DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): an 8×128 GPT (4 heads), RMSNorm,
+`dnt,OPTIMIZER` — DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): a 4×128 GPT (4 heads; the
+largest that the GPU window leaves room for after the depth study), RMSNorm,
 `model.block='dnt'`, the base arm S1 (Pre-Norm) and the arm `model.dnt_setting=S5` (DNT), with AdamW
 (betas (0.9, 0.95), weight decay 0.1) or mSGDW (momentum 0.9, weight decay 1e-4), gradient clipping 1.0
 and cosine decay (Tables 3 and 5). Both optimizers warm up over the same first 5% of the steps: the
@@ -40,7 +41,7 @@ VOCAB_SIZE = 4096
 SEQ_LEN, BATCH = 256, 64
 TOKENS_PER_PARAM = 20
 HEAD_DIM = 16  # depth study: constant across shapes
-DNT_SHAPE = (8, 128, 4)  # depth, width, heads
+DNT_SHAPE = (4, 128, 4)  # depth, width, heads
 
 
 def non_embedding_params(depth: int, width: int, mlp_ratio: int = 4, norms_per_layer: int = 2) -> int:
