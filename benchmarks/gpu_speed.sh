@@ -8,8 +8,10 @@
 #
 #   benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]
 #
-# Run from the repository root where jax sees the GPU (see benchmarks/gpu_wheels.sh for an image without
-# network access). Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
+# Run from the repository root where jax sees the GPU; benchmarks/gpu_env.sh makes dsjax importable (from
+# the wheels of benchmarks/gpu_wheels.sh where the image lacks some). The output goes to OUTDIR/gpu_speed.log
+# too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
+# into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
 set -uo pipefail
 if [[ $# -lt 1 || $# -gt 3 ]]; then
   echo "usage: benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]" >&2; exit 2
@@ -19,6 +21,8 @@ if [[ -e $out && ! -d $out ]]; then
   echo "OUTDIR: $out exists and is not a directory" >&2; exit 2
 fi
 mkdir -p "$out"
+exec > >(tee -a "$out/gpu_speed.log") 2>&1
+source benchmarks/gpu_env.sh || exit 1
 sample_rows=${SAMPLE_ROWS:-1024}
 skipped=()
 
@@ -54,3 +58,7 @@ bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --con
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
 
 echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}"
+if [[ -n ${OUT:-} ]]; then
+  tar czf "$OUT/gpu_speed.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' -C "$(dirname "$out")" \
+    "$(basename "$out")" && echo "packed $out into $OUT/gpu_speed.tgz"
+fi
