@@ -618,7 +618,7 @@ def test_moments_cli_reads_a_checkpoint(tmp_path):
   with pytest.raises(
     ValueError,
     match=r'--checkpoint=\S+ holds a checkpoint .* another architecture.*'
-    r'model.depth: 2 → 3; pass the settings it was trained with',
+    r'model.depth: 2 → 3; pass the --config and --config.\* overrides it was trained with',
   ):
     moments.run(config, str(tmp_path / 'other'), num_batches=1, checkpoint=str(tmp_path / 'run'))
   config.model.depth = 2
