@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 import types
@@ -52,8 +53,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
 import gpu_stdlib as configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 
-from dsjax import bench, sweep  # noqa: E402
 from dsjax import data as data_lib  # noqa: E402
+from dsjax import sweep  # noqa: E402
 from dsjax import tokenizer as tokenizer_cli  # noqa: E402
 from dsjax.data import corpus as corpus_lib  # noqa: E402
 from dsjax.models import config as model_config  # noqa: E402
@@ -158,8 +159,19 @@ def machine() -> dict:
     'python': platform.python_version(),
     'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
     # A copy of the working tree without .git (a lent GPU machine) names its commit in DSJAX_COMMIT.
-    'commit': bench.source_commit() or os.environ.get('DSJAX_COMMIT', 'unknown'),
+    'commit': source_commit() or os.environ.get('DSJAX_COMMIT', 'unknown'),
   }
+
+
+def source_commit() -> str | None:
+  """The checkout's commit ('+dirty' with uncommitted changes to tracked files), or None without git."""
+  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
+  try:
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=root, capture_output=True, text=True, check=True)
+    dirty = subprocess.run(['git', 'status', '--porcelain', '-uno'], cwd=root, capture_output=True, text=True)
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head.stdout.strip() + ('+dirty' if dirty.stdout.strip() else '')
 
 
 def write_json(path: str, value) -> None:
@@ -196,18 +208,27 @@ def ensure_tokenizer(out: str, data_name: str, vocab_size: int) -> str:
   return path
 
 
+EMBEDDING_TABLES = ('token_embed', 'pos_embedding')
+
+
+def non_embedding_params(model) -> int:
+  """Parameters outside the embedding tables (the token table, tied, is also the output layer)."""
+  flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+  return sum(
+    math.prod(leaf.shape)
+    for path, leaf in flat
+    if not any(getattr(k, 'key', None) in EMBEDDING_TABLES for k in path)
+  )
+
+
 def param_counts(config) -> dict[str, int]:
   """Parameters of the model `config` builds: all, those outside the embedding tables, and the vocabulary."""
+  if not config.model.tie_embeddings:
+    raise ValueError('the GPU experiments count parameters of tied embeddings (model.tie_embeddings=True)')
   info = data_lib.dataset_info(config_lib.validate_config(config, num_devices=1).data)
   model = state_lib.make_setup(config, info).abstract_model
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  # matmul_params leaves out the looked-up tables, and so a tied output layer; an untied one is a matrix.
-  head = 0 if config.model.tie_embeddings else info.vocab_size * config.model.width
-  return {
-    'params': total,
-    'non_embedding_params': bench.matmul_params(model) - head,
-    'vocab_size': info.vocab_size,
-  }
+  return {'params': total, 'non_embedding_params': non_embedding_params(model), 'vocab_size': info.vocab_size}
 
 
 def train_tokens(config) -> int:
@@ -219,8 +240,9 @@ def train_tokens(config) -> int:
 
 
 def flops_per_token(config, counts) -> float:
-  """Training FLOPs per token: 6 per matmul parameter, the output layer included, and the attention's
-  12·N·d·L (PaLM's count, arXiv:2204.02311 App. B, as `dsjax.bench` counts)."""
+  """Training FLOPs per token: 6 per matmul parameter (norm gains and biases counted too, a rounding
+  error), the tied output layer included, and the attention's 12·N·d·L (PaLM's count, arXiv:2204.02311
+  App. B, as `dsjax.bench` counts)."""
   m = config.model
   head = m.width * counts['vocab_size']
   return 6 * (counts['non_embedding_params'] + head) + 12 * m.depth * m.width * config.data.seq_len

@@ -13,7 +13,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from dsjax import bench, schemes  # noqa: E402
+from dsjax import schemes  # noqa: E402
 from experiments import gpu_decisive  # noqa: E402
 from experiments.gpu_decisive import configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 from tests.helpers import TEXT_INFO  # noqa: E402
@@ -25,8 +25,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 def test_every_sweep_trains_20_tokens_per_non_embedding_parameter(plan):
   c = configs.get_config(plan.config_arg)
   model = nnx.eval_shape(lambda: schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None))
-  non_embedding = bench.matmul_params(model)  # tied embeddings: the looked-up table is left out
-  assert c.model.tie_embeddings
+  non_embedding = gpu_decisive.non_embedding_params(model)
+  assert (
+    c.model.tie_embeddings
+    and non_embedding >= configs.non_embedding_params(c.model.depth, c.model.width) - 1024
+  )
   tokens = c.total_steps * c.batch_size * c.data.seq_len
   assert tokens >= configs.TOKENS_PER_PARAM * non_embedding
   # 4,096-token BPE: python_stdlib's train split is ~8.5M tokens (docs/data.md): at most 4 epochs.
