@@ -5,8 +5,15 @@ from __future__ import annotations
 import pathlib
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
+from dsjax import schemes
+from dsjax.train import sharding as sharding_lib
+from dsjax.train import step as step_lib
 from dsjax.train.config import base_config
 
 # The repository's root: the working directory of the tests that run dsjax's commands.
@@ -63,3 +70,25 @@ def write_text_corpus(directory, num_files: int = 48, words_per_file: int = 200,
     text = ' '.join(rng.choice(_WORDS, words_per_file))
     (directory / f'file_{i:03d}.txt').write_text(text, encoding='utf-8')
   return directory
+
+
+def tiny_train_step(config, batch_size: int, **step_options):
+  """The train step of `config`'s GPT on `TEXT_INFO` by `step.make_train_step` (SGD at 0.1, language
+  model loss, seed 0, `step_options` passed on), its initial state, a batch of random tokens of
+  `config.data.seq_len` + 1, and the model's logical axes (for sharded runs)."""
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+  tx = optax.sgd(0.1)
+  state = {
+    'params': params,
+    'rest': rest,
+    'opt_state': tx.init(params),
+    'step': jnp.zeros((), jnp.int32),
+    'nonfinite_steps': jnp.zeros((), jnp.int32),
+  }
+  step_fn = step_lib.make_train_step(
+    graphdef, tx, step_lib.lm_loss, 0, optax.constant_schedule(0.1), **step_options
+  )
+  tokens = jax.random.randint(jax.random.key(7), (batch_size, config.data.seq_len + 1), 0, 256)
+  return step_fn, state, {'tokens': tokens}, sharding_lib.logical_axes(model)

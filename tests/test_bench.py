@@ -12,21 +12,26 @@ import sys
 
 DEPTH, WIDTH, SEQ_LEN, BATCH, VOCAB = 2, 32, 16, 8, 256
 
+# One timed step of a tiny GPT, as every test here runs the benchmark.
+TINY_BENCH = [
+  sys.executable,
+  '-m',
+  'dsjax.bench',
+  '--config=configs/gpt_preln.py',
+  f'--config.model.depth={DEPTH}',
+  f'--config.model.width={WIDTH}',
+  f'--config.batch_size={BATCH}',
+  f'--config.data.seq_len={SEQ_LEN}',
+  '--steps=1',
+]
+
 
 def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run(
     [
-      sys.executable,
-      '-m',
-      'dsjax.bench',
-      '--config=configs/gpt_preln.py',
-      f'--config.model.depth={DEPTH}',
-      f'--config.model.width={WIDTH}',
-      f'--config.batch_size={BATCH}',
-      f'--config.data.seq_len={SEQ_LEN}',
-      '--steps=1',
+      *TINY_BENCH,
       '--instrument=off,callback,monitor',
       '--peak_tflops=1',
       f'--json={out}',
@@ -102,15 +107,7 @@ def test_sampled_mode_times_the_sampled_statistics_beside_the_whole_tensors(tmp_
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   command = [
-    sys.executable,
-    '-m',
-    'dsjax.bench',
-    '--config=configs/gpt_preln.py',
-    f'--config.model.depth={DEPTH}',
-    f'--config.model.width={WIDTH}',
-    f'--config.batch_size={BATCH}',
-    f'--config.data.seq_len={SEQ_LEN}',
-    '--steps=1',
+    *TINY_BENCH,
     '--instrument=off,return,sampled',
     '--peak_tflops=1',
   ]

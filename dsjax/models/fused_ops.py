@@ -36,15 +36,15 @@ each kernel runs per device inside `jax.shard_map`, rows over the mesh axes of t
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
+
+from dsjax.models.partitioning import kernel_spec
 
 # True/False: always/never the Pallas interpreter; None: the interpreter unless the backend is a GPU.
 INTERPRET: bool | None = None
@@ -145,23 +145,8 @@ def _interpret() -> bool:
 def _row_spec(num_rows: int, columns: tuple[str, int] | None = None) -> P | None:
   """The (rows, columns) spec for `jax.shard_map` over the current mesh, or None without one (or on one
   device): rows over the mesh axes of the logical axis 'batch', `columns` = (logical name, size) over
-  that name's axes (the norms' rows stay whole). Axes that do not divide a dimension leave it whole."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return None
-  rules = dict(spmd.get_logical_axis_rules())
-  if 'batch' not in rules:
-    raise ValueError(
-      f"model.fused_ops=pallas on a mesh of {mesh.size} devices needs logical axis rules for 'batch': "
-      'set them with flax.core.spmd.logical_axis_rules'
-    )
-
-  def axes_dividing(logical: str, size: int):
-    names = rules.get(logical)
-    names = (names,) if isinstance(names, str) else tuple(names or ())
-    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
-
-  return P(axes_dividing('batch', num_rows), None if columns is None else axes_dividing(*columns))
+  that name's axes (the norms' rows stay whole); `partitioning.kernel_spec`."""
+  return kernel_spec('model.fused_ops=pallas', (('batch', num_rows), columns or (None, 0)))
 
 
 # --- Norms: custom VJPs --------------------------------------------------------------------------------

@@ -36,12 +36,33 @@ def with_logical_layout(x: jax.Array, axes: tuple) -> jax.Array:
   rules = dict(spmd.get_logical_axis_rules())
   if mesh.empty or not rules:
     return x
+  spec = P(*(_mesh_axes(mesh, rules, a, n) for a, n in zip(axes, x.shape)))
+  return jax.lax.with_sharding_constraint(x, spec)
 
-  def mesh_axes(name, size: int):
-    if not isinstance(name, str):
-      return name  # None or P.UNCONSTRAINED
-    names = rules.get(name)
-    names = (names,) if isinstance(names, str) else tuple(names or ())
-    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
 
-  return jax.lax.with_sharding_constraint(x, P(*(mesh_axes(a, n) for a, n in zip(axes, x.shape))))
+def kernel_spec(what: str, dims: tuple[tuple[str | None, int], ...]) -> P | None:
+  """The `jax.shard_map` spec that runs a kernel (`what`, for the error) per device on an array whose
+  dimensions are `dims` = ((logical name or None, size), ...): each named dimension over the mesh axes
+  its logical axis rule gives, kept whole where they do not divide it (each device then computes it
+  all). None without a current mesh or on one device (no shard_map needed). A mesh of several devices
+  with no rule for 'batch' is a ValueError: the kernel could not be told how the batch is laid out."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  rules = dict(spmd.get_logical_axis_rules())
+  if 'batch' not in rules:
+    raise ValueError(
+      f"{what} on a mesh of {mesh.size} devices needs logical axis rules for 'batch': set them with "
+      'flax.core.spmd.logical_axis_rules'
+    )
+  return P(*(_mesh_axes(mesh, rules, name, size) for name, size in dims))
+
+
+def _mesh_axes(mesh, rules: dict, name, size: int):
+  """The mesh axes of logical `name` where they divide `size`, else None (whole); None and
+  P.UNCONSTRAINED stand for themselves."""
+  if not isinstance(name, str):
+    return name
+  names = rules.get(name)
+  names = (names,) if isinstance(names, str) else tuple(names or ())
+  return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None

@@ -23,14 +23,14 @@ and padding, which is how the tests check it against `dsjax.models.layers.plain_
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
+
+from dsjax.models.partitioning import kernel_spec
 
 # The kernel's blocks of queries and keys, forward and backward (a multiple of the 128 lanes of a TPU
 # vector register; the sequence is padded to a multiple of it): the kernel's own default
@@ -116,27 +116,9 @@ def _make_kernel(num_heads: int, length: int, causal: bool, interpret: bool):
 
 def _shard_spec(shape_BHPK: tuple[int, ...]) -> P | None:
   """The q/k/v (and output) spec for `jax.shard_map` over the current mesh, or None without one (or
-  on one device).
-
-  The batch goes over the mesh axes the logical axis rules give 'batch', the heads over those they give
-  'heads'. A mesh of several devices without a rule for 'batch' is an error. A dimension its axes do
-  not divide is kept whole on every device of them (each computes it all); the training run's checks
-  make the batch and the heads divide. A step traced with no current mesh (`jax.set_mesh`) cannot be
-  told from one device here; on several TPUs XLA then refuses to partition the kernel."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return None
-  rules = dict(spmd.get_logical_axis_rules())
-  if 'batch' not in rules:
-    raise ValueError(
-      f'splash attention on a mesh of {mesh.size} devices needs logical axis rules for '
-      "'batch' (and 'heads'): set them with flax.core.spmd.logical_axis_rules"
-    )
-
-  def axes_dividing(logical: str, size: int):
-    names = rules.get(logical)
-    names = (names,) if isinstance(names, str) else tuple(names or ())
-    return names if names and size % math.prod(mesh.shape[n] for n in names) == 0 else None
-
-  batch, heads = axes_dividing('batch', shape_BHPK[0]), axes_dividing('heads', shape_BHPK[1])
-  return P(batch, heads, None, None)
+  on one device): the batch over the mesh axes the logical axis rules give 'batch', the heads over those
+  they give 'heads' (`partitioning.kernel_spec`); the training run's checks make both divide. A step
+  traced with no current mesh (`jax.set_mesh`) cannot be told from one device here; on several TPUs XLA
+  then refuses to partition the kernel."""
+  b, h = shape_BHPK[:2]
+  return kernel_spec('splash attention', (('batch', b), ('heads', h), (None, 0), (None, 0)))

@@ -9,7 +9,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -18,8 +17,7 @@ from dsjax import schemes
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
-from dsjax.train import step as step_lib
-from tests.helpers import TEXT_INFO, tiny_config
+from tests.helpers import TEXT_INFO, tiny_config, tiny_train_step
 
 # ------------------------------------------------------------------------------------------------
 # Statistics.
@@ -369,31 +367,15 @@ DEPTH = 3
 
 def _train_setup(remat, instrument=False, moments_receiver=None, moments_per_site=True, **overrides):
   config = tiny_config('gpt', depth=DEPTH, remat=remat, dropout=0.1, **overrides)
-  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-  tx = optax.sgd(0.1)
-  state = {
-    'params': params,
-    'rest': rest,
-    'opt_state': tx.init(params),
-    'step': jnp.zeros((), jnp.int32),
-    'nonfinite_steps': jnp.zeros((), jnp.int32),
-  }
-  step_fn = step_lib.make_train_step(
-    graphdef,
-    tx,
-    step_lib.lm_loss,
-    0,
-    optax.constant_schedule(0.1),
+  step_fn, state, batch, _AXES[remat] = tiny_train_step(
+    config,
+    8,
     use_dropout=True,
     instrument=instrument,
     moments_receiver=moments_receiver,
     moments_per_site=moments_per_site,
   )
-  tokens = jax.random.randint(jax.random.key(7), (8, 17), 0, 256)
-  _AXES[remat] = sharding_lib.logical_axes(model)
-  return step_fn, state, {'tokens': tokens}
+  return step_fn, state, batch
 
 
 _AXES = {}  # logical axes of the model of _train_setup (by remat policy), for the sharded runs

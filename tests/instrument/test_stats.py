@@ -9,17 +9,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 from dsjax import instrument as instrument_lib
-from dsjax import schemes
 from dsjax.instrument import probe as probe_lib
 from dsjax.instrument import stats as stats_lib
 from dsjax.train import sharding as sharding_lib
-from dsjax.train import step as step_lib
-from tests.helpers import TEXT_INFO, tiny_config
+from tests.helpers import tiny_config, tiny_train_step
 
 # ------------------------------------------------------------------------------------------------
 # The sample.
@@ -143,29 +139,8 @@ def _step(sample_rows, dropout=0.0, remat='none'):
   """The instrumented train step of a tiny GPT (`sample_rows` None: built without the argument)."""
   config = tiny_config('gpt', depth=DEPTH, dropout=dropout, remat=remat)
   config.data.seq_len = SEQ_LEN
-  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-  tx = optax.sgd(0.1)
-  state = {
-    'params': params,
-    'rest': rest,
-    'opt_state': tx.init(params),
-    'step': jnp.zeros((), jnp.int32),
-    'nonfinite_steps': jnp.zeros((), jnp.int32),
-  }
-  step_fn = step_lib.make_train_step(
-    graphdef,
-    tx,
-    step_lib.lm_loss,
-    0,
-    optax.constant_schedule(0.1),
-    use_dropout=dropout > 0,
-    instrument=True,
-    **({} if sample_rows is None else {'moments_sample_rows': sample_rows}),
-  )
-  tokens = jax.random.randint(jax.random.key(7), (BATCH, SEQ_LEN + 1), 0, 256)
-  return step_fn, state, {'tokens': tokens}, sharding_lib.logical_axes(model)
+  sampling = {} if sample_rows is None else {'moments_sample_rows': sample_rows}
+  return tiny_train_step(config, BATCH, use_dropout=dropout > 0, instrument=True, **sampling)
 
 
 def _moments(sample_rows, num_devices=1, steps=(0,), remat='none'):
