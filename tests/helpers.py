@@ -92,3 +92,16 @@ def tiny_train_step(config, batch_size: int, **step_options):
   )
   tokens = jax.random.randint(jax.random.key(7), (batch_size, config.data.seq_len + 1), 0, 256)
   return step_fn, state, {'tokens': tokens}, sharding_lib.logical_axes(model)
+
+
+def correlated_activations(key, shape, mean, seq_std, hidden_std, noise_std):
+  """x = mean + a_{b,i} (shared by all tokens) + e_{b,t} (shared by all hidden units) + noise, of known
+  moments: corr_seq seq_std²/σ², corr_hidden hidden_std²/σ² (σ² the sum of the three squares)."""
+  b, l, d = shape
+  k1, k2, k3 = jax.random.split(key, 3)
+  return (
+    mean
+    + seq_std * jax.random.normal(k1, (b, 1, d))
+    + hidden_std * jax.random.normal(k2, (b, l, 1))
+    + noise_std * jax.random.normal(k3, shape)
+  )

@@ -17,7 +17,7 @@ from dsjax import schemes
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
-from tests.helpers import TEXT_INFO, tiny_config, tiny_train_step
+from tests.helpers import TEXT_INFO, correlated_activations, tiny_config, tiny_train_step
 
 # ------------------------------------------------------------------------------------------------
 # Statistics.
@@ -34,20 +34,8 @@ def _numpy_pair_corr(x_BLD, axis):
   return off_diagonal.mean() / (c**2).mean()
 
 
-def _correlated_activations(key, shape, mean, seq_std, hidden_std, noise_std):
-  """x = mean + a_{b,i} (shared by all tokens) + e_{b,t} (shared by all hidden units) + noise."""
-  b, l, d = shape
-  k1, k2, k3 = jax.random.split(key, 3)
-  return (
-    mean
-    + seq_std * jax.random.normal(k1, (b, 1, d))
-    + hidden_std * jax.random.normal(k2, (b, l, 1))
-    + noise_std * jax.random.normal(k3, shape)
-  )
-
-
 def test_forward_stats_match_numpy_brute_force():
-  x = _correlated_activations(jax.random.key(0), (3, 7, 5), 0.5, 1.0, 0.7, 0.4)
+  x = correlated_activations(jax.random.key(0), (3, 7, 5), 0.5, 1.0, 0.7, 0.4)
   got = jax.jit(stats_lib.forward_stats)(x)
   xn = np.asarray(x, np.float64)
   np.testing.assert_allclose(got['mean'], xn.mean(), rtol=1e-5)
@@ -59,7 +47,7 @@ def test_forward_stats_match_numpy_brute_force():
 
 def test_forward_stats_recover_known_correlations():
   """Variance components 1 (token-shared), 0.5 (hidden-shared), 0.5 (noise): r^l = 0.5, r^d = 0.25."""
-  x = _correlated_activations(jax.random.key(1), (64, 64, 64), 3.0, 1.0, np.sqrt(0.5), np.sqrt(0.5))
+  x = correlated_activations(jax.random.key(1), (64, 64, 64), 3.0, 1.0, np.sqrt(0.5), np.sqrt(0.5))
   got = stats_lib.forward_stats(x)
   np.testing.assert_allclose(got['mean'], 3.0, atol=0.05)
   np.testing.assert_allclose(got['var'], 2.0, rtol=0.05)
@@ -68,7 +56,7 @@ def test_forward_stats_recover_known_correlations():
 
 
 def test_grad_stats_match_numpy():
-  g = _correlated_activations(jax.random.key(2), (2, 6, 4), 0.0, 1e-3, 0.0, 2e-3)
+  g = correlated_activations(jax.random.key(2), (2, 6, 4), 0.0, 1e-3, 0.0, 2e-3)
   got = stats_lib.grad_stats(g)
   gn = np.asarray(g, np.float64)
   np.testing.assert_allclose(got['grad_var'], gn.var(), rtol=1e-5)
@@ -192,7 +180,7 @@ def test_histogram_chunks_and_leaves_add_up(monkeypatch):
 
 def _bf16_pair(key, shape, scale):
   """An activation-like float32 tensor (correlated, nonzero mean) and its bfloat16 rounding."""
-  x = scale * _correlated_activations(key, shape, 0.3, 1.0, 0.5, 1.0)
+  x = scale * correlated_activations(key, shape, 0.3, 1.0, 0.5, 1.0)
   return x, x.astype(jnp.bfloat16)
 
 

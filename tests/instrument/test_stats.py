@@ -15,7 +15,7 @@ from dsjax import instrument as instrument_lib
 from dsjax.instrument import probe as probe_lib
 from dsjax.instrument import stats as stats_lib
 from dsjax.train import sharding as sharding_lib
-from tests.helpers import tiny_config, tiny_train_step
+from tests.helpers import correlated_activations, tiny_config, tiny_train_step
 
 # ------------------------------------------------------------------------------------------------
 # The sample.
@@ -71,19 +71,6 @@ def test_the_sample_is_fixed_distinct_and_whole_rows():
 # ------------------------------------------------------------------------------------------------
 
 
-def _correlated_activations(key, shape, mean, seq_std, hidden_std, noise_std):
-  """x = mean + a_{b,i} (shared by all tokens) + e_{b,t} (shared by all hidden units) + noise: corr_seq
-  seq_std²/σ², corr_hidden hidden_std²/σ² (σ² the sum of the three squares)."""
-  b, l, d = shape
-  k1, k2, k3 = jax.random.split(key, 3)
-  return (
-    mean
-    + seq_std * jax.random.normal(k1, (b, 1, d))
-    + hidden_std * jax.random.normal(k2, (b, l, 1))
-    + noise_std * jax.random.normal(k3, shape)
-  )
-
-
 # Tolerances of a sample of 2048 of 16384 rows (32 examples × 64 of 512 positions, D 128) against the
 # whole tensor: relative for var, grad_var and the quantiles, absolute for mean (in units of σ) and the
 # correlations: ~3× the largest deviation over seeds 0–19 (0.022, 0.023, 0.014, 0.015).
@@ -93,7 +80,7 @@ SYNTHETIC_TOLERANCE = {'mean': 0.06, 'var': 0.06, 'corr_seq': 0.04, 'corr_hidden
 
 @pytest.mark.parametrize('seed', [0, 1, 2])
 def test_sampled_statistics_of_known_moments(seed):
-  x = _correlated_activations(jax.random.key(seed), SYNTHETIC_SHAPE, 0.5, 1.0, 0.7, 0.4)
+  x = correlated_activations(jax.random.key(seed), SYNTHETIC_SHAPE, 0.5, 1.0, 0.7, 0.4)
   full = jax.jit(stats_lib.forward_stats)(x)
   sampled = jax.jit(lambda x: stats_lib.forward_stats(x, SYNTHETIC_ROWS))(x)
   std = float(np.sqrt(full['var']))
