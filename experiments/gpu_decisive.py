@@ -158,7 +158,7 @@ def machine() -> dict:
     'jax': jax.__version__,
     'python': platform.python_version(),
     'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-    # A copy of the working tree without .git (a lent GPU machine) names its commit in DSJAX_COMMIT.
+    # A copy of the working tree without .git (e.g. on a GPU machine) names its commit in DSJAX_COMMIT.
     'commit': source_commit() or os.environ.get('DSJAX_COMMIT', 'unknown'),
   }
 
