@@ -61,7 +61,6 @@ from absl import flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax.instrument import probe as probe_lib
@@ -170,14 +169,7 @@ def check_args(config, out: str, widths, depths, steps: int, seeds, lr: float | 
 
 def first_batches(config, num: int) -> list[dict]:
   """The first `num` training batches of `config.seed` (the same for every width and depth)."""
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=0,
-    process_count=1,
-    train=True,
-  )
+  pipeline = state_lib.whole_train_batches(config)
   return [jax.device_put(b) for b in itertools.islice(pipeline, num)]
 
 

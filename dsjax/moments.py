@@ -42,7 +42,6 @@ from absl import flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
 from dsjax.instrument import theory_adapter
@@ -299,14 +298,7 @@ def run(
   the measurement is written, and `settings.theory` says why."""
   data_info = check_args(config, out, num_batches, checkpoint, input_moments, theory_form)
   model = load_model(config, data_info, checkpoint)
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=0,
-    process_count=1,
-    train=True,
-  )
+  pipeline = state_lib.whole_train_batches(config)
   batches = (jax.device_put(b) for b in itertools.islice(pipeline, num_batches))
   measured, info = measure(model, config, batches)
   gap = theory_adapter.coverage_gap(config, model)

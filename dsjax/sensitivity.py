@@ -52,7 +52,6 @@ from absl import flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from dsjax import data as data_lib
 from dsjax import models, schemes
 from dsjax.train import cli
 from dsjax.train import config as config_lib
@@ -389,14 +388,7 @@ def measure(config, num_draws: int) -> tuple[list[dict[str, np.ndarray]], dict[s
   data_info = config_lib.validate_single_device_run(config, training=False)
   prepared = state_lib.method_preparation(config, data_info)
   measurement = Measurement(config, data_info, prepared)
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=0,
-    process_count=1,
-    train=True,
-  )
+  pipeline = state_lib.whole_train_batches(config)
   base = jax.random.key(config.seed)
   per_draw = []
   for i, batch in enumerate(itertools.islice(pipeline, num_draws)):

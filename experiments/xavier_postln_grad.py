@@ -36,6 +36,7 @@ from dsjax import data as data_lib  # noqa: E402
 from dsjax import moments, schemes  # noqa: E402
 from dsjax.instrument import theory_adapter  # noqa: E402
 from dsjax.models import layers  # noqa: E402
+from dsjax.train import state as state_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_moments  # noqa: E402
 
@@ -84,14 +85,7 @@ def run_case(activation: str, causal: bool, num_batches: int, depth: int = 192) 
   )
   data_info = data_lib.dataset_info(config.data)
   model = set_causal(schemes.build_model(config, data_info, nnx.Rngs(params=config.seed), None), causal)
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=0,
-    process_count=1,
-    train=True,
-  )
+  pipeline = state_lib.whole_train_batches(config)
   batches = [jax.device_put(b) for b in itertools.islice(pipeline, num_batches)]
   t0 = time.time()
   plain, by_position_NL = grad_by_perturbation(model, config, batches)

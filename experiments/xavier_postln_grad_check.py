@@ -54,6 +54,7 @@ from dsjax import instrument, schemes  # noqa: E402
 from dsjax.instrument import collector, theory_adapter  # noqa: E402
 from dsjax.instrument import probe as probe_lib  # noqa: E402
 from dsjax.models import layers  # noqa: E402
+from dsjax.train import state as state_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_moments, xavier_postln_grad  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
@@ -81,14 +82,7 @@ def build(seed: int, activation: str, causal: bool = True):
 def batches(config, num_batches: int) -> list[np.ndarray]:
   """The first `num_batches` training batches' tokens (B, L + 1), as the training loop reads them."""
 
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=0,
-    process_count=1,
-    train=True,
-  )
+  pipeline = state_lib.whole_train_batches(config)
   return [np.asarray(b['tokens']) for b in itertools.islice(pipeline, num_batches)]
 
 

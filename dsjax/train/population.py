@@ -145,17 +145,7 @@ def train(
 
   train_step = jax.jit(jax.vmap(member_step), donate_argnums=0)
   eval_step = jax.jit(jax.vmap(step_lib.make_eval_step(setup.graphdef, loss_fn), in_axes=(0, None)))
-  pipelines = {
-    seed: data_lib.make_pipeline(
-      data_config,
-      global_batch_size=config.batch_size,
-      seed=seed,
-      process_index=0,
-      process_count=1,
-      train=True,
-    )
-    for seed in seeds
-  }
+  pipelines = {seed: state_lib.whole_train_batches(config, data_config, seed) for seed in seeds}
 
   def evaluate(state_K, split: str | None = None) -> list[dict[str, float]]:
     """Every member's metrics on `split` (default: the evaluation split), as `loop.evaluate` gives them."""

@@ -50,20 +50,26 @@ def param_lr_scales(abstract_model: nnx.Module) -> dict | None:
   return scales
 
 
-def first_model_inputs(config, data_config=None):
-  """Model inputs of the run's training batches from the first one on, the same rows on every host (for
-  a method's preparation step); a generator, so it reads only what is consumed. `data_config`: the
-  run's validated data section (default `config.data`, validated here)."""
-  data_config = config.data if data_config is None else data_config
-  pipeline = data_lib.make_pipeline(
-    data_config,
+def whole_train_batches(config, data_config=None, seed: int | None = None) -> data_lib.Pipeline:
+  """The run's training batches from the first one on, each whole (the global batch, as one process
+  reads it, the same rows on every host): what the tools that measure a model at the run's data read.
+  `data_config`: the run's validated data section (default `config.data`); `seed`: the data order's
+  seed (default `config.seed`)."""
+  return data_lib.make_pipeline(
+    config.data if data_config is None else data_config,
     global_batch_size=config.batch_size,
-    seed=config.seed,
+    seed=config.seed if seed is None else seed,
     process_index=0,
     process_count=1,
     train=True,
   )
-  for batch in pipeline:
+
+
+def first_model_inputs(config, data_config=None):
+  """Model inputs of the run's training batches from the first one on, the same rows on every host (for
+  a method's preparation step); a generator, so it reads only what is consumed. `data_config`: the
+  run's validated data section (default `config.data`, validated here)."""
+  for batch in whole_train_batches(config, data_config):
     yield model_inputs(config.model.name, batch)
 
 
