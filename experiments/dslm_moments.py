@@ -52,12 +52,14 @@ def case_config(
   dropout: float = 0.1,
   input_corr: str = 'zipf',
   attention_var: str = 'table2',
+  seed: int = 0,
 ):
   from dsjax.train.config import base_config
 
   scheme, block, init = CASES[name]
   c = base_config('gpt')
   c.batch_size = batch_size
+  c.seed = seed  # The model's initialisation, the batches' order and the dropout masks.
   c.data.seq_len = seq_len
   m = c.model
   m.depth, m.width, m.num_heads = depth, width, num_heads
@@ -128,7 +130,7 @@ def markdown(summary: dict[str, dict], shape: dict) -> str:
     f'GPT at initialisation, {shape["depth"]} layers × d {shape["width"]}, dropout 0.1, '
     f'{shape["activation"]}, seq {shape["seq_len"]}, batch {shape["batch_size"]}, DSLM input '
     f"correlation: {shape.get('input_corr', 'zipf')}, full init's attention_var: "
-    f'{shape.get("attention_var", "table2")}.',
+    f'{shape.get("attention_var", "table2")}, seed {shape.get("seed", 0)}.',
     '',
     '| case | fwd var max err (layer) | grad var L1/LN measured (theory) | '
     'fwd var LN/L1 measured (theory) | median err: fwd var | grad var | attn branch var | '
@@ -179,6 +181,9 @@ def parse_args(argv=None):
     help="model.dslm.attention_var of the full init: the paper's Table 2 (C1·r = 1, "
     "default) or the theory's exact attention moments.",
   )
+  parser.add_argument(
+    '--seed', type=int, default=0, help='config.seed: initialisation, batch order and dropout masks.'
+  )
   parser.add_argument('--cases', default=','.join(CASES), help='Comma-separated subset of the cases.')
   return parser.parse_args(argv)
 
@@ -196,6 +201,7 @@ def main():
     activation=args.activation,
     input_corr=args.input_corr,
     attention_var=args.attention_var,
+    seed=args.seed,
   )
   summary = run_cases(args.out, args.cases.split(','), num_batches=args.batches, **shape)
   os.makedirs(args.out, exist_ok=True)
