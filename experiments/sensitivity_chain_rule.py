@@ -162,13 +162,15 @@ def main(argv):
     'own_over_carried_min': float(ratio.min()),
     'own_over_carried_max': float(ratio.max()),
     'own_over_carried_geomean': float(np.exp(np.mean(np.log(ratio)))),
+    'own_over_carried_log10_sd': float(np.std(np.log10(ratio))),
     'pushed_over_measured_max_abs_err': float(np.max(np.abs(check - 1))),
   }
   print(sensitivity.describe(config, args.draws))
   print(
     f'own / carried gain product over {len(draws)} draws × layers {layers}: '
     f'min {summary["own_over_carried_min"]:.3g}, max {summary["own_over_carried_max"]:.3g}, '
-    f'geometric mean {summary["own_over_carried_geomean"]:.3g}; '
+    f'geometric mean {summary["own_over_carried_geomean"]:.3g}, '
+    f'sd of log10 {summary["own_over_carried_log10_sd"]:.2g}; '
     f'pushed / measured: max |error| {summary["pushed_over_measured_max_abs_err"]:.2g}'
   )
   with open(os.path.join(args.out, 'chain_rule.json'), 'w') as f:

@@ -236,45 +236,62 @@ SLOW_DRAWS = {
 }
 
 
-def _agrees_with_composition(summary, stat):
-  """Within 15%, or within two jackknife standard errors where the draws scatter more than that."""
-  ratio = summary['measured_over_composition']
-  return abs(ratio[stat] - 1) <= max(0.15, 2 * ratio[f'{stat}_stderr'])
+# How far the measurement may sit from the composition rule (measured / composition, mean and median over
+# layers), from runs at seeds 0–2 (docs/sensitivity.md): DSLM within 5%, Pre-LN within 17%, Post-LN and
+# the weighted residual within 14% at 8 layers and Post-LN within 26% at 32. Deeper, where ρ stays O(1),
+# the rule's premise fails draw by draw and the ratio ranges over 0.29–3.3 between seeds: only the order
+# of magnitude is checked there, a factor 5 (the local term alone is off by 10–10⁵×).
+COMPOSITION_TOLERANCE = {
+  'preln': {8: 0.2, 32: 0.2, 128: 0.2},
+  'dslm': {8: 0.1, 32: 0.1, 128: 0.1},
+  'postln': {8: 0.2, 32: 0.35, 128: None},
+  'weighted': {8: 0.2, 32: None, 128: None},
+}
+
+
+def _check_composition(case, depth, summary):
+  tolerance = COMPOSITION_TOLERANCE[case][depth]
+  for stat in ('mean', 'median'):
+    ratio = summary['measured_over_composition'][stat]
+    if tolerance is None:
+      assert 1 / 5 <= ratio <= 5, (case, depth, stat, ratio)
+    else:
+      assert abs(ratio - 1) <= tolerance, (case, depth, stat, ratio)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('case', list(CASES))
 def test_measured_against_composition_and_closed_forms(case, tmp_path):
-  """The table of docs/sensitivity.md (5–9 min per case on a busy 2-core CPU, 27 min for all four)."""
+  """The table of docs/sensitivity.md at seed 0 (5–9 min per case on a busy 2-core CPU, 27 min for all
+  four)."""
   summaries, ideal = {}, {}
   for depth, draws in SLOW_DRAWS[case].items():
     result = sensitivity.run(_cli_config(depth, **CASES[case]), str(tmp_path / str(depth)), draws)
     summaries[depth] = s = result['summary']
     ideal[depth] = s['predicted']['idealised']
-    for stat in ('mean', 'median'):
-      assert _agrees_with_composition(s, stat), (case, depth, stat, s['measured_over_composition'])
-      if case in ('preln', 'dslm') or (case == 'postln' and depth == 8):
-        assert abs(s['measured_over_composition'][stat] - 1) <= 0.15, (case, depth, stat)
+    _check_composition(case, depth, s)
   measured = {d: s['s_normalised'] for d, s in summaries.items()}
+  local = {d: s['predicted']['local'] for d, s in summaries.items()}
   if case == 'preln':
-    # The median is flat and O(1); the mean grows with N and sits above ½(H_{2N+1} − 1) by the first
-    # layers (embedding variance ≈ 0.014: ρ ≈ 0.96 at layer 0).
+    # The median is flat and O(1), 18–40% above the closed form; the mean grows with N and sits 1.7–1.8×
+    # above ½(H_{2N+1} − 1) by the first layers (embedding variance ≈ 0.014: ρ ≈ 0.96 at layer 0).
     assert all(0.9 <= measured[d]['median'] <= 1.5 for d in measured)
-    assert measured[128]['median'] == pytest.approx(ideal[128]['median'], rel=0.15)
-    assert measured[8]['mean'] < measured[32]['mean'] < 1.3 * measured[128]['mean']
+    assert all(1.0 <= measured[d]['median'] / ideal[d]['median'] <= 1.5 for d in measured)
+    assert measured[8]['mean'] < measured[32]['mean'] < measured[128]['mean']
     assert all(1.2 <= measured[d]['mean'] / ideal[d]['mean'] <= 2.2 for d in measured)
   elif case == 'postln':
-    # N/2 at depth 8; compounding input sensitivity makes it grow faster than N beyond.
-    assert measured[8]['mean'] == pytest.approx(8 / 2, rel=0.15)
-    assert measured[32]['median'] > 1.3 * 32 / 2 and measured[128]['median'] > 2 * 128 / 2
+    # 17–26% below N/2 at depth 8 (seeds 0–2); compounding input sensitivity makes it grow faster than N.
+    assert 0.65 <= measured[8]['mean'] / (8 / 2) <= 1.0
+    assert measured[32]['median'] > 32 / 2 and measured[128]['median'] > 2 * 128 / 2
+    assert measured[128]['median'] > 5 * local[128]['median']
   elif case == 'weighted':
     assert 1.0 <= measured[8]['mean'] / (0.5 * 8) <= 1.6
     assert measured[32]['median'] > 4 * 0.5 * 32 and measured[128]['median'] > 50 * 0.5 * 128
   else:
     # The local sensitivity is DSLM's k at every depth (0.9k: the attention branch variance is ≈ 0.3);
-    # the input sensitivity lifts the measurement to 1.25k–1.6k, growing slowly with depth.
-    local = {d: s['predicted']['local']['mean'] for d, s in summaries.items()}
-    assert all(local[d] == pytest.approx(local[8], rel=0.1) for d in local)
+    # the input sensitivity lifts the measurement to 1.2k–1.45k, growing slowly with depth.
+    local_mean = {d: local[d]['mean'] for d in local}
+    assert all(local_mean[d] == pytest.approx(local_mean[8], rel=0.1) for d in local_mean)
     assert all(1.1 * 2 <= measured[d]['mean'] <= 1.8 * 2 for d in measured)
 
 
