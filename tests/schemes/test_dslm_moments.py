@@ -15,8 +15,8 @@ The properties, with the measurements behind each bound in experiments/dslm_resu
     stream variance falls from 1 to ≈ 0.65 by design, Kedia et al. 2024, arXiv:2403.09635, App. E.5);
   * the full init's gradient grows toward the input, more than the theory predicts from the same
     measurement, and one batch's ratio is heavy-tailed: these cases average 8 batches (the others 2,
-    ~3 s of CPU each) and are bounded by the mean ± 3 sd of the ratio over seeds (ten seeds at 48
-    layers for Post-LN; seeds 0–4 at 192 layers);
+    ~3 s of CPU each). At 192 layers both are bounded by the mean ± 3 sd of the ratio over seeds 0–4; at
+    48 layers the Post-LN one by 4.5, the mean + 3 sd over ten seeds, and the Pre-LN one by the factor 2;
   * Xavier Pre-LN: the forward variance of the last layer over the first ≥ 0.7× the theory's ratio; the
     absolute "≥ 50× at 192 layers" and the Xavier model's 20% per-layer error (the Xavier embedding has
     variance 2/(V+d), far from the theory's large-input regime in the first layers) at 192 layers only.
