@@ -204,7 +204,8 @@ class Measurement:
       out.update(self._composition_factors(params, direction, inputs))
     return out
 
-  def _stack_input(self, params, inputs) -> jax.Array:
+  def stack_input(self, params, inputs) -> jax.Array:
+    """The stream entering the first layer (after the embedding and any input norm)."""
     captured = {}
 
     def probe(site, x, layer):
@@ -261,7 +262,7 @@ class Measurement:
         sums[f'u_{add}'] = _sum_sq(parts[f'u_{add}'])
       return (parts['y'], from_input['y'] + dy_own), sums
 
-    x0 = self._stack_input(params, inputs)
+    x0 = self.stack_input(params, inputs)
     xs = (layer_params(params), layer_params(direction), block_rest, jnp.arange(self.depth))
     (x_n, dx_n), sums = jax.lax.scan(layer_step, (x0, jnp.zeros_like(x0)), xs)
     return {**sums, 'xN': _sum_sq(x_n), 'dxN': _sum_sq(dx_n)}

@@ -15,7 +15,8 @@ def test_pushed_perturbation_matches_the_measurement(block):
   config = tiny_config('gpt', depth=4, block=block)
   measurement = sensitivity.Measurement(config, TEXT_INFO)
   inputs = jax.random.randint(jax.random.key(1), (config.batch_size, config.data.seq_len), 0, 256)
-  rows = sensitivity_chain_rule.measure_draw(measurement, jax.random.key(0), inputs, [0, 1, 2])
+  chain = sensitivity_chain_rule.BlockByBlock(measurement)
+  rows = sensitivity_chain_rule.measure_draw(measurement, chain, jax.random.key(0), inputs, [0, 1, 2])
   for row in rows:
     assert row['pushed_over_measured'] == pytest.approx(1.0, abs=1e-4), row
     assert np.isfinite(row['own_over_carried']) and row['own_over_carried'] > 0, row
