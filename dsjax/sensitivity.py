@@ -325,6 +325,16 @@ def _ratio(num, den):
   return np.divide(num, den, out=np.full(np.broadcast(num, den).shape, np.nan), where=den > 0)
 
 
+def gain_above(draw: dict[str, np.ndarray]) -> np.ndarray:
+  """Π_{m>n} g_m per layer n for one draw: the composition's amplification of layer n's perturbation by
+  the layers above, each layer's input sensitivity g_m measured for the carried perturbation (1 where
+  none arrives, i.e. at layer 0)."""
+  gain = np.where(
+    draw['dx'] > 0, _ratio(_ratio(draw['dy_in'], draw['y']), _ratio(draw['dx'], draw['x'])), 1.0
+  )
+  return np.append(np.cumprod(gain[::-1])[::-1][1:], 1.0)
+
+
 def aggregate(draws: list[dict[str, np.ndarray]], depth: int, layout) -> dict[str, Any]:
   """Per-layer sensitivities and predictions from the per-draw sums of squares (ratios of sums over
   draws, as the definition's expectations)."""
@@ -342,9 +352,8 @@ def aggregate(draws: list[dict[str, np.ndarray]], depth: int, layout) -> dict[st
   predicted = []
   for d in draws:
     own = _ratio(d['dy_own'], d['y'])
-    gain = np.where(d['dx'] > 0, _ratio(_ratio(d['dy_in'], d['y']), _ratio(d['dx'], d['x'])), 1.0)
     tail = float(_ratio(_ratio(d['all'], d['f']), _ratio(d['dxN'], d['xN']))) if d['dxN'] > 0 else 1.0
-    above = np.append(np.cumprod(gain[::-1])[::-1][1:], 1.0)  # Π_{m>n} g_m
+    above = gain_above(d)
     predicted.append(own * above * tail * d['f'])
   composition = depth * _ratio(np.sum(predicted, axis=0), f2)
   local = depth * _ratio(total('dy_own'), total('y'))

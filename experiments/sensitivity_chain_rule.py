@@ -113,18 +113,18 @@ def measure_draw(measurement, chain: BlockByBlock, key, inputs, layers) -> list[
   params, direction = measurement.parameters_and_direction(key)
   sums = jax.device_get(measurement.draw(key, inputs))
   xs = chain.inputs_of_every_layer(params, measurement.stack_input(params, inputs))
-  carried = (sums['dy_in'] / sums['y']) / np.where(sums['dx'] > 0, sums['dx'] / sums['x'], np.nan)
+  carried_above = sensitivity.gain_above({k: np.asarray(v, np.float64) for k, v in sums.items()})
   f2 = float(sums['f'])
   rows = []
   for n in layers:
     own_energy, gains, df = chain.push_own(params, direction, xs, n)
-    own, carried_above = float(np.prod(gains)), float(np.prod(carried[n + 1 :]))
+    own, carried = float(np.prod(gains)), float(carried_above[n])
     rows.append(
       {
         'layer': n,
         'own_gain_product': own,
-        'carried_gain_product': carried_above,
-        'own_over_carried': own / carried_above,
+        'carried_gain_product': carried,
+        'own_over_carried': own / carried,
         'own_energy': own_energy,
         'pushed_over_measured': (_sum_sq(df) / f2) / (float(sums['layer'][n]) / f2),
       }
