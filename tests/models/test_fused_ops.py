@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import export
-from jax.sharding import AxisType
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from dsjax import models, schemes
 from dsjax.models import fused_ops
@@ -179,10 +179,16 @@ def test_the_kernels_erf_is_xlas_float32_erf():
   np.testing.assert_allclose(fused_ops._erf(u), jax.lax.erf(u), rtol=0, atol=5e-7)
 
 
+# The GPU the kernels are lowered for without one: jax >= 0.11 asks Pallas' Triton lowering for the
+# target's compute capability, which an abstract device of an H100's kind names.
+H100 = AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=132, platform='gpu')
+
+
 def _triton_calls(fn, *shapes) -> int:
   """How many Triton kernel calls `fn` lowers to for a CUDA GPU (lowered here; no GPU needed)."""
   check = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
-  exported = export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[check])(*shapes)
+  with use_abstract_mesh(AbstractMesh((1,), ('gpu',), abstract_device=H100)):
+    exported = export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[check])(*shapes)
   return exported.mlir_module().count('stablehlo.custom_call @__gpu$xla.gpu.triton')
 
 
