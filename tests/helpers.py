@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import types
 
@@ -18,6 +19,14 @@ from dsjax.train.config import base_config
 
 # The repository's root: the working directory of the tests that run dsjax's commands.
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(**overrides: str) -> dict[str, str]:
+  """The environment of a child Python that imports dsjax from this checkout: the repository's root ahead
+  of any PYTHONPATH already set (where the dependencies may be installed outside site-packages)."""
+  path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get('PYTHONPATH')]))
+  return {**os.environ, 'PYTHONPATH': path, **overrides}
+
 
 IMAGE_INFO = types.SimpleNamespace(kind='image', image_shape=(8, 8, 1), num_classes=10)
 TEXT_INFO = types.SimpleNamespace(kind='text', vocab_size=256)

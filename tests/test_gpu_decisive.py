@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 from dsjax import schemes  # noqa: E402
 from experiments import gpu_decisive  # noqa: E402
 from experiments.gpu_decisive import configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
-from tests.helpers import TEXT_INFO  # noqa: E402
+from tests.helpers import TEXT_INFO, subprocess_env  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 
@@ -70,7 +70,7 @@ def _run(out, *flags):
     cwd=ROOT,
     capture_output=True,
     text=True,
-    env=dict(os.environ, PYTHONPATH=ROOT),
+    env=subprocess_env(),
   )
 
 

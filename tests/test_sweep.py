@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dsjax import sweep
-from tests.helpers import REPO_ROOT, tiny_config
+from tests.helpers import REPO_ROOT, subprocess_env, tiny_config
 
 
 def _args(out, **overrides):
@@ -153,7 +153,7 @@ TINY = [
 
 
 def _env():
-  return dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS='cpu')
+  return subprocess_env(JAX_PLATFORMS='cpu')
 
 
 def _command(tool: str, *args: str) -> list[str]:

@@ -25,6 +25,7 @@ from sklearn import datasets as sklearn_datasets
 from dsjax import data
 from dsjax.data import embedded, random_bits
 from dsjax.data import pipeline as pipeline_lib
+from tests.helpers import subprocess_env
 
 # Training rows 0..7 of sklearn_digits 'train' with seed 0 (Grain's order).
 PINNED_DIGITS_ORDER = [1391, 146, 87, 924, 1480, 318, 487, 658]
@@ -180,8 +181,7 @@ def test_concurrent_preparation_is_safe(tmp_path):
     "{'name': 'sklearn_digits', 'data_dir': sys.argv[1]})"
     '.num_examples)'
   )
-  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [repo_root, os.environ.get('PYTHONPATH')]))}
+  env = subprocess_env()
   procs = [
     subprocess.Popen(
       [sys.executable, '-c', script, str(tmp_path)],
