@@ -33,7 +33,10 @@ def cudnn_attention(
       q_BLHK, k_BLHK, v_BLHK, scale=logit_scale, is_causal=causal, implementation='cudnn'
     )
   pad = lambda t: jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0)))  # noqa: E731
-  lengths_B = jnp.full((b,), l, jnp.int32)
+  # The lengths (l everywhere) are computed from q's values, not made as a constant, so that under
+  # `jax.vmap` (a population of models) they are batched as q is: jax 0.10's batching rule folds the
+  # mapped axis into q/k/v's batch but does not broadcast an unbatched length vector to it.
+  lengths_B = jnp.where(jnp.isnan(q_BLHK[:, 0, 0, 0]), l, l).astype(jnp.int32)
   out_BLHK = jax.nn.dot_product_attention(
     pad(q_BLHK),
     pad(k_BLHK),

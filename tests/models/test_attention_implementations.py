@@ -10,6 +10,8 @@ plain form reproduces, so there it is checked for determinism and, over many key
 mean of inverted dropout (outputs and gradients).
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,30 @@ def test_fast_forms_match_the_plain_math(name, dtype, causal, seq_len):
   _assert_close(out, out_ref, dtype)
   for g, g_ref in zip(grads, grads_ref):
     _assert_close(g, g_ref, dtype)
+
+
+@pytest.mark.parametrize('seq_len', [64, 37])
+def test_cudnn_lowers_for_a_gpu_also_over_a_population(seq_len, monkeypatch):
+  """Lowered for CUDA here (cuDNN's version and capability checks stand in for a GPU's answers): the
+  form's gradient, vmapped over 3 members as `population.train` maps its step, is one fused forward and
+  one fused backward cuDNN call over the members' batches folded together — also at an odd length, whose
+  padding mask takes a length per row."""
+  fused = pytest.importorskip('jax._src.cudnn.fused_attention_stablehlo')
+  if not all(hasattr(fused, f) for f in ('check_cudnn_version', 'check_compute_capability')):
+    pytest.skip("this jax's cuDNN attention checks the GPU elsewhere")
+  monkeypatch.setattr(fused, 'check_cudnn_version', lambda: 91500)
+  monkeypatch.setattr(fused, 'check_compute_capability', lambda capability: True)
+  monkeypatch.setattr(fused, 'is_cuda_compute_capability_equal', lambda capability: False, raising=False)
+
+  def loss(q, k, v):
+    return jnp.sum(attention_cudnn.cudnn_attention(q, k, v, SCALE, True).astype(jnp.float32) ** 2)
+
+  qkv = jax.ShapeDtypeStruct((3, 2, seq_len, 2, 16), jnp.bfloat16)
+  grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))
+  text = jax.jit(grads).trace(qkv, qkv, qkv).lower(lowering_platforms=('cuda',)).as_text()
+  calls = re.findall(r'custom_call @__cudnn\$(\w+)\((?:[^()]*)\)[^\n]*: \((tensor<[^,>]*>)', text)
+  padded = seq_len + seq_len % 2
+  assert calls == [(name, f'tensor<6x{padded}x2x16xbf16>') for name in ('fmhaSoftmax', 'fmhaSoftmaxBackward')]
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
