@@ -4,7 +4,7 @@
 #
 #   source benchmarks/gpu_env.sh || exit 1
 if ! python3 -c 'import grain, tensorflow_datasets, ml_collections, tensorboardX' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsjax_site .whl/*.whl || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/dsjax_site .whl/*.whl || return 1
   export PYTHONPATH=/tmp/dsjax_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
