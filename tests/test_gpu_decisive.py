@@ -16,9 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 from dsjax import schemes  # noqa: E402
 from experiments import gpu_decisive  # noqa: E402
 from experiments.gpu_decisive import configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
-from tests.helpers import TEXT_INFO, subprocess_env  # noqa: E402
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
+from tests.helpers import REPO_ROOT, TEXT_INFO, subprocess_env  # noqa: E402
 
 
 @pytest.mark.parametrize('plan', gpu_decisive.PLANS, ids=lambda p: p.name)
@@ -67,7 +65,7 @@ def test_verdict_rule(low, high, sign, expected):
 def _run(out, *flags):
   return subprocess.run(
     [sys.executable, 'experiments/gpu_decisive.py', f'--out={out}', *flags],
-    cwd=ROOT,
+    cwd=REPO_ROOT,
     capture_output=True,
     text=True,
     env=subprocess_env(),
