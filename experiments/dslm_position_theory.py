@@ -19,11 +19,13 @@ output after the value projection (E[h_t·h_t'] = d_head·v_var·Γ(t, t')) and 
   key path    Σ_t ∂ℓ_tu·u_t with E[∂ℓ_tu²] ∝ E[P_u²·|e_u − P|²] = m2q + (n − 1)·m22 (exact softmax moments).
 
 These are the terms of `dsjax.theory.components`' causal attention, kept per position instead of
-averaged, with one difference that matters here: the key path and the query path's fluctuation weigh
-each query by E[P_u²·|e_u − P|²], not by E[P²]·E|e_u − P|². The two differ where a query sees few keys;
-the first query sees one, its softmax is constant and its logit gradient is zero, which the factorised
-weight (E[P²] = 1 there) misses. On Gaussian inputs the map agrees with a Monte Carlo of the head in
-plain `jnp` differentiated by `jax.vjp` (`--check` prints the comparison; the tests hold it to 8%).
+averaged: averaged over positions the map gives that function's gradient variance and covariance. The
+key path and the query path's fluctuation weigh each query by E[P_u²·|e_u − P|²]; the factorised weight
+E[P²]·E|e_u − P|² (`factorised=True`, kept for comparison) differs where a query sees few keys, and for
+the first query, which sees one key and whose logit gradient is zero, it is 1 instead of 0. On Gaussian
+inputs the map agrees with a Monte Carlo of the head in plain `jnp` differentiated by `jax.vjp`, and the
+factorised weight overshoots the first positions (the script records both; the tests hold the first to
+8%).
 
 The other components (LayerNorm, linear, ReLU, dropout) act on each position alone: they scale Γ's
 diagonal and off-diagonal by the gains of `dsjax.theory.components`, and each LayerNorm divides
@@ -76,9 +78,9 @@ def attention_head_map(
   x: Stats, gamma_LL: np.ndarray, *, d_in, d_head, p, qk_prod, v_var, factorised: bool = False
 ) -> np.ndarray:
   """Γ at the input of one causal head from Γ at its output (module docstring; notation of
-  `dsjax.theory.components._attention_moments`, form='exact'). factorised=True weighs the key and
-  query paths as that function does (E[P²]·E|e_u − P|², the first query included): averaged over
-  positions it then gives that function's gradient variance and covariance exactly."""
+  `dsjax.theory.components._attention_moments`, form='exact'; averaged over positions it gives that
+  function's gradient moments). factorised=True weighs the key and query paths by E[P²]·E|e_u − P|²
+  instead of E[P_u²·|e_u − P|²] (module docstring)."""
   L = len(gamma_LL)
   s2, mu, r = x.var, x.mean, x.corr_seq
   q2, c2, sd2 = s2 + mu**2, r * s2 + mu**2, (1 - r) * s2

@@ -1,9 +1,9 @@
 """The per-position gradient theory of `experiments/dslm_position_theory.py` holds together.
 
-Its causal-head map, averaged over positions with the scalar theory's factorised weights, is
-`dsjax.theory.components`' causal attention; with its exact weights it matches a Monte Carlo of the head
-(plain `jnp`, `jax.vjp`) on every band of positions, where the factorised weights overshoot the first
-positions; and the whole stack runs from a model description.
+Its causal-head map, averaged over positions, is `dsjax.theory.components`' causal attention; it
+matches a Monte Carlo of the head (plain `jnp`, `jax.vjp`) on every band of positions, where the
+factorised weighting of the key path overshoots the first positions; and the whole stack runs from a
+model description.
 """
 
 import os
@@ -23,10 +23,10 @@ HEAD = dict(d_in=64, d_head=16, p=0.1, qk_prod=64**-2.0, v_var=3 / 64)
 
 
 @pytest.mark.parametrize('r, rg', [(0.1, 0.3), (0.6, 0.0)])
-def test_factorised_map_averages_to_the_scalar_theory(r, rg):
+def test_the_map_averages_to_the_scalar_theory(r, rg):
   x, L, g2 = Stats(mean=0.0, var=1.3, corr_seq=r), 16, 0.7
   gamma = g2 * ((1 - rg) * np.eye(L) + rg * np.ones((L, L)))
-  m = T.attention_head_map(x, gamma, factorised=True, **HEAD)
+  m = T.attention_head_map(x, gamma, **HEAD)
   _, _, var_g, cov_g = C._attention_moments(  # pylint: disable=protected-access
     x, GradStats(var=g2, corr_seq=rg), length=L, causal=True, form='exact', **HEAD
   )

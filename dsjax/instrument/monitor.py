@@ -70,10 +70,11 @@ MONITOR_FIELDS = {
   # whose App. F fixed point is r = 1); DSLM Post-LN stacks that end on the unigram plateau reach 0.987
   # (64 × 32) and 0.995 (64 × 16). A narrow Pre-LN stack's transient can pass it too (0.994, 64 × 16).
   'corr_seq_max': (0.985, 'rank collapse: token correlation of the residual stream above this'),
-  # Theory (`theory.model.propagate`, GeLU, dropout 0.1, seq 32): the Xavier Pre-LN ratio grows about
-  # 0.6 per layer (2.7 at 4 layers, 114 at 192); DSLM keeps it at 1–3 (experiments/dslm_results.md §1).
-  # 10⁴ is ~90× above the Xavier Pre-LN stack at 192 layers; narrow Xavier Post-LN stacks pass it at
-  # initialisation (3·10⁵ predicted at 96 × 16), a collapsed DSLM Post-LN stack is at 10⁻⁹ (ibid. §2).
+  # Theory (`theory.model.propagate`, causal, GeLU, dropout 0.1, seq 32, d 32, 4 heads): the Xavier
+  # Pre-LN ratio grows about 0.8 per layer (3.1 at 4 layers, 152 at 192); DSLM keeps it at 0.6–3
+  # (experiments/dslm_results.md §1). 10⁴ is ~65× above the Xavier Pre-LN stack at 192 layers; narrow
+  # Xavier Post-LN stacks pass it at initialisation (2·10⁵ predicted at 96 × 16), a collapsed DSLM
+  # Post-LN stack is at 10⁻⁹ (ibid. §2).
   'grad_ratio_max': (1e4, 'gradient variance of the first over the last layer outside [1/x, x]'),
   # Theory against measurement (experiments/results/rank_collapse, 192 layers): median errors of 0–6%
   # for the covered models, the largest per-layer error 0.80 relative (Xavier Pre-LN gradient) — a factor

@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -272,6 +274,51 @@ def test_causal_attention_with_uniform_weights():
   # Two positions share min(n_t, n_t') keys: covariance averages 1/max(n_t, n_t') over pairs.
   pairs = L * (L - 1)
   assert out.cov_seq == pytest.approx(d_in * v * 2 * np.sum((n - 1) / n) / pairs, rel=1e-6)
+
+
+def test_softmax_key_weight_is_zero_for_one_key_and_exact_for_uniform_logits():
+  # n²·E[P_1²·|e_1 − P|²]: a softmax over one key is constant; uniform logits give 1 − 1/n.
+  n = np.array([1, 2, 5, 40, 200])
+  np.testing.assert_allclose(C._softmax_key_weight(0.0, n), 1 - 1 / n, rtol=1e-12)
+  assert C._softmax_key_weight(0.8, 1) == 0.0
+  # Toward many keys it tends to n²E[P²] (the key's own term dominates).
+  assert C._softmax_key_weight(0.8, 4000) == pytest.approx(C._softmax_e2(0.8, 4000), rel=2e-3)
+
+
+@pytest.mark.parametrize('causal', [True, False])
+def test_attention_gradient_through_the_logits_matches_sampling(causal):
+  # Logits of variance ~0.9 and uncorrelated tokens, where the logit paths are a third of the gradient:
+  # plain jnp, jax.vjp, 4000 draws of inputs and weights (sampling error ~1%).
+  L, d_in, d_head, r = 16, 32, 8, 0.1
+  mask = jnp.tril(jnp.ones((L, L), bool)) if causal else jnp.ones((L, L), bool)
+
+  def grad_energy(key):
+    k = jax.random.split(key, 6)
+    x = math.sqrt(r) * jax.random.normal(k[0], (1, d_in)) + math.sqrt(1 - r) * jax.random.normal(
+      k[1], (L, d_in)
+    )
+    wq, wk, wv = (jax.random.normal(k[i], (d_in, d_head)) / math.sqrt(d_in) for i in (2, 3, 4))
+    head = lambda x: (
+      jax.nn.softmax(jnp.where(mask, (x @ wq) @ (x @ wk).T / math.sqrt(d_head), -jnp.inf)) @ (x @ wv)
+    )  # noqa: E731
+    (gx,) = jax.vjp(head, x)[1](jax.random.normal(k[5], (L, d_head)))
+    return (gx**2).mean()
+
+  sampled = float(
+    jax.lax.map(jax.jit(grad_energy), jax.random.split(jax.random.PRNGKey(0), 4000), batch_size=500).mean()
+  )
+  _, g_in = C.attention_head(
+    Stats(var=1.0, corr_seq=r),
+    GradStats(),
+    d_in=d_in,
+    d_head=d_head,
+    length=L,
+    p=0.0,
+    qk_var=1 / d_in,
+    v_var=1 / d_in,
+    causal=causal,
+  )
+  assert g_in.var == pytest.approx(sampled, rel=0.04)
 
 
 def test_causal_attention_first_position_sees_itself_only():
