@@ -5,7 +5,8 @@ r"""A per-position theory of the gradient of a causal stack, against the per-pos
 `dsjax.theory` follows one scalar per statistic: the gradient variance and the mean correlation between
 two token positions, as if every position were alike. Under causal attention they are not: key u is
 read by the queries t ≥ u only, and the first key by all of them. `experiments/dslm_positions.py`
-measured that at 192 layers the DSLM full init's gradient at layer 1 sits mostly on the first positions.
+measured that at 192 layers the gradient at layer 1 sits mostly on the first positions (the DSLM full
+init) or on position 0 alone (Xavier Post-LN).
 This experiment carries the backward pass as an L×L matrix instead: Γ(u, u') = E[g_u·g_u'] per hidden
 unit, for the positions u, u' of one sequence.
 

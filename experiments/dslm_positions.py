@@ -3,8 +3,9 @@ r"""Where along the sequence a deep model's gradient grows toward the input, per
   python experiments/dslm_positions.py --out=experiments/results/dslm_positions [--seed=0 --batches=8]
 
 `dsjax.theory` describes one element of a layer's output, alike at every token position; under causal
-attention the positions differ (every later query reads the first key). This measures, for the DSLM
-cases of `experiments/dslm_moments.py` at 192 layers × d 256 (ReLU, dropout 0.1, seq 128, batch 4), the
+attention the positions differ (every later query reads the first key). This measures, for three DSLM
+cases of `experiments/dslm_moments.py` and its two Xavier (vanilla) ones at 192 layers × d 256 (ReLU,
+dropout 0.1, seq 128, batch 4), the
 mean squared gradient at the output of layers 1 and 192 per token position, averaged over batches,
 sequences and hidden units. The gradients come from `experiments/plain_reference.py` (the model in plain
 `jnp`, differentiated by `jax.grad` alone, dropout masks as dsjax draws them), so no dsjax derivative
@@ -36,7 +37,7 @@ from dsjax.train import state, step  # noqa: E402
 from experiments import dslm_moments  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
-CASES = ('dslm_preln_full', 'dslm_postln_full', 'dslm_preln_simple')
+CASES = ('dslm_preln_full', 'dslm_postln_full', 'dslm_preln_simple', 'xavier_postln', 'xavier_preln')
 SHAPE = {'depth': 192, 'width': 256, 'num_heads': 4, 'seq_len': 128, 'batch_size': 4, 'activation': 'relu'}
 BANDS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 128))
 
