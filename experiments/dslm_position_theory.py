@@ -39,7 +39,7 @@ Written to OUT/seed<S>.json: the head map's check against sampling; per case the
 and per-position-theory layer-1 / layer-192 gradient ratios, and per band of positions the predicted
 share of layer 1's gradient energy and the band's own ratio, beside those measured by
 `experiments/dslm_positions.py` (read from experiments/results/dslm_positions/ when present). Reading:
-experiments/dslm_results.md §1. Runtime: ~3 minutes on a 2-core CPU (most of it the measurement).
+experiments/dslm_results.md §1. Runtime: ~2 minutes on a 2-core CPU (most of it the measurement).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ MONITOR_FIELDS = {
   # Post-LN stack is at 10⁻⁹ (ibid. §2).
   'grad_ratio_max': (1e4, 'gradient variance of the first over the last layer outside [1/x, x]'),
   # Theory against measurement (experiments/results/rank_collapse, 192 layers): median errors of 0–6%
-  # for the covered models, the largest per-layer error 0.80 relative (Xavier Pre-LN gradient) — a factor
+  # for the covered models, the largest per-layer error 0.75 relative (Xavier Pre-LN gradient) — a factor
   # 2 is past those except on the few layers the theory misses, and past the Xavier Post-LN gradient,
   # which it does not capture (median error 0.999): there the flag should fire.
   'theory_factor': (2.0, 'at step 1, a measured variance off the prediction by more than this factor'),
