@@ -35,7 +35,8 @@ attention output is its own value, so position 0's branch variance is ~1/r of th
 
 The stack is anchored where the scalar prediction is (`dsjax.instrument.theory_adapter`): at the
 measured gradient of the last layer, alike at every position, and the measured embedding statistics.
-Written to OUT/seed<S>.json: the head map's check against sampling; per case the measured, scalar-theory
+Written to OUT/seed<S>.json: the head map's check against sampling; the factorised key weight's error
+(`weighting_comparison`); per case the measured, scalar-theory
 and per-position-theory layer-1 / layer-192 gradient ratios, and per band of positions the predicted
 share of layer 1's gradient energy and the band's own ratio, beside those measured by
 `experiments/dslm_positions.py` (read from experiments/results/dslm_positions/ when present). Reading:
@@ -51,6 +52,7 @@ import json
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,8 +157,22 @@ def _head_profile(x: Stats, *, L, d_in, d_head, p, qk_prod) -> np.ndarray:
   return var / var.mean()
 
 
+class _Site(NamedTuple):
+  """One residual add's forward record, read by the backward pass."""
+
+  k: int  # 0-based over the 2·depth adds: attention at even k, FFN at odd k
+  skip: float  # λ
+  branch: float  # β
+  branch_out: Stats  # the branch output after its dropout
+  total: Stats  # λ·x + β·branch_out, before a Post-LN norm
+  inputs: list  # (name, input statistics) of the branch's components, in forward order
+  stream_var_L: np.ndarray  # per-position variance of the add's input x, relative to its mean
+  sum_var_L: np.ndarray  # the same for the sum λ·x + β·branch_out
+
+
 def propagate_positions(desc, x0: Stats, grad_top: GradStats) -> list[np.ndarray]:
-  """Γ at the output of every residual add (2·depth, attention then FFN per layer), from the top.
+  """Γ at the output of every layer's two sublayers (2·depth entries, attention then FFN per layer;
+  the residual add's output for Pre-LN, its LayerNorm's output for Post-LN), from the top.
 
   The forward statistics are the scalar theory's (`dsjax.theory.components`), with each position's
   variance relative to the mean followed alongside for the LayerNorms."""
@@ -199,40 +215,44 @@ def propagate_positions(desc, x0: Stats, grad_top: GradStats) -> list[np.ndarray
     branch = scale['branch_attn' if k % 2 == 0 else 'branch_ffn'][k // 2]
     h = norm(x, GradStats())[0] if pre else x
     inputs = [('norm', x)] if pre else []
+    profile_L = np.ones(L)
     for name, f in layers(k):
       inputs.append((name, h))
-      h = head_forward(k, h) if name == 'heads' else f(h, GradStats())[0]
+      if name == 'heads':
+        profile_L = _head_profile(h, L=L, p=attn_p, **head_kw(k))
+        h = head_forward(k, h)
+      else:
+        h = f(h, GradStats())[0]
     inputs.append(('dropout', h))
     branch_out = C.dropout(h, GradStats(), p=p)[0]
-    profile_L = _head_profile(inputs[1 if pre else 0][1], L=L, p=attn_p, **head_kw(k)) if k % 2 == 0 else 1.0
     total = theory_model._add(x, branch_out, skip, branch)  # pylint: disable=protected-access
     sum_var_L = (skip**2 * x.var * stream_var_L + branch**2 * branch_out.var * profile_L) / total.var
-    sites.append((k, x, branch_out, total, inputs, stream_var_L, sum_var_L, skip, branch))
+    sites.append(_Site(k, skip, branch, branch_out, total, inputs, stream_var_L, sum_var_L))
     x = total if pre else norm(total, GradStats())[0]
     stream_var_L = sum_var_L if pre else np.ones(L)
 
   gamma = grad_top.var * ((1 - grad_top.corr_seq) * np.eye(L) + grad_top.corr_seq * np.ones((L, L)))
   grads = [None] * len(sites)
   last = len(sites) - 1
-  for k, x, branch_out, total, inputs, stream_var_L, sum_var_L, skip, branch in reversed(sites):
+  for site in reversed(sites):
+    k = site.k
     grads[k] = gamma
     if not pre:  # the LayerNorm after the add, as `dsjax.theory.model.propagate` has it
-      rho = None if k in (0, last) else min(1.0, branch**2 * branch_out.var / total.var)
-      gamma = _per_position_norm(
-        _apply(gamma, _gains(functools.partial(norm, random_fraction=rho), total)), sum_var_L
-      )
-    g_branch = _apply(branch**2 * gamma, _gains(functools.partial(C.dropout, p=p), inputs[-1][1]))
-    components = dict(layers(k), dropout=None, norm=norm)
-    for name, h in reversed(inputs[:-1]):
+      rho = None if k in (0, last) else min(1.0, site.branch**2 * site.branch_out.var / site.total.var)
+      norm_gains = _gains(functools.partial(norm, random_fraction=rho), site.total)
+      gamma = _per_position_norm(_apply(gamma, norm_gains), site.sum_var_L)
+    dropout_input = site.inputs[-1][1]
+    g_branch = _apply(site.branch**2 * gamma, _gains(functools.partial(C.dropout, p=p), dropout_input))
+    components = dict(layers(k), norm=norm)
+    for name, h in reversed(site.inputs[:-1]):
       if name == 'heads':
-        n = k // 2
         # The heads read all d inputs with independent weights: their input gradients add.
-        g_branch = heads * attention_head_map(h, g_branch, p=attn_p, v_var=w['v'][n], **head_kw(k))
+        g_branch = heads * attention_head_map(h, g_branch, p=attn_p, v_var=w['v'][k // 2], **head_kw(k))
       else:
         g_branch = _apply(g_branch, _gains(components[name], h))
         if name == 'norm':
-          g_branch = _per_position_norm(g_branch, stream_var_L)
-    gamma = skip**2 * gamma + g_branch
+          g_branch = _per_position_norm(g_branch, site.stream_var_L)
+    gamma = site.skip**2 * gamma + g_branch
   return grads
 
 
@@ -285,11 +305,38 @@ def check_gamma(L: int, rg: float) -> np.ndarray:
   return gamma
 
 
+def weighting_comparison(trials: int) -> dict:
+  """How far the factorised key weight is off, position-averaged, on gradients alike at every position:
+  against sampling (uncorrelated positions, three small heads) and against the exact weight at a GPT
+  head's size (d 256, d_head 64, 128 positions, Xavier weights, attention dropout 0.1)."""
+  mean_diag = lambda m: float(np.diag(m).mean())  # noqa: E731
+  sampled = {}
+  for L, d_in, d_head, r in ((32, 64, 16, 0.1), (32, 64, 16, 0.6), (16, 32, 8, 0.1)):
+    draws, predicted = monte_carlo_head(np.eye(L), r=r, d_in=d_in, d_head=d_head, trials=trials)
+    sampled[f'L={L} d_in={d_in} d_head={d_head} r={r}'] = {
+      'sampled': mean_diag(draws),
+      **{k: mean_diag(v) for k, v in predicted.items()},
+    }
+  gpt = {}
+  for r in (0.06, 0.3, 0.68):
+    for rg in (0.0, 0.13):
+      gamma = (1 - rg) * np.eye(128) + rg * np.ones((128, 128))
+      kw = dict(d_in=256, d_head=64, p=0.1, qk_prod=256**-2.0, v_var=1 / 256)
+      x = Stats(mean=0.0, var=1.0, corr_seq=r)
+      factorised = mean_diag(attention_head_map(x, gamma, factorised=True, **kw))
+      gpt[f'r={r} rg={rg}'] = factorised / mean_diag(attention_head_map(x, gamma, **kw))
+  return {'against_sampling': sampled, 'gpt_head_factorised_over_exact': gpt}
+
+
 def _bands(energy_L: np.ndarray) -> dict:
   return {f'{lo}-{hi - 1}': float(energy_L[lo:hi].sum() / energy_L.sum()) for lo, hi in dslm_positions.BANDS}
 
 
 def predict_case(case: str, seed: int, num_batches: int) -> dict:
+  """The scalar and the per-position predictions for one case, from `dsjax.moments`' measurement of
+  its first `num_batches` batches (the scalar prediction's anchor); 'measured' is that measurement's
+  layer-1 / layer-192 ratio (through the instrumentation probe; the plain-`jnp` one of
+  `dslm_positions.py` differs from it by float rounding, amplified along the depth)."""
   c = dslm_moments.case_config(case, **dslm_positions.SHAPE, seed=seed)
   info = data.dataset_info(c.data)
   model = moments.load_model(c, info, None)
@@ -338,8 +385,13 @@ def main():
     bands = lambda m: {b: float(np.diag(m)[lo:hi].mean()) for b, (lo, hi) in CHECK_BANDS.items()}  # noqa: E731
     result['check'][f'rg={rg}'] = {'sampled': bands(sampled), **{k: bands(v) for k, v in predicted.items()}}
     print(f'head map check rg={rg}:', result['check'][f'rg={rg}'], flush=True)
+  result['weighting'] = weighting_comparison(args.check_trials)
+  print('factorised against exact key weights:', result['weighting'], flush=True)
   measured_path = os.path.join(MEASURED_POSITIONS, f'seed{args.seed}.json')
-  measured_positions = json.load(open(measured_path))['cases'] if os.path.exists(measured_path) else {}
+  measured_positions = {}
+  if os.path.exists(measured_path):
+    with open(measured_path) as f:
+      measured_positions = json.load(f)['cases']
   for case in dslm_positions.CASES:
     out = predict_case(case, args.seed, args.batches)
     if case in measured_positions:

@@ -477,7 +477,7 @@ def _softmax_key_weight(sigma2: float, n) -> np.ndarray:
   n = np.asarray(n)
   unique = np.unique(n)
 
-  def exact(values):
+  def exact(values):  # quadrature at each n; up to 48 distinct n it is cheap enough to use everywhere
     m = softmax_moments(sigma2, values)
     return values.astype(np.float64) ** 2 * (m['m2q'] + (values - 1) * m['m22'])
 
@@ -587,9 +587,10 @@ def _attention_moments(
   k2(n) = n²·E[P_u²·|e_u − P|²] (`_softmax_key_weight`) weighs a query in its logit gradient
   ∂ℓ_u = P_u·(a_u − Σ_s P_s a_s): it is 0 for a query that sees one key (a constant softmax) and tends to
   e2(n) for many keys. Weighting by e2(n) alone (and by c_n·e2(n) in Q), the first query included,
-  over-predicts where queries see few keys: by 14–43% of a causal head's input-gradient variance at
-  L = 16–32, d_in = 32–64, logit variance ~0.9, against a Monte Carlo (plain jnp, jax.vjp; sampled in
-  tests/theory/test_components.py).
+  over-predicts where queries see few keys: by 14–42% of a causal head's input-gradient variance at
+  L = 16–32, d_in = 32–64, logit variance ~0.9, against a Monte Carlo in plain jnp and jax.vjp
+  (`experiments/dslm_position_theory.py`, 'weighting' in its results; the weight used here is held to
+  sampling in tests/theory/test_components.py).
   Cross terms between the three paths are O(1/d_in) or O(1/L) relative and dropped. Token covariance
   (u ≠ u'): V from Σ_t E[P_tu P_tu'] = (n−e2)/(n²(n−1)) per shared query plus rg/(n_t n_t'); Q from
   the shared mean part rg·σδ⁴·c_n c_n' and the fluctuation over shared keys; K ≈ 0.
