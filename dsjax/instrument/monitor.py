@@ -72,14 +72,15 @@ MONITOR_FIELDS = {
   'corr_seq_max': (0.985, 'rank collapse: token correlation of the residual stream above this'),
   # Theory (`theory.model.propagate`, causal, GeLU, dropout 0.1, seq 32, d 32, 4 heads): the Xavier
   # Pre-LN ratio grows about 0.8 per layer (3.1 at 4 layers, 152 at 192); DSLM keeps it at 0.6–3 at
-  # 192 × 256, measured and predicted (experiments/dslm_results.md §1). 10⁴ is ~65× above the Xavier Pre-LN stack at 192 layers; narrow
-  # Xavier Post-LN stacks pass it at initialisation (2·10⁵ predicted at 96 × 16), a collapsed DSLM
-  # Post-LN stack is at 10⁻⁹ (ibid. §2).
+  # 192 × 256, measured and predicted (experiments/dslm_results.md §1). 10⁴ is ~65× above the Xavier
+  # Pre-LN stack at 192 layers; narrow Xavier Post-LN stacks pass it at initialisation (2·10⁵ predicted
+  # at 96 × 16), a collapsed DSLM Post-LN stack is at 10⁻⁹ (ibid. §2).
   'grad_ratio_max': (1e4, 'gradient variance of the first over the last layer outside [1/x, x]'),
   # Theory against measurement (experiments/results/rank_collapse, 192 layers): median errors of 0–13%
-  # for the covered models (layer outputs, gradients, branches), the largest per-layer error 0.75 relative (Xavier Pre-LN gradient) — a factor
-  # 2 is past those except on the few layers the theory misses, and past the Xavier Post-LN gradient,
-  # which it does not capture (median error 0.999): there the flag should fire.
+  # for the covered models (layer outputs, gradients, branches), the largest per-layer error 0.75
+  # relative (Xavier Pre-LN gradient) — a factor 2 is past those except on the few layers the theory
+  # misses, and past the Xavier Post-LN gradient, which it does not capture (median error 0.999): there
+  # the flag should fire.
   'theory_factor': (2.0, 'at step 1, a measured variance off the prediction by more than this factor'),
   # Measured: max |x| of the stream grows by at most 5.9× in the healthy runs of
   # experiments/results/stability_monitor (DSLM Pre-LN 64 × 32; 1.4× for configs/gpt_preln.py), and a
