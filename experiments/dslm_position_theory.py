@@ -88,11 +88,8 @@ def attention_head_map(
   s2, mu, r = x.var, x.mean, x.corr_seq
   q2, c2, sd2 = s2 + mu**2, r * s2 + mu**2, (1 - r) * s2
   U, Uc = qk_prod * d_in**2 * q2, qk_prod * d_in**2 * c2
-  kappa, b = sd2 * Uc, sd2 * U / d_head
-  if 2 * b >= 1:
-    raise ValueError(f'attention logits too large (logit variance {sd2 * U:.3g} >= d_head/2)')
-  sl2_eff = -0.5 * d_head * math.log1p(-2 * b)  # the spread of |q_t| over queries, as there
-  e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * c2 / q2) ** 2 - b**2))
+  kappa = sd2 * Uc
+  sl2_eff, e_kappa = C._query_spread(sd2 * U, c2, q2, d_head)  # pylint: disable=protected-access
   pos = np.arange(L)
   n = pos + 1.0
   m = C.softmax_moments(sl2_eff, pos + 1)
@@ -150,10 +147,10 @@ def _head_profile(x: Stats, *, L, d_in, d_head, p, qk_prod) -> np.ndarray:
   s2, r = x.var, x.corr_seq
   q2, c2, sd2 = s2 + x.mean**2, r * s2 + x.mean**2, (1 - r) * s2
   U = qk_prod * d_in**2 * q2
-  tau2 = sd2**2 * U / d_in
   n = np.arange(1, L + 1, dtype=np.float64)
-  e2 = np.asarray(C._softmax_e2(-0.5 * d_head * math.log1p(-2 * sd2 * U / d_head), n.astype(int)))  # pylint: disable=protected-access
-  var = c2 * (1 + p * e2 / (n * (1 - p))) + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
+  sl2_eff, _ = C._query_spread(sd2 * U, c2, q2, d_head)  # pylint: disable=protected-access
+  e2 = np.asarray(C._softmax_e2(sl2_eff, n.astype(int)))  # pylint: disable=protected-access
+  var = C._query_output_var(c2, sd2**2 * U / d_in, sd2, e2, n, p)  # pylint: disable=protected-access
   return var / var.mean()
 
 

@@ -539,6 +539,28 @@ def softmax(
 # Attention (Appendices A.8, B.1) and its causal variant.
 
 
+def _query_spread(sl2: float, c2: float, q2: float, d_head: int) -> tuple[float, float]:
+  """(σ_eff², e^κ) of `_attention_moments`' form='exact' ("Spread over queries" there): the logit
+  variance at which the softmax moments are taken, and the shared-key factor between two queries."""
+  b = sl2 / d_head
+  rho = c2 / q2 if q2 > 0 else 0.0
+  if 2 * b >= 1:
+    raise ValueError(
+      f'attention logits too large for the moment formulas (logit variance {sl2:.3g} '
+      f'>= d_head/2 = {d_head / 2}): the softmax is saturated'
+    )
+  # E[e^{σℓ²X}] over X ~ χ²_{d_head}/d_head equals e^{σ_eff²}: the softmax moments are evaluated at
+  # σ_eff² (exact for n = 1 and for n → ∞, smooth in between).
+  sl2_eff = -0.5 * d_head * math.log1p(-2 * b)
+  e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho) ** 2 - b**2))
+  return sl2_eff, e_kappa
+
+
+def _query_output_var(c2, tau2, sd2, e2, n, p):
+  """E[(Σ_s A_ts x_s)²] per input coordinate for a query over n keys (form='exact', docstring below)."""
+  return c2 * (1 + p * e2 / (n * (1 - p))) + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
+
+
 def _attention_moments(
   x: Stats,
   g: GradStats,
@@ -636,17 +658,7 @@ def _attention_moments(
 
   exact = form == 'exact'
   if exact:
-    b = sl2 / d_head
-    rho = c2 / q2 if q2 > 0 else 0.0
-    if 2 * b >= 1:
-      raise ValueError(
-        f'attention logits too large for the moment formulas (logit variance {sl2:.3g} '
-        f'>= d_head/2 = {d_head / 2}): the softmax is saturated'
-      )
-    # E[e^{σℓ²X}] over X ~ χ²_{d_head}/d_head equals e^{σ_eff²}: the softmax moments are evaluated at
-    # σ_eff² (exact for n = 1 and for n → ∞, smooth in between).
-    sl2_eff = -0.5 * d_head * math.log1p(-2 * b)
-    e_kappa = math.exp(-0.5 * d_head * math.log((1 - b * rho) ** 2 - b**2))
+    sl2_eff, e_kappa = _query_spread(sl2, c2, q2, d_head)
     e2_of = lambda n: _softmax_e2(sl2_eff, n)
   else:
     # Appendix A.8: e^{σℓ²} in the forward; the backward treats the softmax as the constant 1/L.
@@ -660,7 +672,7 @@ def _attention_moments(
     n = float(L)
     e2 = float(e2_of(L))
     if exact:
-      var_pre = c2 * (1 + p * e2 / (n * (1 - p))) + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
+      var_pre = _query_output_var(c2, tau2, sd2, e2, n, p)
       cov_pre = c2 + tauc2 * (1 - 1 / n) + e_kappa * (sd2 + 2 * tau2 + 2 * tauc2) / n
     else:
       # Appendix A.8 verbatim (mu = 0 there; c2 generalises r·s2).
@@ -692,7 +704,7 @@ def _attention_moments(
     return (np.sum(f) ** 2 - np.sum(f**2)) / pairs
 
   if exact:
-    var_pre = c2 * (1 + p * e2 / (n * (1 - p))) + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
+    var_pre = _query_output_var(c2, tau2, sd2, e2, n, p)
     cov_pre = c2 + mean_over_pairs_of_max(tauc2 * (1 - 1 / n) + e_kappa * (sd2 + 2 * tau2 + 2 * tauc2) / n)
   else:
     var_pre = c2 + tau2 * (n - 1) / n + e2 * (sd2 + 4 * tau2) / (n * (1 - p))
