@@ -448,23 +448,29 @@ def _softmax_moments_raw(sigma2: float, n, full: bool):
   return tuple(None if v is None else v.reshape(shape) for v in values)
 
 
+def _over_many_n(exact: Callable[[np.ndarray], np.ndarray], n) -> np.ndarray:
+  """`exact(values)` at every n: computed at each distinct n when there are at most 48 (cheap enough),
+  else at a few dozen nodes and interpolated in 1/n — for functions of n that are smooth in 1/n."""
+  n = np.asarray(n)
+  unique = np.unique(n)
+  if unique.size <= 48:
+    return exact(unique)[np.searchsorted(unique, n)]
+  nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(
+    int
+  )
+  # np.interp needs increasing abscissae: 1/n decreases with n, so reverse.
+  return np.interp(1.0 / n, (1.0 / nodes)[::-1], exact(nodes)[::-1])
+
+
 def _softmax_e2(sigma2: float, n) -> np.ndarray:
   """n²·E[P²] for n i.i.d. N(0, sigma2) logits: the spread of attention weights (1 when uniform).
 
   For many different n (causal attention) it is computed exactly at a few dozen n and interpolated in
   1/n elsewhere; n²E[P²] is a smooth function of 1/n.
   """
-  n = np.asarray(n)
-  unique = np.unique(n)
-  if unique.size <= 48:
-    e2 = unique.astype(np.float64) ** 2 * _softmax_moments_raw(sigma2, unique, full=False)[0]
-    return e2[np.searchsorted(unique, n)]
-  nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(
-    int
+  return _over_many_n(
+    lambda values: values.astype(np.float64) ** 2 * _softmax_moments_raw(sigma2, values, full=False)[0], n
   )
-  e2 = nodes.astype(np.float64) ** 2 * _softmax_moments_raw(sigma2, nodes, full=False)[0]
-  # np.interp needs increasing abscissae: 1/n decreases with n, so reverse.
-  return np.interp(1.0 / n, (1.0 / nodes)[::-1], e2[::-1])
 
 
 def _softmax_key_weight(sigma2: float, n) -> np.ndarray:
@@ -474,19 +480,12 @@ def _softmax_key_weight(sigma2: float, n) -> np.ndarray:
   square averages to E[P_u²·|e_u − P|²]·E[a²] for i.i.d. zero-mean a. It is 0 for n = 1 (a constant
   softmax) and tends to n²E[P²] for large n. Interpolated in 1/n for many different n, as `_softmax_e2`.
   """
-  n = np.asarray(n)
-  unique = np.unique(n)
 
-  def exact(values):  # quadrature at each n; up to 48 distinct n it is cheap enough to use everywhere
+  def exact(values):
     m = softmax_moments(sigma2, values)
     return values.astype(np.float64) ** 2 * (m['m2q'] + (values - 1) * m['m22'])
 
-  if unique.size <= 48:
-    return exact(unique)[np.searchsorted(unique, n)]
-  nodes = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(16, unique.max(), 40).round()])).astype(
-    int
-  )
-  return np.interp(1.0 / n, (1.0 / nodes)[::-1], exact(nodes)[::-1])
+  return _over_many_n(exact, n)
 
 
 SOFTMAX_FORMS = ('quadrature', 'lognormal', 'simple')
