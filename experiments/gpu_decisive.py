@@ -16,10 +16,11 @@ that a machine with another Python trains on the same text — the library of th
 
 Resumable: every finished (arm, lr) is kept under OUT/<sweep>/ (dsjax.sweep's own resumption), so a
 command cut off — or stopped by `--budget_s` before an arm that its sweep's measured speed says would not
-fit — continues where it stopped when rerun with the same OUT, here or on another machine with the same
-corpus (a tokenizer of another corpus is refused). It prints the plan (members × tokens of every sweep,
-model FLOPs) first, then for each arm its measured member-tokens/s and the projected time of what is
-left. A sweep that fails (e.g. out of memory) is recorded and the next one runs. Outputs:
+fit, later sweeps' arms that fit still trained — continues where it stopped when rerun with the same OUT,
+here or on another machine with the same corpus (a tokenizer of another corpus is refused). It prints the
+plan (members × tokens of every sweep, model FLOPs) first, then for each arm its measured member-tokens/s
+and the projected time of what is left. A sweep that fails (e.g. out of memory) is recorded and the next
+one runs. Outputs:
   OUT/plan.json                  parameters, tokens per parameter (embeddings included and not), epochs
   OUT/<sweep>/trained_<arm>.json per call that trained the arm: device kind, jax version, date, commit,
                                  attention implementation and dtype, seconds, member-tokens/s
@@ -297,10 +298,14 @@ class Clock:
   """The budget, and the measured speed of the arms trained on this kind of device (model FLOP/s,
   compilation and evaluation included), by sweep — in this call, and in earlier calls as their
   `trained_<arm>.json` recorded it. An arm's time is projected from its own sweep's slowest arm, else
-  from the slowest arm of any sweep, times `ESTIMATE_MARGIN`; with no arm measured yet, it is unknown."""
+  from the slowest arm of a sweep of the same model shape, else from the slowest arm of any sweep, times
+  `ESTIMATE_MARGIN`; with no arm measured yet, it is unknown. Once an arm did not fit (`stopped`), the
+  later sweeps' arms that do fit still run, so that the end of a window is not left idle."""
 
-  def __init__(self, budget_s: float, device_kind: str):
+  def __init__(self, budget_s: float, device_kind: str, shapes: dict[str, tuple[int, int]]):
     self.start, self.budget_s, self.device_kind = time.time(), budget_s, device_kind
+    self.shapes = shapes  # sweep -> (depth, width): sweeps of one shape train at about one speed
+    self.stopped = False
     self.rates: dict[str, list[float]] = {}
     self.remaining: dict[tuple[str, str], float] = {}  # (sweep, arm) -> model FLOPs still to train
 
@@ -317,7 +322,10 @@ class Clock:
     return self.budget_s - (time.time() - self.start) if self.budget_s else math.inf
 
   def estimate(self, sweep_name: str, flops: float) -> float | None:
-    rates = self.rates.get(sweep_name) or [r for rs in self.rates.values() for r in rs]
+    same_shape = [
+      r for name, rs in self.rates.items() if self.shapes[name] == self.shapes[sweep_name] for r in rs
+    ]
+    rates = same_shape or [r for rs in self.rates.values() for r in rs]
     return ESTIMATE_MARGIN * flops / min(rates) if rates else None
 
   def projection(self) -> str:
@@ -374,8 +382,10 @@ def run_sweep(plan: Plan, checked: sweep.Plan, size: dict, clock: Clock, where: 
     if sweep.arm_finished(checked.out, arm.name, checked.lrs, checked.max_extend):
       return False  # finished in an earlier call: nothing to train
     need, left = clock.estimate(plan.name, arm_flops(plan, size)), clock.left()
-    if need is not None and need > left:
-      print(f'{plan.name}/{arm.name}: needs ~{need:.0f}s, {left:.0f}s left: stopping here', flush=True)
+    if (need is None and clock.stopped) or (need is not None and need > left):
+      need_s = 'speed not measured' if need is None else f'needs ~{need:.0f}s'
+      print(f'{plan.name}/{arm.name}: {need_s}, {left:.0f}s left: stopping here', flush=True)
+      clock.stopped = True
       return True
     started[arm.name] = (time.time(), set(sweep.finished_lrs(checked.out, arm.name)))
     guess = f'~{need:.0f}s' if need is not None else 'speed not measured yet'
@@ -635,7 +645,8 @@ def main(argv):
 
   max_extend = 0 if args.tiny else MAX_EXTEND
   checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in to_train}  # all, first
-  clock = Clock(args.budget_s, where['device_kind'])
+  shapes = {r['sweep']: (r['depth'], r['width']) for r in plan_rows}
+  clock = Clock(args.budget_s, where['device_kind'], shapes)
   clock.load(out)
   for p in to_train:
     for arm in checked[p.name].arms:
@@ -653,9 +664,7 @@ def main(argv):
       failures.append(dict(where, sweep=p.name, error=f'{type(e).__name__}: {e}'[:4000]))
       print(f'{p.name}: FAILED, going on with the next sweep: {failures[-1]["error"][:500]}', flush=True)
       continue
-    if not finished:
-      stopped = True
-      break
+    stopped = stopped or not finished  # a later sweep's arms may still fit the budget
   if failures:
     path = os.path.join(out, 'failures.json')
     write_json(path, (read_json(path) if os.path.exists(path) else []) + failures)

@@ -127,3 +127,15 @@ def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
   assert {a['arm'] for a in decisive['arms']} == {'preln', 'dnt'}
   assert all(0 <= f <= 1 for a in decisive['arms'] for f in a['clipped_fraction'])
   assert json.loads((out / 'plan.json').read_text())['sweeps'][0]['sweep'] == 'depth_4x128'
+
+
+def test_an_unmeasured_sweep_is_projected_from_a_sweep_of_its_shape():
+  shapes = {'a': (4, 128), 'b': (64, 32), 'c': (4, 128), 'd': (16, 64)}
+  clock = gpu_decisive.Clock(budget_s=100, device_kind='x', shapes=shapes)
+  assert clock.estimate('c', 1e12) is None  # nothing measured yet
+  clock.add('a', 4e12)
+  clock.add('b', 1e12)
+  margin = gpu_decisive.ESTIMATE_MARGIN
+  assert clock.estimate('c', 4e12) == pytest.approx(margin * 1.0)  # a's speed: the same shape
+  assert clock.estimate('d', 4e12) == pytest.approx(margin * 4.0)  # no sweep of its shape: the slowest
+  assert clock.estimate('b', 4e12) == pytest.approx(margin * 4.0)  # its own
