@@ -47,6 +47,7 @@ import time
 import types
 
 import jax
+import numpy as np
 from absl import flags
 from flax import nnx
 
@@ -74,6 +75,9 @@ def _define_flags():
   flags.DEFINE_list('only', [], 'Run only these sweeps (names as in the plan), in the plan order.')
   flags.DEFINE_boolean('tiny', False, 'Every sweep at a tiny size, for checking the script on a CPU.')
   flags.DEFINE_boolean('plan_only', False, 'Print and write the plan (OUT/plan.json), train nothing.')
+  flags.DEFINE_boolean(
+    'summarize', False, 'Rewrite OUT/summary.md and OUT/decisive.json from what OUT holds, train nothing.'
+  )
   flags.DEFINE_string(
     'data',
     'python_stdlib',
@@ -233,11 +237,26 @@ def param_counts(config) -> dict[str, int]:
 
 
 def train_tokens(config) -> int:
+  return len(split_tokens(config, 'train'))
+
+
+def split_tokens(config, split: str):
   data = config_lib.validate_config(config, num_devices=1).data
   pipeline = data_lib.make_pipeline(
-    data, split='train', global_batch_size=1, process_index=0, process_count=1, train=True
+    data, split=split, global_batch_size=1, process_index=0, process_count=1, train=split == 'train'
   )
-  return len(pipeline.stream)
+  return pipeline.stream
+
+
+def unigram_losses(config) -> dict[str, float]:
+  """The loss of predicting every token from the train split's token frequencies (add-one smoothed), on
+  the validation and test splits: a model at this loss has learnt nothing beyond the frequencies."""
+  vocab = param_counts(config)['vocab_size']
+  counts = np.bincount(np.asarray(split_tokens(config, 'train')), minlength=vocab) + 1.0
+  log_p = np.log(counts / counts.sum())
+  return {
+    split: float(-log_p[np.asarray(split_tokens(config, split))].mean()) for split in ('validation', 'test')
+  }
 
 
 def flops_per_token(config, counts) -> float:
@@ -334,12 +353,18 @@ class Clock:
       return 'nothing left to train'
     known = sum(t for t in times if t is not None)
     unknown = sum(t is None for t in times)
-    left = f'{self.left():.0f}s' if self.budget_s else 'no budget'
+    left = f'{self.left():.0f}s of the budget' if self.budget_s else 'no budget'
     return (
       f'left: {len(times)} arms, ~{known:.0f}s at the measured speeds'
       + (f' (+{unknown} of unknown speed)' if unknown else '')
-      + f'; {left} of the budget'
+      + f'; {left}'
     )
+
+
+def last_window(out: str) -> dict | None:
+  """The machine record of the latest call that trained an arm (None before any)."""
+  records = [r for p in PLANS for r in trained_records(os.path.join(out, p.name))]
+  return max(records, key=lambda r: r['date']) if records else None
 
 
 def trained_records(sweep_dir: str) -> list[dict]:
@@ -443,12 +468,19 @@ def verdict(interval: dict, paper_sign: int) -> str:
   return 'not resolved'
 
 
-def load_results(out: str) -> dict[str, dict]:
+def load_results(out: str, checked: dict[str, sweep.Plan]) -> dict[str, dict]:
+  """Every finished arm's result by sweep: from a finished sweep's results.json, else (a sweep cut off)
+  from the arms it has finished, so that a claim whose arms are all in is judged before its sweep ends."""
   found = {}
   for plan in PLANS:
     path = os.path.join(out, plan.name, 'results.json')
     if os.path.exists(path):
       found[plan.name] = {a['name']: a for a in read_json(path)['arms']}
+      continue
+    c = checked[plan.name]
+    done = [a for a in c.arms if sweep.arm_finished(c.out, a.name, c.lrs, c.max_extend)]
+    if done:
+      found[plan.name] = {a.name: sweep.arm_result(a, sweep.finished_lrs(c.out, a.name)) for a in done}
   return found
 
 
@@ -542,15 +574,24 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
   return rows
 
 
-def arm_rows(results: dict[str, dict], sizes_by_sweep: dict[str, dict]) -> list[dict]:
+UNIGRAM_MARGIN = 0.02  # a member not this far below the unigram loss on validation learnt no more
+
+
+def not_below_unigram(member: dict, unigram_validation: float) -> bool:
+  return not member['diverged'] and member['select']['eval/loss'] > unigram_validation - UNIGRAM_MARGIN
+
+
+def arm_rows(
+  results: dict[str, dict], sizes_by_sweep: dict[str, dict], unigram: dict[str, float]
+) -> list[dict]:
   rows = []
   for name, arms in results.items():
     for arm in arms.values():
       chosen = [m for m in arm['members'] if m['lr'] == arm['selected_lr']]
       steps = sizes_by_sweep[name]['steps']
-      diverged = {
-        f'{lr:.3g}': sum(m['diverged'] for m in arm['members'] if m['lr'] == lr) for lr in arm['lrs']
-      }
+      by_lr = {f'{lr:.3g}': [m for m in arm['members'] if m['lr'] == lr] for lr in arm['lrs']}
+      diverged = {lr: sum(m['diverged'] for m in ms) for lr, ms in by_lr.items()}
+      stuck = {lr: sum(not_below_unigram(m, unigram['validation']) for m in ms) for lr, ms in by_lr.items()}
       rows.append(
         {
           'sweep': name,
@@ -559,13 +600,14 @@ def arm_rows(results: dict[str, dict], sizes_by_sweep: dict[str, dict]) -> list[
           'settled': arm['settled'],
           'report': arm['report']['eval/loss'],
           'diverged_by_lr': diverged,
+          'not_below_unigram_by_lr': stuck,
           'clipped_fraction': [m.get('clipped_steps', 0) / steps for m in chosen],
         }
       )
   return rows
 
 
-def summary_markdown(plan_rows, arms, claims, where) -> str:
+def summary_markdown(plan_rows, arms, claims, where, unigram) -> str:
   lines = [
     '# GPU experiments: DSLM at constant N·d², DNT 2×2',
     '',
@@ -578,16 +620,22 @@ def summary_markdown(plan_rows, arms, claims, where) -> str:
     '',
     '## Arms: test-split eval loss at the lr selected on validation',
     '',
-    '| sweep | arm | lr | mean ± sd (min–max), n | diverged seeds by lr | clipped steps (fraction) |',
-    '|---|---|---|---|---|---|',
+    f"The unigram loss (every token predicted from the train split's token frequencies) is "
+    f'{unigram["validation"]:.4f} on validation and {unigram["test"]:.4f} on test; a seed not '
+    f'{UNIGRAM_MARGIN} below it on validation has learnt no more than the frequencies.',
+    '',
+    '| sweep | arm | lr | mean ± sd (min–max), n | diverged seeds by lr | seeds not below unigram, by lr | '
+    'clipped steps (fraction) |',
+    '|---|---|---|---|---|---|---|',
   ]
   for r in arms:
     s = r['report']
     lr = f'{r["selected_lr"]:.3g}' + ('' if r['settled'] else ' UNSETTLED')
     div = ', '.join(f'{k}: {v}' for k, v in r['diverged_by_lr'].items())
+    stuck = ', '.join(f'{k}: {v}' for k, v in r['not_below_unigram_by_lr'].items())
     clip = ', '.join(f'{x:.2f}' for x in r['clipped_fraction'])
     spread = f'{s["mean"]:.4f} ± {s["sd"]:.4f} ({s["min"]:.4f}–{s["max"]:.4f}), {s["n"]}'
-    lines.append(f'| {r["sweep"]} | {r["arm"]} | {lr} | {spread} | {div} | {clip} |')
+    lines.append(f'| {r["sweep"]} | {r["arm"]} | {lr} | {spread} | {div} | {stuck} | {clip} |')
   lines += [
     '',
     '## Claims: differences of mean test loss with 95% Welch–Satterthwaite intervals',
@@ -638,13 +686,16 @@ def main(argv):
   plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
   print('\n'.join(plan_table(plan_rows)), flush=True)
-  write_json(os.path.join(out, 'plan.json'), {'train_tokens': corpus_tokens, 'sweeps': plan_rows})
+  unigram = unigram_losses(config_of[PLANS[0].name])
+  print(f'unigram loss: validation {unigram["validation"]:.4f}, test {unigram["test"]:.4f}', flush=True)
+  plan_json = {'train_tokens': corpus_tokens, 'unigram_loss': unigram, 'sweeps': plan_rows}
+  write_json(os.path.join(out, 'plan.json'), plan_json)
   sizes_by_sweep = {r['sweep']: r for r in plan_rows}
   if args.plan_only:
     return
 
   max_extend = 0 if args.tiny else MAX_EXTEND
-  checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in to_train}  # all, first
+  checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in PLANS}  # all, first
   shapes = {r['sweep']: (r['depth'], r['width']) for r in plan_rows}
   clock = Clock(args.budget_s, where['device_kind'], shapes)
   clock.load(out)
@@ -655,7 +706,7 @@ def main(argv):
   print(clock.projection(), flush=True)
 
   stopped, failures = False, []
-  for p in to_train:
+  for p in [] if args.summarize else to_train:
     try:
       finished = run_sweep(
         p, checked[p.name], sizes_by_sweep[p.name], clock, sweep_machine(where, config_of[p.name])
@@ -668,15 +719,19 @@ def main(argv):
   if failures:
     path = os.path.join(out, 'failures.json')
     write_json(path, (read_json(path) if os.path.exists(path) else []) + failures)
-  results = load_results(out)
-  arms, claims = arm_rows(results, sizes_by_sweep), claim_rows(results)
+  results = load_results(out, checked)
+  arms, claims = arm_rows(results, sizes_by_sweep, unigram), claim_rows(results)
+  last = last_window(out) or where
   write_json(
-    os.path.join(out, 'decisive.json'), {'machine': where, 'plan': plan_rows, 'arms': arms, 'claims': claims}
+    os.path.join(out, 'decisive.json'),
+    {'machine': last, 'plan': plan_rows, 'unigram_loss': unigram, 'arms': arms, 'claims': claims},
   )
-  summary = summary_markdown(plan_rows, arms, claims, where)
+  summary = summary_markdown(plan_rows, arms, claims, last, unigram)
   sweep.write_atomically(os.path.join(out, 'summary.md'), summary)
   print(summary, flush=True)
-  if stopped:
+  if args.summarize:
+    print('Summarized what OUT holds; nothing trained.', flush=True)
+  elif stopped:
     print('Stopped within the budget; rerun the command to resume.', flush=True)
   elif failures:
     print(f'Failed: {", ".join(f["sweep"] for f in failures)} (OUT/failures.json); the others finished.')

@@ -104,6 +104,16 @@ def test_the_plan_is_printed_and_written_first(tmp_path):
   assert (out / 'tokenizer' / 'tokenizer.json').exists() and not (out / 'depth_4x128').exists()
 
 
+def test_summarize_trains_nothing(tmp_path):
+  out = tmp_path / 'out'
+  result = _run(out, '--tiny', '--summarize', _small_texts(tmp_path / 'texts'))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'nothing trained' in result.stdout
+  decisive = json.loads((out / 'decisive.json').read_text())
+  assert decisive['arms'] == [] and decisive['unigram_loss']['test'] > 0
+  assert not (out / 'depth_4x128').exists()
+
+
 @pytest.mark.slow  # ~80 s: a tokenizer, two arms of 12 tiny members each, trained in two calls
 def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
   out = tmp_path / 'out'
@@ -117,6 +127,10 @@ def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
   assert trained['device_kind'] and trained['commit'] and trained['tokens_per_s'] > 0
   assert trained['attention'] == 'xla' and trained['dtype'] == 'float32'  # as resolved on the CPU
   assert len(trained['lrs_trained']) == 4
+  partial = json.loads((out / 'decisive.json').read_text())  # a sweep cut off: its finished arm is in
+  assert [a['arm'] for a in partial['arms']] == ['preln'] and not partial['claims']
+  assert set(partial['unigram_loss']) == {'validation', 'test'}
+  assert set(partial['arms'][0]['not_below_unigram_by_lr']) == {'0.001', '0.003', '0.01', '0.03'}
 
   second = _run(out, *flags)
   assert second.returncode == 0, second.stderr[-2000:]
