@@ -190,15 +190,15 @@ def fold_model(model, config):
 # ------------------------------------------------------------------------------------------------
 
 
-def restore_run(workdir: str):
-  """The model of a training workdir at its latest checkpoint, and the run's config."""
+def restore_run(workdir: str, step: int | None = None):
+  """The model of a training workdir at its latest checkpoint (or at `step`), and the run's config."""
   config = load_config(os.path.join(workdir, 'config.json'))
   remedy = (
     f'{os.path.join(workdir, "config.json")} is not the config its checkpoints were trained with '
     '(was it replaced?); put back the config.json that run wrote'
   )
   return checkpoint_lib.restore_model(
-    config, data_lib.dataset_info(config.data), workdir, '--workdir', remedy
+    config, data_lib.dataset_info(config.data), workdir, '--workdir', remedy, step
   ), config
 
 

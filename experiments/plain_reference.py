@@ -2,10 +2,11 @@ r"""dsjax's GPT written out again in plain `jnp`, differentiated by `jax.grad` a
 
 The forward pass of `dsjax.models.gpt.GPT` — token and position embedding, embedding dropout, the Pre-LN or
 Post-LN stack (`dsjax.models.transformer.Block`: x ← Norm(λ·x + β·Drop(f(x))), x ← λ·x + β·Drop(f(Norm(x)))),
-final norm, output scale, head — and the next-token cross-entropy of `dsjax.train.step.lm_loss`, written
-from their definitions with none of the project's code on the path: no `custom_jvp` / `custom_vjp`
-anywhere (dsjax's dense layers and its 'xla' attention have their own derivative rules; `jax.nn.softmax`
-and `jax.nn.relu` have JAX's), no dsjax attention implementation, softmax and log-softmax as exp / sum.
+final norm, output scale, head (its own or the token embedding's transpose) — and the next-token
+cross-entropy of `dsjax.train.step.lm_loss`, written from their definitions with none of the project's
+code on the path: no `custom_jvp` / `custom_vjp` anywhere (dsjax's dense layers and its 'xla' attention
+have their own derivative rules; `jax.nn.softmax` and `jax.nn.relu` have JAX's), no dsjax attention
+implementation, softmax and log-softmax as exp / sum.
 The parameters are dsjax's own, read out of the model's nnx state (`reference_tree`), and so are the
 dropout masks: `dropout_masks` draws them from the same key in the same order as the model does, so a
 model and its reference compute the same function of the same numbers.
@@ -14,9 +15,10 @@ model and its reference compute the same function of the same numbers.
 rounding does to a statistic. Layers run under `jax.lax.scan` with `jax.checkpoint` (recomputation, not a
 derivative rule), so a 192-layer backward pass keeps only each layer's input.
 
-What it covers: LayerNorm, Pre-LN and Post-LN layouts (and an InputNorm), learned positions, an untied head,
-ReLU / exact GeLU, dropout on the embedding and both branch outputs; `reference_spec` refuses a model with
-anything else (attention dropout, QKNorm, mid norms, RMSNorm, tied embeddings, a concatenation trunk).
+What it covers: LayerNorm, Pre-LN and Post-LN layouts (and an InputNorm), learned positions,
+ReLU / exact GeLU, dropout on the embedding and both branch outputs, untied or tied embeddings;
+`reference_spec` refuses a model with anything else (attention dropout, QKNorm, mid norms, RMSNorm, a
+concatenation trunk).
 tests/test_plain_reference.py checks loss and every parameter gradient against dsjax's.
 """
 
@@ -46,6 +48,7 @@ class Spec:
   input_norm: bool
   pre_norm: bool  # Pre-LN: a norm before each branch and a final one after the stack
   post_norm: bool  # Post-LN: a norm after each residual add
+  tied: bool  # the head is the token embedding's transpose
 
 
 def reference_spec(model: nnx.Module) -> Spec:
@@ -58,7 +61,6 @@ def reference_spec(model: nnx.Module) -> Spec:
     'QKNorm or mid norms': lay.qk_norm or lay.mid_attn or lay.mid_ffn,
     'a norm other than LayerNorm': cfg.norm != 'layernorm',
     'identity-mixed attention': cfg.attn_identity,
-    'tied embeddings': model.head is None,
     'Pre-LN norms without a final norm (or the reverse)': (lay.pre_attn or lay.pre_ffn) != lay.final_norm,
     'one of the two pre-branch norms only': lay.pre_attn != lay.pre_ffn,
     'an activation other than relu or gelu': cfg.activation not in ('relu', 'gelu'),
@@ -79,6 +81,7 @@ def reference_spec(model: nnx.Module) -> Spec:
     input_norm=lay.input_norm,
     pre_norm=lay.pre_attn,
     post_norm=lay.post,
+    tied=model.head is None,
   )
 
 
@@ -164,15 +167,20 @@ def _block(x_BLD, p, keep_2BLD, spec: Spec):
   return norm('post_ffn_norm', skip_ffn * x_BLD + branch_ffn * h, spec.post_norm)
 
 
+def _embed(tree, tokens_BL, spec: Spec, masks):
+  """Token and position embedding, its dropout, and the InputNorm where there is one."""
+  x_BLD = tree['token_embed'][tokens_BL] + tree['pos_embedding'][: tokens_BL.shape[1]]
+  x_BLD = _dropout(x_BLD, None if masks is None else masks['embedding'], spec.dropout)
+  if spec.input_norm:
+    x_BLD = _layernorm(x_BLD, tree['trunk']['input_norm'], spec.eps)
+  return x_BLD
+
+
 def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
   """Next-token logits (B, L, vocab) in the dtype of `tree`'s arrays. `deltas_NBLD`: added to each layer's
   output (the residual stream entering the next layer), so that the gradient with respect to them is the
   gradient with respect to the layer outputs."""
-  l = tokens_BL.shape[1]
-  x_BLD = tree['token_embed'][tokens_BL] + tree['pos_embedding'][:l]
-  x_BLD = _dropout(x_BLD, None if masks is None else masks['embedding'], spec.dropout)
-  if spec.input_norm:
-    x_BLD = _layernorm(x_BLD, tree['trunk']['input_norm'], spec.eps)
+  x_BLD = _embed(tree, tokens_BL, spec, masks)
   layer_masks = None if masks is None else masks['layers']
   deltas = jnp.zeros((spec.depth,), x_BLD.dtype) if deltas_NBLD is None else deltas_NBLD
 
@@ -185,7 +193,22 @@ def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
   if spec.pre_norm:
     x_BLD = _layernorm(x_BLD, tree['trunk']['final_norm'], spec.eps)
   x_BLD = x_BLD * tree['trunk']['output_scale']
-  return jnp.einsum('bld,dv->blv', x_BLD, tree['head']['kernel'], precision='highest')
+  head_DV = tree['token_embed'].T if spec.tied else tree['head']['kernel']
+  return jnp.einsum('bld,dv->blv', x_BLD, head_DV, precision='highest')
+
+
+def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> jax.Array:
+  """The output of every layer (the residual stream entering the next one): (N, B, L, D)."""
+  x_BLD = _embed(tree, tokens_BL, spec, masks)
+  layer_masks = None if masks is None else masks['layers']
+
+  def layer(x_BLD, xs):
+    p, keep = xs
+    x_BLD = _block(x_BLD, p, keep, spec)
+    return x_BLD, x_BLD
+
+  _, outputs_NBLD = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks))
+  return outputs_NBLD
 
 
 def loss(tree, tokens_BL1, spec: Spec, masks=None, deltas_NBLD=None):

@@ -79,3 +79,16 @@ def test_export_command_round_trip(tmp_path):
 def test_export_rejects_dnt():
   with pytest.raises(ValueError, match='model.block'):
     export.fold_state({'trunk': {}}, 'dnt')
+
+
+def test_restore_run_at_a_chosen_step(tmp_path):
+  config = tiny_config('gpt', depth=2)
+  config.total_steps, config.checkpoint_every, config.optimizer.lr = 2, 1, 0.1
+  run = str(tmp_path / 'run')
+  loop.train_and_evaluate(config, run)
+  latest, _ = export.restore_run(run)
+  first, _ = export.restore_run(run, step=1)
+  inputs = export.first_eval_inputs(config)
+  assert not np.allclose(np.asarray(first(inputs)), np.asarray(latest(inputs)))
+  with pytest.raises(ValueError, match='no checkpoint of step 5'):
+    export.restore_run(run, step=5)

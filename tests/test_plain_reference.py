@@ -2,8 +2,9 @@
 
 Tiny models (3 layers × 32): the loss and every parameter gradient of `experiments/plain_reference.py`
 equal those of dsjax's GPT — plain attention and the CPU's 'xla' form, Post-LN and Pre-LN, with and
-without dropout (the reference draws dsjax's masks from the same key) — to float32 rounding; and the
-gradients with respect to the layer outputs equal those that the instrumentation's probe records.
+without dropout (the reference draws dsjax's masks from the same key), untied and tied embeddings — to
+float32 rounding; and the layer outputs' variance and token correlation, and the gradients with respect
+to them, equal those that the instrumentation's probe records.
 """
 
 import os
@@ -20,17 +21,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 from dsjax import instrument, schemes  # noqa: E402
 from dsjax.instrument import probe as probe_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
+from experiments import dslm_stall  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 from tests.helpers import TEXT_INFO, tiny_config  # noqa: E402
 
 DEPTH, BATCH, SEQ = 3, 2, 16
 
 
-def _model(block: str, attention: str, dropout: float, activation: str = 'relu'):
+def _model(block: str, attention: str, dropout: float, activation: str = 'relu', tied: bool = False):
   c = tiny_config(
     'gpt', depth=DEPTH, block=block, attention=attention, dropout=dropout, activation=activation
   )
   c.model.scheme = 'vanilla'
+  c.model.tie_embeddings = tied
   c.data.seq_len = SEQ
   return c, schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None)
 
@@ -67,16 +70,16 @@ def _assert_grads_close(got, want):
 
 
 @pytest.mark.parametrize(
-  'block,attention,dropout,activation',
+  'block,attention,dropout,activation,tied',
   [
-    ('postln', 'plain', 0.0, 'relu'),
-    ('postln', 'xla', 0.1, 'relu'),
-    ('preln', 'plain', 0.1, 'gelu'),
-    ('preln', 'xla', 0.0, 'gelu'),
+    ('postln', 'plain', 0.0, 'relu', False),
+    ('postln', 'xla', 0.1, 'relu', True),
+    ('preln', 'plain', 0.1, 'gelu', False),
+    ('preln', 'xla', 0.0, 'gelu', True),
   ],
 )
-def test_loss_and_parameter_gradients_match_dsjax(block, attention, dropout, activation):
-  c, model = _model(block, attention, dropout, activation)
+def test_loss_and_parameter_gradients_match_dsjax(block, attention, dropout, activation, tied):
+  c, model = _model(block, attention, dropout, activation, tied)
   batch = _batch()
   key = step_lib.dropout_key_for_step(c.seed, 1) if dropout else None
   loss, grads = _dsjax_loss_and_grads(model, batch, key)
@@ -117,3 +120,25 @@ def test_unsupported_model_is_refused():
   model = schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None)
   with pytest.raises(ValueError, match='does not implement'):
     ref.reference_spec(model)
+
+
+def test_layer_outputs_match_the_probe():
+  """The variance and token correlation of the reference's layer outputs = the instrumentation's."""
+  c, model = _model('postln', 'xla', 0.1, tied=True)
+  batch, key = _batch(), step_lib.dropout_key_for_step(c.seed, 1)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss_of = lambda p, probe: step_lib.lm_loss(nnx.merge(graphdef, p, rest), batch, key, probe)[0]  # noqa: E731
+  _, _, moments = jax.jit(lambda p: instrument.value_and_grad(loss_of, p, weights=False))(params)
+  site = probe_lib.SITES.index('ffn_residual')
+  table = np.asarray(moments['activations'])[1:, site]
+
+  spec = ref.reference_spec(model)
+  masks = ref.dropout_masks(spec, key, BATCH, SEQ)
+  x_NBLD = ref.layer_outputs(
+    ref.cast(ref.reference_tree(model), jnp.float32), batch['tokens'][:, :-1], spec, masks
+  )
+  x_NBLD = np.asarray(x_NBLD, np.float64)
+  var_N = x_NBLD.reshape(DEPTH, -1).var(axis=1)
+  np.testing.assert_allclose(var_N, table[:, probe_lib.ACTIVATION_STATS.index('var')], rtol=1e-4)
+  corr_N = [dslm_stall.corr_seq_explicit(x) for x in x_NBLD]
+  np.testing.assert_allclose(corr_N, table[:, probe_lib.ACTIVATION_STATS.index('corr_seq')], atol=1e-4)

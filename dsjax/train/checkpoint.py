@@ -417,10 +417,12 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None = None):
-  """The NNX model of a training run at the latest intact checkpoint in `workdir` (for `dsjax.export
-  --workdir`, `dsjax.moments --checkpoint`; `flag` names it in errors): the train state is restored
-  onto one device and merged into a model built from `config`, with the result of its method's
+def restore_model(
+  config, data_info, workdir: str, flag: str, remedy: str | None = None, step: int | None = None
+):
+  """The NNX model of a training run at the latest intact checkpoint in `workdir`, or at `step` (for
+  `dsjax.export --workdir`, `dsjax.moments --checkpoint`; `flag` names it in errors): the train state is
+  restored onto one device and merged into a model built from `config`, with the result of its method's
   preparation step that the run saved. `remedy`: the advice of `check_compatible`'s message."""
   no_checkpoint = ValueError(f'{flag}={workdir} holds no checkpoint (looked in {workdir}/{CHECKPOINT_DIR})')
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):  # Checked first: creates nothing.
@@ -436,9 +438,15 @@ def restore_model(config, data_info, workdir: str, flag: str, remedy: str | None
     # sharding, Orbax would restore onto the saved one and refuse a different device count).
     abstract = jax.eval_shape(setup.create_state)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    restored = checkpointer.restore(
-      abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract)), set_aside=False
-    )
+    target = abstract_with_shardings(abstract, jax.tree.map(lambda _: one_device, abstract))
+    if step is None:
+      restored = checkpointer.restore(target, set_aside=False)
+    elif step in checkpointer.steps():
+      restored = checkpointer.restore_step(step, target)
+    else:
+      raise ValueError(
+        f'{flag}={workdir} holds no checkpoint of step {step}; it holds {checkpointer.steps()}'
+      )
   finally:
     checkpointer.close()
   if restored is None:
