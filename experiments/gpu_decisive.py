@@ -248,10 +248,9 @@ def split_tokens(config, split: str):
   return pipeline.stream
 
 
-def unigram_losses(config) -> dict[str, float]:
+def unigram_losses(config, vocab: int) -> dict[str, float]:
   """The loss of predicting every token from the train split's token frequencies (add-one smoothed), on
   the validation and test splits: a model at this loss has learnt nothing beyond the frequencies."""
-  vocab = param_counts(config)['vocab_size']
   counts = np.bincount(np.asarray(split_tokens(config, 'train')), minlength=vocab) + 1.0
   log_p = np.log(counts / counts.sum())
   return {
@@ -591,7 +590,9 @@ def arm_rows(
       steps = sizes_by_sweep[name]['steps']
       by_lr = {f'{lr:.3g}': [m for m in arm['members'] if m['lr'] == lr] for lr in arm['lrs']}
       diverged = {lr: sum(m['diverged'] for m in ms) for lr, ms in by_lr.items()}
-      stuck = {lr: sum(not_below_unigram(m, unigram['validation']) for m in ms) for lr, ms in by_lr.items()}
+      not_below = {
+        lr: sum(not_below_unigram(m, unigram['validation']) for m in ms) for lr, ms in by_lr.items()
+      }
       rows.append(
         {
           'sweep': name,
@@ -600,7 +601,7 @@ def arm_rows(
           'settled': arm['settled'],
           'report': arm['report']['eval/loss'],
           'diverged_by_lr': diverged,
-          'not_below_unigram_by_lr': stuck,
+          'not_below_unigram_by_lr': not_below,
           'clipped_fraction': [m.get('clipped_steps', 0) / steps for m in chosen],
         }
       )
@@ -632,10 +633,10 @@ def summary_markdown(plan_rows, arms, claims, where, unigram) -> str:
     s = r['report']
     lr = f'{r["selected_lr"]:.3g}' + ('' if r['settled'] else ' UNSETTLED')
     div = ', '.join(f'{k}: {v}' for k, v in r['diverged_by_lr'].items())
-    stuck = ', '.join(f'{k}: {v}' for k, v in r['not_below_unigram_by_lr'].items())
+    not_below = ', '.join(f'{k}: {v}' for k, v in r['not_below_unigram_by_lr'].items())
     clip = ', '.join(f'{x:.2f}' for x in r['clipped_fraction'])
     spread = f'{s["mean"]:.4f} ± {s["sd"]:.4f} ({s["min"]:.4f}–{s["max"]:.4f}), {s["n"]}'
-    lines.append(f'| {r["sweep"]} | {r["arm"]} | {lr} | {spread} | {div} | {stuck} | {clip} |')
+    lines.append(f'| {r["sweep"]} | {r["arm"]} | {lr} | {spread} | {div} | {not_below} | {clip} |')
   lines += [
     '',
     '## Claims: differences of mean test loss with 95% Welch–Satterthwaite intervals',
@@ -686,7 +687,7 @@ def main(argv):
   plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
   print('\n'.join(plan_table(plan_rows)), flush=True)
-  unigram = unigram_losses(config_of[PLANS[0].name])
+  unigram = unigram_losses(config_of[PLANS[0].name], plan_rows[0]['vocab_size'])
   print(f'unigram loss: validation {unigram["validation"]:.4f}, test {unigram["test"]:.4f}', flush=True)
   plan_json = {'train_tokens': corpus_tokens, 'unigram_loss': unigram, 'sweeps': plan_rows}
   write_json(os.path.join(out, 'plan.json'), plan_json)
