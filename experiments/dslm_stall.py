@@ -17,7 +17,9 @@ a checkpoint at an instrumented step, it restores the model there (the latest su
 token correlation with the plain reference — the token correlation from explicit L×L products in float64
 (the instrumentation sums instead) — beside what the instrumentation recorded at that step. The two see
 different batches and the checkpoint holds the weights after the step's update, so agreement means the
-same order of magnitude, not the same digits.
+same order of magnitude, not the same digits. It also records the variance of the residual sums that a
+Post-LN layer's norms divide by, and what the gradient keeps along the skip connections alone
+(`skip_path_gain`), for the checkpoint and for a freshly initialised model of the same config.
 experiments/README.md §11 reads the results.
 """
 
@@ -32,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from dsjax import data as data_lib  # noqa: E402
-from dsjax import export  # noqa: E402
+from dsjax import export, schemes  # noqa: E402
 from dsjax.train import checkpoint as checkpoint_lib  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
@@ -118,17 +121,22 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
   pipeline = data_lib.make_pipeline(
     config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
   )
-  grad_vars, corrs, losses = [], [], []
+  grad_vars, corrs, losses, sum_vars = [], [], [], []
   for i, batch in zip(range(batches), pipeline):
     tokens_BL1 = jnp.asarray(batch['tokens'])
     b, l1 = tokens_BL1.shape
     masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, step + 1 + i), b, l1 - 1)
     losses.append(float(jax.jit(ref.loss, static_argnums=2)(tree, tokens_BL1, spec, masks)))
     g_NBLD = np.asarray(jax.jit(ref.layer_output_grads, static_argnums=2)(tree, tokens_BL1, spec, masks))
-    x_NBLD = np.asarray(jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks))
+    x_NBLD, sum_vars_N2 = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
     grad_vars.append(g_NBLD.astype(np.float64).var(axis=(1, 2, 3)))
-    corrs.append([corr_seq_explicit(x) for x in x_NBLD])
-  grad_var_N, corr_N = np.mean(grad_vars, axis=0), np.mean(corrs, axis=0)
+    corrs.append([corr_seq_explicit(x) for x in np.asarray(x_NBLD)])
+    sum_vars.append(np.asarray(sum_vars_N2, np.float64))
+  grad_var_N, corr_N, sum_vars_N2 = (
+    np.mean(grad_vars, axis=0),
+    np.mean(corrs, axis=0),
+    np.mean(sum_vars, axis=0),
+  )
   shown = layers_shown(spec.depth)
   measured = moments[step]
   last = measured[(SITE, spec.depth - 1, 'grad_var')]
@@ -145,7 +153,38 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
       'grad_var_over_last': [measured[(SITE, layer, 'grad_var')] / last for layer in shown],
       'corr_seq': [measured[(SITE, layer, 'corr_seq')] for layer in shown],
     },
+    'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
+    'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,
+    'at_init': at_init(config, spec, masks, tokens_BL1[:, :-1], shown),
   }
+
+
+def at_init(config, spec, masks, tokens_BL, shown: list[int]) -> dict:
+  """The residual sums' variances and the skip path's gain of a freshly initialised model of the run's
+  config (params seed = the run's seed), on the last batch of the check."""
+  info = data_lib.dataset_info(config.data)
+  tree = ref.cast(
+    ref.reference_tree(schemes.build_model(config, info, nnx.Rngs(params=config.seed))), jnp.float32
+  )
+  _, sum_vars_N2 = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL, spec, masks)
+  sum_vars_N2 = np.asarray(sum_vars_N2, np.float64)
+  return {
+    'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
+    'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,
+  }
+
+
+def skip_path_gain(tree, sum_vars_N2: np.ndarray) -> float:
+  """Post-LN: what the gradient's variance keeps from the last layer's output to the first's along the
+  skip connections alone. Each norm divides the gradient by its input's standard deviation and each skip
+  multiplies it by λ, so layer n passes λ_attn²·λ_ffn² / (var of its attention sum · var of its FFN sum);
+  the product over layers 2 … N (the norms' gains left out). The branches carry the rest of the measured
+  gradient back."""
+  layers = tree['trunk']['stack']['layers']
+  skip_attn = np.asarray(layers['skip_attn'], np.float64).reshape(-1)
+  skip_ffn = np.asarray(layers.get('skip_ffn', layers['skip_attn']), np.float64).reshape(-1)
+  per_layer = skip_attn**2 * skip_ffn**2 / (sum_vars_N2[:, 0] * sum_vars_N2[:, 1])
+  return float(np.prod(per_layer[1:]))
 
 
 def main(argv):

@@ -152,6 +152,11 @@ def _dropout(x, keep, rate):
 
 def _block(x_BLD, p, keep_2BLD, spec: Spec):
   """One layer: attention add, then FFN add, in the layout of `dsjax.models.transformer.Block`."""
+  return _block_with_sums(x_BLD, p, keep_2BLD, spec)[0]
+
+
+def _block_with_sums(x_BLD, p, keep_2BLD, spec: Spec):
+  """The layer's output, and the two residual sums (skip + branch) that its Post-LN norms normalise."""
   keep = (None, None) if keep_2BLD is None else (keep_2BLD[0], keep_2BLD[1])
   skip_ffn = p.get('skip_ffn', p['skip_attn'])
   branch_ffn = p.get('branch_ffn', p['branch_attn'])
@@ -160,11 +165,13 @@ def _block(x_BLD, p, keep_2BLD, spec: Spec):
   h = _dropout(
     _attention(norm('pre_attn_norm', x_BLD, spec.pre_norm), p['attn'], spec), keep[0], spec.dropout
   )
-  x_BLD = norm('post_attn_norm', p['skip_attn'] * x_BLD + p['branch_attn'] * h, spec.post_norm)
+  attn_sum_BLD = p['skip_attn'] * x_BLD + p['branch_attn'] * h
+  x_BLD = norm('post_attn_norm', attn_sum_BLD, spec.post_norm)
   ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_norm)
   h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1']), spec.activation), p['ffn']['ffn2'])
   h = _dropout(h, keep[1], spec.dropout)
-  return norm('post_ffn_norm', skip_ffn * x_BLD + branch_ffn * h, spec.post_norm)
+  ffn_sum_BLD = skip_ffn * x_BLD + branch_ffn * h
+  return norm('post_ffn_norm', ffn_sum_BLD, spec.post_norm), attn_sum_BLD, ffn_sum_BLD
 
 
 def _embed(tree, tokens_BL, spec: Spec, masks):
@@ -197,18 +204,21 @@ def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
   return jnp.einsum('bld,dv->blv', x_BLD, head_DV, precision='highest')
 
 
-def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> jax.Array:
-  """The output of every layer (the residual stream entering the next one): (N, B, L, D)."""
+def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> tuple[jax.Array, jax.Array]:
+  """The output of every layer (the residual stream entering the next one), (N, B, L, D), and the
+  variance over the hidden units of the two residual sums each layer adds (what a Post-LN layer's norms
+  divide by), averaged over tokens: (N, 2), attention's then the FFN's."""
   x_BLD = _embed(tree, tokens_BL, spec, masks)
   layer_masks = None if masks is None else masks['layers']
 
   def layer(x_BLD, xs):
     p, keep = xs
-    x_BLD = _block(x_BLD, p, keep, spec)
-    return x_BLD, x_BLD
+    x_BLD, attn_sum_BLD, ffn_sum_BLD = _block_with_sums(x_BLD, p, keep, spec)
+    sum_vars = jnp.stack([attn_sum_BLD.var(-1).mean(), ffn_sum_BLD.var(-1).mean()])
+    return x_BLD, (x_BLD, sum_vars)
 
-  _, outputs_NBLD = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks))
-  return outputs_NBLD
+  _, (outputs_NBLD, sum_vars_N2) = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks))
+  return outputs_NBLD, sum_vars_N2
 
 
 def loss(tree, tokens_BL1, spec: Spec, masks=None, deltas_NBLD=None):

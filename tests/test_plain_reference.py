@@ -134,7 +134,7 @@ def test_layer_outputs_match_the_probe():
 
   spec = ref.reference_spec(model)
   masks = ref.dropout_masks(spec, key, BATCH, SEQ)
-  x_NBLD = ref.layer_outputs(
+  x_NBLD, _ = ref.layer_outputs(
     ref.cast(ref.reference_tree(model), jnp.float32), batch['tokens'][:, :-1], spec, masks
   )
   x_NBLD = np.asarray(x_NBLD, np.float64)
@@ -142,3 +142,12 @@ def test_layer_outputs_match_the_probe():
   np.testing.assert_allclose(var_N, table[:, probe_lib.ACTIVATION_STATS.index('var')], rtol=1e-4)
   corr_N = [dslm_stall.corr_seq_explicit(x) for x in x_NBLD]
   np.testing.assert_allclose(corr_N, table[:, probe_lib.ACTIVATION_STATS.index('corr_seq')], atol=1e-4)
+
+
+def test_the_residual_sums_of_a_pre_ln_layer_are_its_output():
+  """Pre-LN has no norm after the adds: the FFN's residual sum is the layer output itself."""
+  _, model = _model('preln', 'xla', 0.0)
+  spec = ref.reference_spec(model)
+  tokens = _batch()['tokens'][:, :-1]
+  x_NBLD, sum_vars_N2 = ref.layer_outputs(ref.cast(ref.reference_tree(model), jnp.float32), tokens, spec)
+  np.testing.assert_allclose(sum_vars_N2[:, 1], np.asarray(x_NBLD).var(-1).mean((1, 2)), rtol=1e-5)
