@@ -73,20 +73,27 @@ def layers_shown(depth: int) -> list[int]:
   return sorted({layer % depth for layer in LAYERS_SHOWN if layer < depth})
 
 
+def instrumented(m: dict, depth: int, shown: list[int]) -> dict:
+  """One step's recorded layer-output gradient variance (over the last layer's) and token correlation."""
+  last = m[(SITE, depth - 1, 'grad_var')]
+  return {
+    'grad_var_over_last': [m[(SITE, layer, 'grad_var')] / last for layer in shown],
+    'corr_seq': [m[(SITE, layer, 'corr_seq')] for layer in shown],
+  }
+
+
 def trajectory(moments, losses, depth: int) -> list[dict]:
   """Per instrumented step: the loss (of the nearest logged step) and the per-layer quantities."""
   rows, shown = [], layers_shown(depth)
   for step, m in sorted(moments.items()):
     nearest = min(losses, key=lambda s: abs(s - step))
-    last = m[(SITE, depth - 1, 'grad_var')]
     rows.append(
       {
         'step': step,
         'train_loss': losses[nearest],
         'loss_step': nearest,
         'layers': shown,
-        'grad_var_over_last': [m[(SITE, layer, 'grad_var')] / last for layer in shown],
-        'corr_seq': [m[(SITE, layer, 'corr_seq')] for layer in shown],
+        **instrumented(m, depth, shown),
         'attn_branch_var': [m[('attn_branch', layer, 'var')] for layer in shown],
         'ffn_branch_var': [m[('ffn_branch', layer, 'var')] for layer in shown],
       }
@@ -138,8 +145,6 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
     np.mean(sum_vars, axis=0),
   )
   shown = layers_shown(spec.depth)
-  measured = moments[step]
-  last = measured[(SITE, spec.depth - 1, 'grad_var')]
   return {
     'checkpoint_step': step,
     'batches': batches,
@@ -149,10 +154,7 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
       'grad_var_over_last': [float(grad_var_N[layer] / grad_var_N[-1]) for layer in shown],
       'corr_seq': [float(corr_N[layer]) for layer in shown],
     },
-    'instrumentation': {
-      'grad_var_over_last': [measured[(SITE, layer, 'grad_var')] / last for layer in shown],
-      'corr_seq': [measured[(SITE, layer, 'corr_seq')] for layer in shown],
-    },
+    'instrumentation': instrumented(moments[step], spec.depth, shown),
     'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
     'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,
     'at_init': at_init(config, spec, masks, tokens_BL1[:, :-1], shown),
