@@ -19,7 +19,9 @@ token correlation with the plain reference — the token correlation from explic
 different batches and the checkpoint holds the weights after the step's update, so agreement means the
 same order of magnitude, not the same digits. It also records the variance of the residual sums that a
 Post-LN layer's norms divide by, and what the gradient keeps along the skip connections alone
-(`skip_path_gain`), for the checkpoint and for a freshly initialised model of the same config.
+(`skip_path_gain`), and each sum's variance split into skip, branch and their covariance, the covariance
+into the part the sequence's tokens share and the tokens' own (`plain_reference.residual_sum_parts`), for
+the checkpoint and for a freshly initialised model of the same config.
 experiments/README.md §11 reads the results.
 """
 
@@ -128,7 +130,7 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
   pipeline = data_lib.make_pipeline(
     config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
   )
-  grad_vars, corrs, losses, sum_vars = [], [], [], []
+  grad_vars, corrs, losses, sum_vars, parts = [], [], [], [], []
   for i, batch in zip(range(batches), pipeline):
     tokens_BL1 = jnp.asarray(batch['tokens'])
     b, l1 = tokens_BL1.shape
@@ -139,6 +141,9 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
     grad_vars.append(g_NBLD.astype(np.float64).var(axis=(1, 2, 3)))
     corrs.append([corr_seq_explicit(x) for x in np.asarray(x_NBLD)])
     sum_vars.append(np.asarray(sum_vars_N2, np.float64))
+    parts.append(
+      np.asarray(jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks))
+    )
   grad_var_N, corr_N, sum_vars_N2 = (
     np.mean(grad_vars, axis=0),
     np.mean(corrs, axis=0),
@@ -157,6 +162,7 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
     'instrumentation': instrumented(moments[step], spec.depth, shown),
     'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
     'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,
+    'residual_sum_parts': sum_parts_shown(np.mean(parts, axis=0), shown),
     'at_init': at_init(config, spec, masks, tokens_BL1[:, :-1], shown),
   }
 
@@ -170,9 +176,19 @@ def at_init(config, spec, masks, tokens_BL, shown: list[int]) -> dict:
   )
   _, sum_vars_N2 = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL, spec, masks)
   sum_vars_N2 = np.asarray(sum_vars_N2, np.float64)
+  parts_N2P = np.asarray(jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL, spec, masks))
   return {
     'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
     'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,
+    'residual_sum_parts': sum_parts_shown(parts_N2P, shown),
+  }
+
+
+def sum_parts_shown(parts_N2P: np.ndarray, shown: list[int]) -> dict:
+  """`plain_reference.residual_sum_parts` at the layers shown: {'attn'|'ffn': {part: [one per layer]}}."""
+  return {
+    site: {name: parts_N2P[shown, i, j].astype(float).tolist() for j, name in enumerate(ref.SUM_PARTS)}
+    for i, site in enumerate(('attn', 'ffn'))
   }
 
 

@@ -152,11 +152,13 @@ def _dropout(x, keep, rate):
 
 def _block(x_BLD, p, keep_2BLD, spec: Spec):
   """One layer: attention add, then FFN add, in the layout of `dsjax.models.transformer.Block`."""
-  return _block_with_sums(x_BLD, p, keep_2BLD, spec)[0]
+  return _block_with_terms(x_BLD, p, keep_2BLD, spec)[0]
 
 
-def _block_with_sums(x_BLD, p, keep_2BLD, spec: Spec):
-  """The layer's output, and the two residual sums (skip + branch) that its Post-LN norms normalise."""
+def _block_with_terms(x_BLD, p, keep_2BLD, spec: Spec):
+  """The layer's output, and for each of its two residual adds (attention's, then the FFN's) the terms
+  of the sum λ·x + β·h that a Post-LN norm normalises: (λ, x_BLD, β, h_BLD), x the stream entering the
+  add (the skip) and h the branch's output after its dropout."""
   keep = (None, None) if keep_2BLD is None else (keep_2BLD[0], keep_2BLD[1])
   skip_ffn = p.get('skip_ffn', p['skip_attn'])
   branch_ffn = p.get('branch_ffn', p['branch_attn'])
@@ -165,13 +167,51 @@ def _block_with_sums(x_BLD, p, keep_2BLD, spec: Spec):
   h = _dropout(
     _attention(norm('pre_attn_norm', x_BLD, spec.pre_norm), p['attn'], spec), keep[0], spec.dropout
   )
-  attn_sum_BLD = p['skip_attn'] * x_BLD + p['branch_attn'] * h
-  x_BLD = norm('post_attn_norm', attn_sum_BLD, spec.post_norm)
+  attn_terms = (p['skip_attn'], x_BLD, p['branch_attn'], h)
+  x_BLD = norm('post_attn_norm', _residual_sum(*attn_terms), spec.post_norm)
   ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_norm)
   h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1']), spec.activation), p['ffn']['ffn2'])
-  h = _dropout(h, keep[1], spec.dropout)
-  ffn_sum_BLD = skip_ffn * x_BLD + branch_ffn * h
-  return norm('post_ffn_norm', ffn_sum_BLD, spec.post_norm), attn_sum_BLD, ffn_sum_BLD
+  ffn_terms = (skip_ffn, x_BLD, branch_ffn, _dropout(h, keep[1], spec.dropout))
+  return norm('post_ffn_norm', _residual_sum(*ffn_terms), spec.post_norm), attn_terms, ffn_terms
+
+
+def _residual_sum(skip, x_BLD, branch, h_BLD):
+  return skip * x_BLD + branch * h_BLD
+
+
+def _sum_parts(skip, x_BLD, branch, h_BLD) -> jax.Array:
+  """The variance over the hidden units of λ·x + β·h, averaged over tokens, split into its parts
+  (`SUM_PARTS`): λ²·Var(x), β²·Var(h) and 2λβ·Cov(x, h), the covariance split by writing each token's
+  vector (centred over the hidden units) as its sequence's mean over tokens plus the token's deviation
+  from it — the part all tokens share and the token's own; the cross terms of the two average to zero
+  over a sequence. Also the shared part's fraction of Var(x) and of Var(h)."""
+  x_BLD = x_BLD - x_BLD.mean(-1, keepdims=True)
+  h_BLD = h_BLD - h_BLD.mean(-1, keepdims=True)
+  x_shared_B1D, h_shared_B1D = x_BLD.mean(1, keepdims=True), h_BLD.mean(1, keepdims=True)
+  mean_product = lambda a, b: (a * b).mean(-1).mean()  # noqa: E731  (per token, then over tokens)
+  var_x, var_h = mean_product(x_BLD, x_BLD), mean_product(h_BLD, h_BLD)
+  cross_shared = mean_product(x_shared_B1D, h_shared_B1D)
+  cross_own = mean_product(x_BLD - x_shared_B1D, h_BLD - h_shared_B1D)
+  return jnp.stack(
+    [
+      skip**2 * var_x,
+      branch**2 * var_h,
+      2 * skip * branch * cross_shared,
+      2 * skip * branch * cross_own,
+      mean_product(x_shared_B1D, x_shared_B1D) / var_x,
+      mean_product(h_shared_B1D, h_shared_B1D) / var_h,
+    ]
+  )
+
+
+SUM_PARTS = (
+  'skip_var',
+  'branch_var',
+  'cross_shared',
+  'cross_own',
+  'skip_shared_fraction',
+  'branch_shared_fraction',
+)
 
 
 def _embed(tree, tokens_BL, spec: Spec, masks):
@@ -208,25 +248,41 @@ def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> tuple[jax.Array, j
   """The output of every layer (the residual stream entering the next one), (N, B, L, D), and the
   variance over the hidden units of the two residual sums each layer adds (what a Post-LN layer's norms
   divide by), averaged over tokens: (N, 2), attention's then the FFN's."""
+  outputs_NBLD, sum_vars_N2, _ = _scan_layers(tree, tokens_BL, spec, masks)
+  return outputs_NBLD, sum_vars_N2
+
+
+def residual_sum_parts(tree, tokens_BL, spec: Spec, masks=None) -> jax.Array:
+  """(N, 2, len(SUM_PARTS)): each layer's two residual sums (attention's, the FFN's) split by `_sum_parts`;
+  the first four parts add up to the sum's variance that `layer_outputs` returns."""
+  return _scan_layers(tree, tokens_BL, spec, masks)[2]
+
+
+def _scan_layers(tree, tokens_BL, spec: Spec, masks):
   x_BLD = _embed(tree, tokens_BL, spec, masks)
   layer_masks = None if masks is None else masks['layers']
 
   def layer(x_BLD, xs):
     p, keep = xs
-    x_BLD, attn_sum_BLD, ffn_sum_BLD = _block_with_sums(x_BLD, p, keep, spec)
-    sum_vars = jnp.stack([attn_sum_BLD.var(-1).mean(), ffn_sum_BLD.var(-1).mean()])
-    return x_BLD, (x_BLD, sum_vars)
+    x_BLD, *terms = _block_with_terms(x_BLD, p, keep, spec)
+    sum_vars = jnp.stack([_residual_sum(*t).var(-1).mean() for t in terms])
+    return x_BLD, (x_BLD, sum_vars, jnp.stack([_sum_parts(*t) for t in terms]))
 
-  _, (outputs_NBLD, sum_vars_N2) = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks))
-  return outputs_NBLD, sum_vars_N2
+  layers = tree['trunk']['stack']['layers']
+  _, (outputs_NBLD, sum_vars_N2, parts_N2P) = jax.lax.scan(layer, x_BLD, (layers, layer_masks))
+  return outputs_NBLD, sum_vars_N2, parts_N2P
 
 
 def loss(tree, tokens_BL1, spec: Spec, masks=None, deltas_NBLD=None):
   """Mean next-token cross-entropy over the batch: the model reads tokens[:, :-1], predicts tokens[:, 1:]."""
-  z_BLV = logits(tree, tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
+  return cross_entropy(logits(tree, tokens_BL1[:, :-1], spec, masks, deltas_NBLD), tokens_BL1[:, 1:])
+
+
+def cross_entropy(z_BLV, targets_BL):
+  """Mean of log Σ exp(z) − z[target] over the positions."""
   z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
   log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
-  target_BL = jnp.take_along_axis(z_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+  target_BL = jnp.take_along_axis(z_BLV, targets_BL[..., None], axis=-1)[..., 0]
   return (log_norm_BL - target_BL).mean()
 
 

@@ -1,0 +1,214 @@
+r"""Does the token frequencies' gradient drive the 64-layer Post-LN collapse? The GPU sweep's DSLM Post-LN
+arm trained by an independent loop, with and without a logit bias that starts at the train split's
+log-frequencies of the tokens.
+
+  OUT=experiments/results/dslm_stall  # each run below: ~5 min on 2 CPU cores
+  python experiments/dslm_stall_bias.py --bias=none --seed=0 --updates=41 --out=$OUT/bias_none_s0.json
+  python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
+
+Why. At initialisation a language model's loss gradient is dominated by one direction that every token
+position shares: the logits should move towards the tokens' frequencies. In the stalled run (experiments/
+README.md §11) what the branches add becomes shared by the sequence's tokens, and the token
+representations collapse onto it within the warm-up. A logit bias that already holds the frequencies
+(learnable, not decayed) takes that direction out of the early gradient. If the collapse goes away with it,
+the frequencies' gradient drives it; if not, something else does.
+
+The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
+`jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
+`clip_by_global_norm(1.0)` then `adamw` with the arm's schedule (warm-up from 0 over `warmup_steps`, linear
+decay to 1% at `total_steps`), betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on the weight matrices and
+the token table only — and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With
+`--bias=none` it is therefore the dsjax run itself: its training losses equal `dsjax.main`'s to the last
+printed digit (checked at updates 3, 6 and 10 on the CPU, float32). Every `--measure_every` updates, on that
+update's batch and masks and before the update, it records the gradient of the loss with respect to each
+layer's output (`jax.grad`; its variance at layer 1 over that at the last layer), the token correlation of
+the layer outputs (explicit L×L products) and the residual sums' parts (`residual_sum_parts`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
+import gpu_stdlib as configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
+
+from dsjax import data as data_lib  # noqa: E402
+from dsjax import schemes  # noqa: E402
+from dsjax.train import config as config_lib  # noqa: E402
+from dsjax.train import step as step_lib  # noqa: E402
+from experiments import dslm_stall, gpu_decisive  # noqa: E402
+from experiments import plain_reference as ref  # noqa: E402
+
+TOKENIZER = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), 'results/gpu_decisive/tokenizer/tokenizer.json'
+)
+BIASES = ('none', 'unigram')
+DECAYED = ('kernel', 'token_embed')  # dsjax's weight-decay mask on this model
+
+
+def _define_flags():
+  flags.DEFINE_enum('bias', 'none', BIASES, "'unigram': a logit bias starting at the log-frequencies.")
+  flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
+  flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
+  flags.DEFINE_float('lr', 3e-3, 'Peak learning rate.')
+  flags.DEFINE_integer('seed', 0, 'Parameter, data and dropout seed, as config.seed.')
+  flags.DEFINE_integer('updates', 41, 'Updates to train.')
+  flags.DEFINE_integer('measure_every', 5, 'Measure before every this many updates (and the last).')
+  flags.DEFINE_string('tokenizer', TOKENIZER, "The sweep's tokenizer.json.")
+  flags.DEFINE_string('out', None, 'The JSON to write.')
+
+
+def arm_config(shape: str, block: str, lr: float, seed: int, tokenizer: str):
+  c = configs.get_config(f'depth,{shape}')
+  c.model.scheme, c.model.block, c.optimizer.lr, c.seed = 'dslm', block, lr, seed
+  c.data.tokenizer = tokenizer
+  config_lib.validate_config(c, num_devices=1)
+  return c
+
+
+def log_frequencies(config, vocab: int) -> np.ndarray:
+  """The train split's token log-frequencies, add-one smoothed (the sweep's unigram reference)."""
+  counts = np.bincount(np.asarray(gpu_decisive.split_tokens(config, 'train')), minlength=vocab) + 1.0
+  return np.log(counts / counts.sum())
+
+
+def split_model(model):
+  """(trainable parameters, constants such as λ, β and the output scale), as plain nested dicts."""
+  as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
+  return as_jnp(nnx.state(model, nnx.Param)), as_jnp(nnx.state(model, nnx.Not(nnx.Param)))
+
+
+def reference_tree(params, constants):
+  """The plain reference's tree: the parameters with the constants put back in (the logit bias apart)."""
+  tree = {k: v for k, v in params.items() if k != 'logit_bias'}
+  layers = {**params['trunk']['stack']['layers'], **constants['trunk']['stack']['layers']}
+  tree['trunk'] = {**params['trunk'], **constants['trunk'], 'stack': {'layers': layers}}
+  return tree
+
+
+def make_loss(spec, constants):
+  def loss(params, tokens_BL1, masks, deltas_NBLD=None):
+    z_BLV = ref.logits(reference_tree(params, constants), tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
+    if 'logit_bias' in params:
+      z_BLV = z_BLV + params['logit_bias']
+    return ref.cross_entropy(z_BLV, tokens_BL1[:, 1:])
+
+  return loss
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """The arm's AdamW written with optax alone: clipping, then Adam with decoupled weight decay on the
+  matrices and the token table, the lr warmed up from 0 and decayed linearly to `min_lr_ratio`."""
+  o, total = config.optimizer, config.total_steps
+  if o.schedule != 'linear' or o.name != 'adamw' or o.init_lr_ratio != 0:
+    raise ValueError("the loop implements the depth sweep's optimizer only: adamw, a linear schedule from 0")
+  schedule = optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, o.lr, o.warmup_steps),
+      optax.linear_schedule(o.lr, o.min_lr_ratio * o.lr, total - o.warmup_steps),
+    ],
+    [o.warmup_steps],
+  )
+
+  def decayed(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in DECAYED, params)
+
+  return optax.chain(
+    optax.clip_by_global_norm(o.clip_norm),
+    optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed),
+  )
+
+
+def measure(loss, params, constants, tokens_BL1, spec, masks, shown) -> dict:
+  b, l1 = tokens_BL1.shape
+  grads_NBLD = jax.jit(jax.grad(lambda d: loss(params, tokens_BL1, masks, d)))(
+    jnp.zeros((spec.depth, b, l1 - 1, spec.width))
+  )
+  grad_var_N = np.asarray(grads_NBLD, np.float64).var(axis=(1, 2, 3))
+  tree = reference_tree(params, constants)
+  outputs_NBLD, _ = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
+  parts_N2P = np.asarray(
+    jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
+  )
+  outputs_NBLD = np.asarray(outputs_NBLD)
+  return {
+    'grad_var_over_last': [float(grad_var_N[layer] / grad_var_N[-1]) for layer in shown],
+    'corr_seq': [dslm_stall.corr_seq_explicit(outputs_NBLD[layer]) for layer in shown],
+    'residual_sum_parts': dslm_stall.sum_parts_shown(parts_N2P, shown),
+  }
+
+
+def train(config, bias: str, updates: int, measure_every: int) -> dict:
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
+  spec = ref.reference_spec(model)
+  params, constants = split_model(model)
+  if bias == 'unigram':
+    params['logit_bias'] = jnp.asarray(log_frequencies(config, info.vocab_size), jnp.float32)
+  loss = make_loss(spec, constants)
+  tx = make_optimizer(config)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def update(params, opt_state, tokens_BL1, masks):
+    value, grads = jax.value_and_grad(loss)(params, tokens_BL1, masks)
+    deltas, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, deltas), opt_state, value
+
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
+  )
+  shown, rows, losses, start = dslm_stall.layers_shown(spec.depth), [], [], time.time()
+  for done, batch in zip(range(updates), pipeline):
+    tokens_BL1 = jnp.asarray(batch['tokens'])
+    masks = ref.dropout_masks(
+      spec, step_lib.dropout_key_for_step(config.seed, done), tokens_BL1.shape[0], tokens_BL1.shape[1] - 1
+    )
+    if done % measure_every == 0 or done == updates - 1:
+      rows.append(
+        {'updates': done, 'layers': shown, **measure(loss, params, constants, tokens_BL1, spec, masks, shown)}
+      )
+    params, opt_state, value = update(params, opt_state, tokens_BL1, masks)
+    losses.append(float(value))
+    print(f'update {done + 1}: loss {losses[-1]:.4f} ({time.time() - start:.0f} s)', flush=True)
+  return {'rows': rows, 'train_losses': losses}
+
+
+def main(argv):
+  del argv
+  args = flags.FLAGS
+  if not args.out:
+    raise ValueError('--out: the JSON to write is required')
+  if args.updates < 1 or args.measure_every < 1:
+    raise ValueError(
+      f'--updates and --measure_every must be ≥ 1, got {args.updates} and {args.measure_every}'
+    )
+  config = arm_config(args.shape, args.block, args.lr, args.seed, args.tokenizer)
+  result = {
+    'arm': {'shape': args.shape, 'block': args.block, 'scheme': 'dslm', 'lr': args.lr, 'seed': args.seed},
+    'bias': args.bias,
+    'warmup_steps': config.optimizer.warmup_steps,
+    'total_steps': config.total_steps,
+    'platform': jax.devices()[0].platform,
+    'jax': jax.__version__,
+    **train(config, args.bias, args.updates, args.measure_every),
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,73 @@
+"""experiments/dslm_stall_bias.py: without the bias its independent loop trains as `dsjax.main` does, a
+bias at uniform frequencies changes no loss, and the plain reference's residual sums' parts add up."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from dsjax.train import loop  # noqa: E402
+from experiments import dslm_stall_bias  # noqa: E402
+from experiments import plain_reference as ref  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+
+
+def _config(block: str = 'postln'):
+  c = tiny_config('gpt', block=block, dropout=0.1, activation='relu', depth=3)
+  c.model.scheme = 'dslm'
+  c.model.tie_embeddings = True
+  c.optimizer.schedule, c.optimizer.min_lr_ratio, c.optimizer.warmup_steps = 'linear', 0.01, 2
+  c.optimizer.lr, c.optimizer.b2, c.optimizer.weight_decay = 3e-3, 0.999, 0.01
+  c.total_steps, c.log_every = 4, 1
+  return c
+
+
+def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
+  config = _config()
+  loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
+    dsjax_losses = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
+  ours = dslm_stall_bias.train(config, 'none', updates=4, measure_every=2)
+  np.testing.assert_allclose(ours['train_losses'], dsjax_losses, rtol=1e-5)
+  assert [row['updates'] for row in ours['rows']] == [0, 2, 3]
+  assert ours['rows'][0]['grad_var_over_last'][-1] == 1.0
+
+
+def test_a_uniform_bias_leaves_the_loss_as_it_is(monkeypatch):
+  config = _config()
+  monkeypatch.setattr(
+    dslm_stall_bias, 'log_frequencies', lambda config, vocab: np.full(vocab, -np.log(vocab))
+  )
+  with_bias = dslm_stall_bias.train(config, 'unigram', updates=1, measure_every=1)
+  without = dslm_stall_bias.train(config, 'none', updates=1, measure_every=1)
+  # a constant bias shifts every logit alike: the same loss as without it
+  assert with_bias['train_losses'][0] == pytest.approx(without['train_losses'][0], rel=1e-6)
+
+
+def test_only_the_sweeps_optimizer_is_implemented():
+  config = _config()
+  config.optimizer.schedule = 'cosine'
+  with pytest.raises(ValueError, match='linear schedule'):
+    dslm_stall_bias.make_optimizer(config)
+
+
+def test_residual_sum_parts_add_up_and_split_the_shared_part():
+  rng = np.random.default_rng(0)
+  shared_B1D = rng.normal(size=(3, 1, 8))
+  x_BLD = rng.normal(size=(3, 10, 8)) + 2.0 * shared_B1D
+  h_BLD = 0.5 * rng.normal(size=(3, 10, 8)) + shared_B1D  # shares the sequence's direction with x
+  parts = dict(
+    zip(ref.SUM_PARTS, np.asarray(ref._sum_parts(0.9, jnp.asarray(x_BLD), 0.3, jnp.asarray(h_BLD))))
+  )
+  sum_BLD = 0.9 * x_BLD + 0.3 * h_BLD
+  total = parts['skip_var'] + parts['branch_var'] + parts['cross_shared'] + parts['cross_own']
+  assert total == pytest.approx(sum_BLD.var(-1).mean(), rel=1e-5)
+  xc = x_BLD - x_BLD.mean(-1, keepdims=True)
+  hc = h_BLD - h_BLD.mean(-1, keepdims=True)
+  assert parts['cross_shared'] == pytest.approx(2 * 0.9 * 0.3 * (xc.mean(1) * hc.mean(1)).mean(), rel=1e-5)
+  assert parts['skip_shared_fraction'] > 0.6 and parts['cross_shared'] > 5 * abs(parts['cross_own'])
