@@ -61,17 +61,19 @@ def _define_flags():
   flags.DEFINE_enum('bias', 'none', BIASES, "'unigram': a logit bias starting at the log-frequencies.")
   flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
   flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
+  flags.DEFINE_enum('scheme', 'dslm', ('dslm', 'vanilla'), "model.scheme: the sweep's two arms.")
   flags.DEFINE_float('lr', 3e-3, 'Peak learning rate.')
   flags.DEFINE_integer('seed', 0, 'Parameter, data and dropout seed, as config.seed.')
   flags.DEFINE_integer('updates', 41, 'Updates to train.')
   flags.DEFINE_integer('measure_every', 5, 'Measure before every this many updates (and the last).')
   flags.DEFINE_string('tokenizer', TOKENIZER, "The sweep's tokenizer.json.")
   flags.DEFINE_string('out', None, 'The JSON to write.')
+  flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
 
 
-def arm_config(shape: str, block: str, lr: float, seed: int, tokenizer: str):
+def arm_config(shape: str, block: str, scheme: str, lr: float, seed: int, tokenizer: str):
   c = configs.get_config(f'depth,{shape}')
-  c.model.scheme, c.model.block, c.optimizer.lr, c.seed = 'dslm', block, lr, seed
+  c.model.scheme, c.model.block, c.optimizer.lr, c.seed = scheme, block, lr, seed
   c.data.tokenizer = tokenizer
   config_lib.validate_config(c, num_devices=1)
   return c
@@ -185,18 +187,56 @@ def train(config, bias: str, updates: int, measure_every: int) -> dict:
   return {'rows': rows, 'train_losses': losses}
 
 
+SUMMARY_UPDATES = (10, 20, 40, 200)  # the rows of a run the table shows, where it has them
+
+
+def summary_table(paths: list[str]) -> str:
+  """Markdown: per run, layer 1's gradient variance over the last layer's at the updates of
+  `SUMMARY_UPDATES` it has, the token correlation of layers 17, 33 and the last at its last measured
+  update, and its mean training loss over its last 5 updates."""
+  lines = [
+    '| run | bias | seed | gradient ratio at ' + ' / '.join(map(str, SUMMARY_UPDATES)) + ' updates '
+    '| token correlation, layers 17 / 33 / last (last row) | train loss, last 5 updates |',
+    '|---|---|---|---|---|---|',
+  ]
+  for path in paths:
+    with open(path) as f:
+      r = json.load(f)
+    rows = {row['updates']: row for row in r['rows']}
+    ratios = ' / '.join(
+      f'{rows[u]["grad_var_over_last"][0]:.2g}' if u in rows else '–' for u in SUMMARY_UPDATES
+    )
+    last = rows[max(rows)]
+    corr = dict(zip(last['layers'], last['corr_seq']))
+    corrs = ' / '.join(f'{corr[layer]:.2f}' for layer in (16, 32, max(corr)))
+    arm = r['arm']
+    name = f'{arm["scheme"]} {arm["block"]} {arm["shape"]}, lr {arm["lr"]:g}, update {max(rows)}'
+    loss = np.mean(r['train_losses'][-5:])
+    lines.append(f'| {name} | {r["bias"]} | {arm["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
+  return '\n'.join(lines)
+
+
 def main(argv):
-  del argv
   args = flags.FLAGS
+  if args.summarize:
+    print(summary_table(argv[1:]))
+    return
+  del argv
   if not args.out:
     raise ValueError('--out: the JSON to write is required')
   if args.updates < 1 or args.measure_every < 1:
     raise ValueError(
       f'--updates and --measure_every must be ≥ 1, got {args.updates} and {args.measure_every}'
     )
-  config = arm_config(args.shape, args.block, args.lr, args.seed, args.tokenizer)
+  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer)
   result = {
-    'arm': {'shape': args.shape, 'block': args.block, 'scheme': 'dslm', 'lr': args.lr, 'seed': args.seed},
+    'arm': {
+      'shape': args.shape,
+      'block': args.block,
+      'scheme': args.scheme,
+      'lr': args.lr,
+      'seed': args.seed,
+    },
     'bias': args.bias,
     'warmup_steps': config.optimizer.warmup_steps,
     'total_steps': config.total_steps,

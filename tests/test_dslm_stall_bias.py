@@ -71,3 +71,32 @@ def test_residual_sum_parts_add_up_and_split_the_shared_part():
   hc = h_BLD - h_BLD.mean(-1, keepdims=True)
   assert parts['cross_shared'] == pytest.approx(2 * 0.9 * 0.3 * (xc.mean(1) * hc.mean(1)).mean(), rel=1e-5)
   assert parts['skip_shared_fraction'] > 0.6 and parts['cross_shared'] > 5 * abs(parts['cross_own'])
+
+
+def test_the_summary_table_reads_the_runs(tmp_path):
+  rows = [
+    {
+      'updates': u,
+      'layers': [0, 16, 32, 63],
+      'grad_var_over_last': [10.0**-u, 1, 1, 1],
+      'corr_seq': [0, 0.5, 0.9, 0.99],
+    }
+    for u in (0, 10, 20)
+  ]
+  run = {
+    'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'dslm', 'lr': 3e-3, 'seed': 1},
+    'bias': 'none',
+    'rows': rows,
+    'train_losses': [8.0] * 16 + [7.0] * 5,
+  }
+  (tmp_path / 'r.json').write_text(json.dumps(run))
+  line = dslm_stall_bias.summary_table([str(tmp_path / 'r.json')]).splitlines()[-1]
+  cells = [c.strip() for c in line.strip('|').split('|')]
+  assert cells == [
+    'dslm postln 64x32, lr 0.003, update 20',
+    'none',
+    '1',
+    '1e-10 / 1e-20 / – / –',
+    '0.50 / 0.90 / 0.99',
+    '7.000',
+  ]
