@@ -28,6 +28,7 @@ the layer outputs (explicit L×L products) and the residual sums' parts (`residu
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +47,7 @@ import gpu_stdlib as configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import schemes  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
+from dsjax.train import protocol  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_stall, gpu_decisive  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
@@ -209,10 +211,42 @@ def summary_table(paths: list[str]) -> str:
     last = rows[max(rows)]
     corr = dict(zip(last['layers'], last['corr_seq']))
     corrs = ' / '.join(f'{corr[layer]:.2f}' for layer in (16, 32, max(corr)))
-    arm = r['arm']
-    name = f'{arm["scheme"]} {arm["block"]} {arm["shape"]}, lr {arm["lr"]:g}, update {max(rows)}'
+    name = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm']) + f', update {max(rows)}'
     loss = np.mean(r['train_losses'][-5:])
-    lines.append(f'| {name} | {r["bias"]} | {arm["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
+    lines.append(f'| {name} | {r["bias"]} | {r["arm"]["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
+  return '\n'.join(lines)
+
+
+def contrast_lines(paths: list[str], update: int = 40) -> str:
+  """Per arm: at `update`, log10 of the gradient ratio and layer 33's token correlation over its seeds,
+  without and with the bias (mean ± sd, min–max), and the difference with its 95% Welch interval."""
+  by_arm = {}
+  for path in paths:
+    with open(path) as f:
+      r = json.load(f)
+    rows = {row['updates']: row for row in r['rows']}
+    if update not in rows:
+      continue
+    row = rows[update]
+    arm = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm'])
+    measures = {
+      'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
+      'token correlation, layer 33': dict(zip(row['layers'], row['corr_seq']))[32],
+    }
+    for name, value in measures.items():
+      by_arm.setdefault((arm, name), {}).setdefault(r['bias'], []).append(value)
+  lines = []
+  for (arm, name), by_bias in sorted(by_arm.items()):
+    none, unigram = by_bias.get('none', []), by_bias.get('unigram', [])
+    text = lambda v: '{mean:.2f} ± {sd:.2f} ({min:.2f}–{max:.2f}), n {n}'.format(**protocol.spread(v))  # noqa: E731
+    interval = protocol.welch_interval(unigram, none)
+    difference = (
+      'n < 2' if interval is None else '{difference:+.2f} [{low:+.2f}, {high:+.2f}]'.format(**interval)
+    )
+    lines.append(
+      f'{arm} at update {update}, {name}: none {text(none) if none else "–"}; '
+      f'unigram {text(unigram) if unigram else "–"}; unigram − none {difference}'
+    )
   return '\n'.join(lines)
 
 
@@ -220,6 +254,7 @@ def main(argv):
   args = flags.FLAGS
   if args.summarize:
     print(summary_table(argv[1:]))
+    print(contrast_lines(argv[1:]))
     return
   del argv
   if not args.out:
