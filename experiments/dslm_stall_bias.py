@@ -228,8 +228,9 @@ def summary_table(paths: list[str]) -> str:
 
 
 def contrast_lines(paths: list[str], update: int = 40) -> str:
-  """Per arm: at `update`, log10 of the gradient ratio and layer 33's token correlation over its seeds,
-  without and with the bias (mean ± sd, min–max), and the difference with its 95% Welch interval."""
+  """Per arm, at `update`, over its seeds without and with the bias (mean ± sd, min–max) and their
+  difference with its 95% Welch interval: log10 of the gradient ratio, the token correlation of layer 33
+  and of the last layer, and the largest 2λβ·Cov(shared) of the FFN sums at the layers shown."""
   by_arm = {}
   for path in paths:
     with open(path) as f:
@@ -239,9 +240,12 @@ def contrast_lines(paths: list[str], update: int = 40) -> str:
       continue
     row = rows[update]
     arm = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm'])
+    corr = dict(zip(row['layers'], row['corr_seq']))
     measures = {
       'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
-      'token correlation, layer 33': dict(zip(row['layers'], row['corr_seq']))[32],
+      'token correlation, layer 33': corr[32],
+      'token correlation, last layer': corr[max(corr)],
+      'largest shared covariance term of an FFN sum': max(row['residual_sum_parts']['ffn']['cross_shared']),
     }
     for name, value in measures.items():
       by_arm.setdefault((arm, name), {}).setdefault(r['bias'], []).append(value)
