@@ -19,7 +19,8 @@ The loop is independent of dsjax's training code: the model is `experiments/plai
 `clip_by_global_norm(1.0)` then `adamw` with the arm's schedule (warm-up from 0 over `warmup_steps`, linear
 decay to 1% at `total_steps`), betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on the weight matrices and
 the token table only — and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With
-`--bias=none` it is therefore the dsjax run itself: on the CPU in float32 its training losses equal those
+`--bias=none` it is the dsjax run itself as the CPU computes it (in float32 throughout; on a GPU dsjax's
+arm computes in bfloat16, the loop still in float32): on the CPU its training losses equal those
 `dsjax.main` logged for the same arm and seed bit for bit at 7 of the 8 logged steps up to 29, and within
 1e-7 at the other (tests/test_dslm_stall_bias.py checks the same on a tiny model). `--scheme=vanilla` trains
 the sweep's other arm. Every `--measure_every` updates, on that
@@ -119,8 +120,10 @@ def make_optimizer(config) -> optax.GradientTransformation:
   """The arm's AdamW written with optax alone: clipping, then Adam with decoupled weight decay on the
   matrices and the token table, the lr warmed up from 0 and decayed linearly to `min_lr_ratio`."""
   o, total = config.optimizer, config.total_steps
-  if o.schedule != 'linear' or o.name != 'adamw' or o.init_lr_ratio != 0:
-    raise ValueError("the loop implements the depth sweep's optimizer only: adamw, a linear schedule from 0")
+  if o.schedule != 'linear' or o.name != 'adamw' or o.init_lr_ratio != 0 or not o.clip_norm:
+    raise ValueError(
+      "the loop implements the depth sweep's optimizer only: adamw, a linear schedule from 0, clipping on"
+    )
   schedule = optax.join_schedules(
     [
       optax.linear_schedule(0.0, o.lr, o.warmup_steps),
@@ -220,7 +223,7 @@ def summary_table(paths: list[str]) -> str:
     )
     last = rows[max(rows)]
     corr = dict(zip(last['layers'], last['corr_seq']))
-    corrs = ' / '.join(f'{corr[layer]:.2f}' for layer in (16, 32, max(corr)))
+    corrs = ' / '.join(f'{corr[layer]:.2f}' if layer in corr else '–' for layer in (16, 32, max(corr)))
     name = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm']) + f', update {max(rows)}'
     loss = np.mean(r['train_losses'][-5:])
     lines.append(f'| {name} | {r["bias"]} | {r["arm"]["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
@@ -230,7 +233,7 @@ def summary_table(paths: list[str]) -> str:
 def contrast_lines(paths: list[str], update: int = 40) -> str:
   """Per arm, at `update`, over its seeds without and with the bias (mean ± sd, min–max) and their
   difference with its 95% Welch interval: log10 of the gradient ratio, the token correlation of layer 33
-  and of the last layer, and the largest 2λβ·Cov(shared) of the FFN sums at the layers shown."""
+  and of the last layer, and the most positive 2λβ·Cov(shared) of the FFN sums at the layers shown."""
   by_arm = {}
   for path in paths:
     with open(path) as f:
@@ -243,9 +246,11 @@ def contrast_lines(paths: list[str], update: int = 40) -> str:
     corr = dict(zip(row['layers'], row['corr_seq']))
     measures = {
       'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
-      'token correlation, layer 33': corr[32],
+      'token correlation, layer 33': corr.get(32, math.nan),
       'token correlation, last layer': corr[max(corr)],
-      'largest shared covariance term of an FFN sum': max(row['residual_sum_parts']['ffn']['cross_shared']),
+      'most positive shared covariance term of an FFN sum': max(
+        row['residual_sum_parts']['ffn']['cross_shared']
+      ),
     }
     for name, value in measures.items():
       by_arm.setdefault((arm, name), {}).setdefault(r['bias'], []).append(value)
@@ -270,7 +275,8 @@ def main(argv):
     print(summary_table(argv[1:]))
     print(contrast_lines(argv[1:]))
     return
-  del argv
+  if len(argv) > 1:
+    raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
   if not args.out:
     raise ValueError('--out: the JSON to write is required')
   if args.updates < 1 or args.measure_every < 1:

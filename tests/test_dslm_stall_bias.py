@@ -1,5 +1,7 @@
-"""experiments/dslm_stall_bias.py: without the bias its independent loop trains as `dsjax.main` does, a
-bias at uniform frequencies changes no loss, and the plain reference's residual sums' parts add up."""
+"""experiments/dslm_stall_bias.py: without the bias its independent loop trains as `dsjax.main` does (its
+optimizer is dsjax's, update for update), its gradients are the plain reference's, a uniform bias leaves
+the first loss as it is, its summaries read the runs, and the plain reference's residual sums' parts add
+up."""
 
 import json
 import os
@@ -8,10 +10,15 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from dsjax.train import loop  # noqa: E402
+from dsjax import data as data_lib  # noqa: E402
+from dsjax import schemes  # noqa: E402
+from dsjax.train import loop, optimizers  # noqa: E402
+from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_stall_bias  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
@@ -35,17 +42,54 @@ def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
   ours = dslm_stall_bias.train(config, 'none', updates=4, measure_every=2)
   np.testing.assert_allclose(ours['train_losses'], dsjax_losses, rtol=1e-5)
   assert [row['updates'] for row in ours['rows']] == [0, 2, 3]
-  assert ours['rows'][0]['grad_var_over_last'][-1] == 1.0
 
 
-def test_a_uniform_bias_leaves_the_loss_as_it_is(monkeypatch):
+def test_the_optimizer_is_dsjaxs_update_for_update():
+  """20 updates of random gradients through the warm-up and the decay: the same parameters, and the same
+  weight-decay mask (the matrices and the token table)."""
+  config = _config()
+  config.total_steps, config.optimizer.warmup_steps, config.optimizer.weight_decay = 20, 3, 0.1
+  params, _ = dslm_stall_bias.split_model(
+    schemes.build_model(config, data_lib.dataset_info(config.data), nnx.Rngs(params=0))
+  )
+  ours, theirs = dslm_stall_bias.make_optimizer(config), optimizers.make_optimizer(config.optimizer, 20)[0]
+  p_ours, p_theirs = params, params
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  for i in range(20):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(i), len(leaves))
+    grads = treedef.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    u, s_ours = ours.update(grads, s_ours, p_ours)
+    p_ours = optax.apply_updates(p_ours, u)
+    u, s_theirs = theirs.update(grads, s_theirs, p_theirs)
+    p_theirs = optax.apply_updates(p_theirs, u)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p_ours, p_theirs)
+
+
+def test_the_measured_gradients_are_the_plain_references():
+  config = _config()
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=0))
+  spec = ref.reference_spec(model)
+  params, constants = dslm_stall_bias.split_model(model)
+  tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
+  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(0, 0), 2, 16)
+  row = dslm_stall_bias.measure(
+    dslm_stall_bias.make_loss(spec, constants), params, constants, tokens, spec, masks, [0, 1, 2]
+  )
+  g_NBLD = np.asarray(ref.layer_output_grads(ref.reference_tree(model), tokens, spec, masks), np.float64)
+  var_N = g_NBLD.var(axis=(1, 2, 3))
+  np.testing.assert_allclose(row['grad_var_over_last'], var_N / var_N[-1], rtol=1e-5)
+
+
+def test_a_uniform_bias_leaves_the_first_loss_as_it_is(monkeypatch):
   config = _config()
   monkeypatch.setattr(
     dslm_stall_bias, 'log_frequencies', lambda config, vocab: np.full(vocab, -np.log(vocab))
   )
   with_bias = dslm_stall_bias.train(config, 'unigram', updates=1, measure_every=1)
   without = dslm_stall_bias.train(config, 'none', updates=1, measure_every=1)
-  # a constant bias shifts every logit alike: the same loss as without it
+  # a constant bias shifts every logit alike: the same loss as without it, before any update
   assert with_bias['train_losses'][0] == pytest.approx(without['train_losses'][0], rel=1e-6)
 
 
@@ -100,3 +144,31 @@ def test_the_summary_table_reads_the_runs(tmp_path):
     '0.50 / 0.90 / 0.99',
     '7.000',
   ]
+
+
+def test_the_contrasts_compare_the_seeds_without_and_with_the_bias(tmp_path):
+  paths = []
+  for bias, ratios in (('none', (1e-12, 1e-10)), ('unigram', (0.5, 0.7))):
+    for seed, ratio in enumerate(ratios):
+      row = {
+        'updates': 40,
+        'layers': [0, 16, 32, 63],
+        'grad_var_over_last': [ratio, 1, 1, 1],
+        'corr_seq': [0, 0.5, 0.9, 0.99 if bias == 'none' else 0.5],
+        'residual_sum_parts': {'ffn': {'cross_shared': [0.0, 0.1, 0.3 + seed / 10, 0.2]}},
+      }
+      run = {
+        'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'dslm', 'lr': 3e-3, 'seed': seed},
+        'bias': bias,
+        'rows': [row],
+        'train_losses': [7.0] * 41,
+      }
+      paths.append(str(tmp_path / f'{bias}_{seed}.json'))
+      with open(paths[-1], 'w') as f:
+        json.dump(run, f)
+  lines = dslm_stall_bias.contrast_lines(paths).splitlines()
+  assert len(lines) == 4
+  ratio_line = next(line for line in lines if 'log10 gradient ratio' in line)
+  assert 'none -11.00 ± 1.41 (-12.00–-10.00), n 2' in ratio_line and 'unigram − none +10.' in ratio_line
+  last_line = next(line for line in lines if 'last layer' in line)
+  assert 'unigram − none -0.49 [-0.49, -0.49]' in last_line
