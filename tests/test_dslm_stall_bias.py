@@ -140,7 +140,7 @@ def test_the_summary_table_reads_the_runs(tmp_path):
     'dslm postln 64x32, lr 0.003, update 20',
     'none',
     '1',
-    '1e-10 / 1e-20 / – / –',
+    '1e-10 / 1e-20 / –',
     '0.50 / 0.90 / 0.99',
     '7.000',
   ]
