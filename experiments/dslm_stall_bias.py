@@ -2,10 +2,10 @@ r"""Does the token frequencies' gradient drive the 64-layer Post-LN collapse? Th
 arm trained by an independent loop, with and without a logit bias that starts at the train split's
 log-frequencies of the tokens.
 
-  OUT=experiments/results/dslm_stall  # each run below: ~8 min on 2 CPU cores (seeds 0, 1, 2)
+  OUT=experiments/results/dslm_stall  # each run below: ~8 min on 2 CPU cores (seeds 0–4 committed)
   python experiments/dslm_stall_bias.py --bias=none --seed=0 --updates=41 --out=$OUT/bias_none_s0.json
   python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
-  python experiments/dslm_stall_bias.py --summarize $OUT/bias_*.json  # the table; trains nothing
+  python experiments/dslm_stall_bias.py --summarize $OUT/bias_*_s?.json  # the tables; trains nothing
 
 Why. A language model's first lesson is the tokens' frequencies: in every batch part of the logits'
 gradient moves them towards the frequencies, the same way at every token. In the stalled run (experiments/
