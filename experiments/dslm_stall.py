@@ -137,13 +137,13 @@ def reference_check(workdir: str, step: int, batches: int, moments) -> dict:
     masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, step + 1 + i), b, l1 - 1)
     losses.append(float(jax.jit(ref.loss, static_argnums=2)(tree, tokens_BL1, spec, masks)))
     g_NBLD = np.asarray(jax.jit(ref.layer_output_grads, static_argnums=2)(tree, tokens_BL1, spec, masks))
-    x_NBLD, sum_vars_N2 = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
+    x_NBLD, sum_vars_N2, parts_N2P = jax.jit(ref.layer_outputs_and_sums, static_argnums=2)(
+      tree, tokens_BL1[:, :-1], spec, masks
+    )
     grad_vars.append(g_NBLD.astype(np.float64).var(axis=(1, 2, 3)))
     corrs.append([corr_seq_explicit(x) for x in np.asarray(x_NBLD)])
     sum_vars.append(np.asarray(sum_vars_N2, np.float64))
-    parts.append(
-      np.asarray(jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks))
-    )
+    parts.append(np.asarray(parts_N2P))
   grad_var_N, corr_N, sum_vars_N2 = (
     np.mean(grad_vars, axis=0),
     np.mean(corrs, axis=0),
@@ -174,9 +174,10 @@ def at_init(config, spec, masks, tokens_BL, shown: list[int]) -> dict:
   tree = ref.cast(
     ref.reference_tree(schemes.build_model(config, info, nnx.Rngs(params=config.seed))), jnp.float32
   )
-  _, sum_vars_N2 = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL, spec, masks)
-  sum_vars_N2 = np.asarray(sum_vars_N2, np.float64)
-  parts_N2P = np.asarray(jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL, spec, masks))
+  _, sum_vars_N2, parts_N2P = jax.jit(ref.layer_outputs_and_sums, static_argnums=2)(
+    tree, tokens_BL, spec, masks
+  )
+  sum_vars_N2, parts_N2P = np.asarray(sum_vars_N2, np.float64), np.asarray(parts_N2P)
   return {
     'residual_sum_var': {'attn': sum_vars_N2[shown, 0].tolist(), 'ffn': sum_vars_N2[shown, 1].tolist()},
     'skip_path_gain': skip_path_gain(tree, sum_vars_N2) if spec.post_norm else None,

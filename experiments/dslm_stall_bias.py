@@ -86,12 +86,6 @@ def arm_config(shape: str, block: str, scheme: str, lr: float, seed: int, tokeni
   return c
 
 
-def log_frequencies(config, vocab: int) -> np.ndarray:
-  """The train split's token log-frequencies, add-one smoothed (the sweep's unigram reference)."""
-  counts = np.bincount(np.asarray(gpu_decisive.split_tokens(config, 'train')), minlength=vocab) + 1.0
-  return np.log(counts / counts.sum())
-
-
 def split_model(model):
   """(trainable parameters, constants such as λ, β and the output scale), as plain nested dicts."""
   as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
@@ -141,11 +135,11 @@ def make_optimizer(config) -> optax.GradientTransformation:
   )
 
 
-def measure(loss, params, constants, tokens_BL1, spec, masks, shown) -> dict:
+def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> dict:
+  """`layer_grads(params, tokens_BL1, masks, deltas_NBLD)`: the loss's gradient with respect to the deltas
+  added to the layer outputs (`jax.grad` of `make_loss`'s loss in its last argument)."""
   b, l1 = tokens_BL1.shape
-  grads_NBLD = jax.jit(jax.grad(lambda d: loss(params, tokens_BL1, masks, d)))(
-    jnp.zeros((spec.depth, b, l1 - 1, spec.width))
-  )
+  grads_NBLD = layer_grads(params, tokens_BL1, masks, jnp.zeros((spec.depth, b, l1 - 1, spec.width)))
   grads_NBLD = np.asarray(grads_NBLD, np.float64)
   grad_var_N = grads_NBLD.var(axis=(1, 2, 3))
   # the share of each layer's gradient that is the same at every token of a sequence (its mean over them)
@@ -153,11 +147,10 @@ def measure(loss, params, constants, tokens_BL1, spec, masks, shown) -> dict:
     (grads_NBLD.mean(axis=2) ** 2).sum(axis=(1, 2)) * (l1 - 1) / (grads_NBLD**2).sum(axis=(1, 2, 3))
   )
   tree = reference_tree(params, constants)
-  outputs_NBLD, _ = jax.jit(ref.layer_outputs, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
-  parts_N2P = np.asarray(
-    jax.jit(ref.residual_sum_parts, static_argnums=2)(tree, tokens_BL1[:, :-1], spec, masks)
+  outputs_NBLD, _, parts_N2P = jax.jit(ref.layer_outputs_and_sums, static_argnums=2)(
+    tree, tokens_BL1[:, :-1], spec, masks
   )
-  outputs_NBLD = np.asarray(outputs_NBLD)
+  outputs_NBLD, parts_N2P = np.asarray(outputs_NBLD), np.asarray(parts_N2P)
   return {
     'grad_var_over_last': [float(grad_var_N[layer] / grad_var_N[-1]) for layer in shown],
     'grad_shared_fraction': [float(grad_shared_N[layer]) for layer in shown],
@@ -172,8 +165,11 @@ def train(config, bias: str, updates: int, measure_every: int) -> dict:
   spec = ref.reference_spec(model)
   params, constants = split_model(model)
   if bias == 'unigram':
-    params['logit_bias'] = jnp.asarray(log_frequencies(config, info.vocab_size), jnp.float32)
+    params['logit_bias'] = jnp.asarray(
+      gpu_decisive.train_log_frequencies(config, info.vocab_size), jnp.float32
+    )
   loss = make_loss(spec, constants)
+  layer_grads = jax.jit(jax.grad(loss, argnums=3))  # compiled once, for every measurement
   tx = make_optimizer(config)
   opt_state = tx.init(params)
 
@@ -194,7 +190,11 @@ def train(config, bias: str, updates: int, measure_every: int) -> dict:
     )
     if done % measure_every == 0 or done == updates - 1:
       rows.append(
-        {'updates': done, 'layers': shown, **measure(loss, params, constants, tokens_BL1, spec, masks, shown)}
+        {
+          'updates': done,
+          'layers': shown,
+          **measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown),
+        }
       )
     params, opt_state, value = update(params, opt_state, tokens_BL1, masks)
     losses.append(float(value))

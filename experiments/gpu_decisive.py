@@ -248,11 +248,16 @@ def split_tokens(config, split: str):
   return pipeline.stream
 
 
+def train_log_frequencies(config, vocab: int) -> np.ndarray:
+  """The train split's token log-frequencies, add-one smoothed."""
+  counts = np.bincount(np.asarray(split_tokens(config, 'train')), minlength=vocab) + 1.0
+  return np.log(counts / counts.sum())
+
+
 def unigram_losses(config, vocab: int) -> dict[str, float]:
   """The loss of predicting every token from the train split's token frequencies (add-one smoothed), on
   the validation and test splits: a model at this loss has learnt nothing beyond the frequencies."""
-  counts = np.bincount(np.asarray(split_tokens(config, 'train')), minlength=vocab) + 1.0
-  log_p = np.log(counts / counts.sum())
+  log_p = train_log_frequencies(config, vocab)
   return {
     split: float(-log_p[np.asarray(split_tokens(config, split))].mean()) for split in ('validation', 'test')
   }

@@ -248,17 +248,18 @@ def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> tuple[jax.Array, j
   """The output of every layer (the residual stream entering the next one), (N, B, L, D), and the
   variance over the hidden units of the two residual sums each layer adds (what a Post-LN layer's norms
   divide by), averaged over tokens: (N, 2), attention's then the FFN's."""
-  outputs_NBLD, sum_vars_N2, _ = _scan_layers(tree, tokens_BL, spec, masks)
+  outputs_NBLD, sum_vars_N2, _ = layer_outputs_and_sums(tree, tokens_BL, spec, masks)
   return outputs_NBLD, sum_vars_N2
 
 
 def residual_sum_parts(tree, tokens_BL, spec: Spec, masks=None) -> jax.Array:
   """(N, 2, len(SUM_PARTS)): each layer's two residual sums (attention's, the FFN's) split by `_sum_parts`;
   the first four parts add up to the sum's variance that `layer_outputs` returns."""
-  return _scan_layers(tree, tokens_BL, spec, masks)[2]
+  return layer_outputs_and_sums(tree, tokens_BL, spec, masks)[2]
 
 
-def _scan_layers(tree, tokens_BL, spec: Spec, masks):
+def layer_outputs_and_sums(tree, tokens_BL, spec: Spec, masks=None):
+  """In one pass over the layers: `layer_outputs`' two arrays and `residual_sum_parts`' array."""
   x_BLD = _embed(tree, tokens_BL, spec, masks)
   layer_masks = None if masks is None else masks['layers']
 

@@ -75,7 +75,13 @@ def test_the_measured_gradients_are_the_plain_references():
   tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
   masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(0, 0), 2, 16)
   row = dslm_stall_bias.measure(
-    dslm_stall_bias.make_loss(spec, constants), params, constants, tokens, spec, masks, [0, 1, 2]
+    jax.grad(dslm_stall_bias.make_loss(spec, constants), argnums=3),
+    params,
+    constants,
+    tokens,
+    spec,
+    masks,
+    [0, 1, 2],
   )
   g_NBLD = np.asarray(ref.layer_output_grads(ref.reference_tree(model), tokens, spec, masks), np.float64)
   var_N = g_NBLD.var(axis=(1, 2, 3))
@@ -85,7 +91,9 @@ def test_the_measured_gradients_are_the_plain_references():
 def test_a_uniform_bias_leaves_the_first_loss_as_it_is(monkeypatch):
   config = _config()
   monkeypatch.setattr(
-    dslm_stall_bias, 'log_frequencies', lambda config, vocab: np.full(vocab, -np.log(vocab))
+    dslm_stall_bias.gpu_decisive,
+    'train_log_frequencies',
+    lambda config, vocab: np.full(vocab, -np.log(vocab)),
   )
   with_bias = dslm_stall_bias.train(config, 'unigram', updates=1, measure_every=1)
   without = dslm_stall_bias.train(config, 'none', updates=1, measure_every=1)
