@@ -5,20 +5,24 @@ log-frequencies of the tokens.
   OUT=experiments/results/dslm_stall  # each run below: ~8 min on 2 CPU cores (seeds 0–4 committed)
   python experiments/dslm_stall_bias.py --bias=none --seed=0 --updates=41 --out=$OUT/bias_none_s0.json
   python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
-  python experiments/dslm_stall_bias.py --summarize $OUT/bias_*_s?.json  # the tables; trains nothing
+  python experiments/dslm_stall_bias.py --logit_grad=centred --seed=0 --updates=41 --out=$OUT/centred_s0.json
+  python experiments/dslm_stall_bias.py --summarize $OUT/bias_*_s?.json $OUT/centred_s?.json  # the tables
 
 Why. A language model's first lesson is the tokens' frequencies: in every batch part of the logits'
 gradient moves them towards the frequencies, the same way at every token. In the stalled run (experiments/
 README.md §11) what the branches add becomes shared by the sequence's tokens, and the token
 representations collapse onto it within the warm-up. A logit bias that already holds the frequencies
 (learnt, not decayed) leaves the layers nothing to learn there. If the collapse goes away with it, learning
-the frequencies drives it; if not, something else does.
+the frequencies drives it; if not, something else does. `--logit_grad=centred` asks the same the other way
+round, with no bias: the gradient reaching the layers from the logits is taken less its mean over the
+batch's token positions (the part that moves every position's logits the same way, towards the batch's
+frequencies), so no parameter is moved by that part; the loss itself is unchanged.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
 `clip_by_global_norm(1.0)` then `adamw` with the arm's schedule (warm-up from 0 over `warmup_steps`, linear
-decay to 1% at `total_steps`), betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on the weight matrices and
-the token table only — and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With
+decay to 0.01 of the peak at `total_steps`), betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on the weight
+matrices and the token table only — and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With
 `--bias=none` it is the dsjax run itself as the CPU computes it (in float32 throughout; on a GPU dsjax's
 arm computes in bfloat16, the loop still in float32): on the CPU its training losses equal those
 `dsjax.main` logged for the same arm and seed bit for bit at 7 of the 8 logged steps up to 29, and within
@@ -61,11 +65,15 @@ TOKENIZER = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), 'results/gpu_decisive/tokenizer/tokenizer.json'
 )
 BIASES = ('none', 'unigram')
+LOGIT_GRADS = ('full', 'centred')
 DECAYED = ('kernel', 'token_embed')  # dsjax's weight-decay mask on this model
 
 
 def _define_flags():
   flags.DEFINE_enum('bias', 'none', BIASES, "'unigram': a logit bias starting at the log-frequencies.")
+  flags.DEFINE_enum(
+    'logit_grad', 'full', LOGIT_GRADS, "'centred': the logits' gradient less its mean over positions."
+  )
   flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
   flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
   flags.DEFINE_enum('scheme', 'dslm', ('dslm', 'vanilla'), "model.scheme: the sweep's two arms.")
@@ -100,9 +108,28 @@ def reference_tree(params, constants):
   return tree
 
 
-def make_loss(spec, constants):
+@jax.custom_vjp
+def centred_gradient(z_BLV):
+  """The identity, whose gradient is the incoming one less its mean over the batch's token positions."""
+  return z_BLV
+
+
+def _centred_gradient_fwd(z_BLV):
+  return z_BLV, None
+
+
+def _centred_gradient_bwd(_, g_BLV):
+  return (g_BLV - g_BLV.mean(axis=(0, 1), keepdims=True),)
+
+
+centred_gradient.defvjp(_centred_gradient_fwd, _centred_gradient_bwd)
+
+
+def make_loss(spec, constants, logit_grad: str = 'full'):
   def loss(params, tokens_BL1, masks, deltas_NBLD=None):
     z_BLV = ref.logits(reference_tree(params, constants), tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
+    if logit_grad == 'centred':
+      z_BLV = centred_gradient(z_BLV)
     if 'logit_bias' in params:
       z_BLV = z_BLV + params['logit_bias']
     return ref.cross_entropy(z_BLV, tokens_BL1[:, 1:])
@@ -159,7 +186,7 @@ def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> d
   }
 
 
-def train(config, bias: str, updates: int, measure_every: int) -> dict:
+def train(config, bias: str, updates: int, measure_every: int, logit_grad: str = 'full') -> dict:
   info = data_lib.dataset_info(config.data)
   model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
   spec = ref.reference_spec(model)
@@ -168,7 +195,7 @@ def train(config, bias: str, updates: int, measure_every: int) -> dict:
     params['logit_bias'] = jnp.asarray(
       gpu_decisive.train_log_frequencies(config, info.vocab_size), jnp.float32
     )
-  loss = make_loss(spec, constants)
+  loss = make_loss(spec, constants, logit_grad)
   layer_grads = jax.jit(jax.grad(loss, argnums=3))  # compiled once, for every measurement
   tx = make_optimizer(config)
   opt_state = tx.init(params)
@@ -205,12 +232,18 @@ def train(config, bias: str, updates: int, measure_every: int) -> dict:
 SUMMARY_UPDATES = (10, 20, 40)  # the rows of a run the table shows, where it has them
 
 
+def variant(run: dict) -> str:
+  """What a run changed: its bias ('none', 'unigram'), with ' centred' where the layers got the logits'
+  gradient less its mean (runs written before `--logit_grad` existed had the full gradient)."""
+  return run['bias'] + (' centred' if run.get('logit_grad', 'full') == 'centred' else '')
+
+
 def summary_table(paths: list[str]) -> str:
   """Markdown: per run, layer 1's gradient variance over the last layer's at the updates of
   `SUMMARY_UPDATES` it has, the token correlation of layers 17, 33 and the last at its last measured
   update, and its mean training loss over its last 5 updates."""
   lines = [
-    '| run | bias | seed | gradient ratio at ' + ' / '.join(map(str, SUMMARY_UPDATES)) + ' updates '
+    '| run | variant | seed | gradient ratio at ' + ' / '.join(map(str, SUMMARY_UPDATES)) + ' updates '
     '| token correlation, layers 17 / 33 / last (last row) | train loss, last 5 updates |',
     '|---|---|---|---|---|---|',
   ]
@@ -226,14 +259,15 @@ def summary_table(paths: list[str]) -> str:
     corrs = ' / '.join(f'{corr[layer]:.2f}' if layer in corr else '–' for layer in (16, 32, max(corr)))
     name = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm']) + f', update {max(rows)}'
     loss = np.mean(r['train_losses'][-5:])
-    lines.append(f'| {name} | {r["bias"]} | {r["arm"]["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
+    lines.append(f'| {name} | {variant(r)} | {r["arm"]["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
   return '\n'.join(lines)
 
 
 def contrast_lines(paths: list[str], update: int = 40) -> str:
-  """Per arm, at `update`, over its seeds without and with the bias (mean ± sd, min–max) and their
-  difference with its 95% Welch interval: log10 of the gradient ratio, the token correlation of layer 33
-  and of the last layer, and the most positive 2λβ·Cov(shared) of the FFN sums at the layers shown."""
+  """Per arm, at `update`, over the seeds of each variant (mean ± sd, min–max), and each variant's
+  difference from 'none' (no bias, the full gradient) with its 95% Welch interval: log10 of the gradient
+  ratio, the token correlation of layer 33 and of the last layer, and the most positive 2λβ·Cov(shared) of
+  the FFN sums at the layers shown."""
   by_arm = {}
   for path in paths:
     with open(path) as f:
@@ -253,19 +287,19 @@ def contrast_lines(paths: list[str], update: int = 40) -> str:
       ),
     }
     for name, value in measures.items():
-      by_arm.setdefault((arm, name), {}).setdefault(r['bias'], []).append(value)
+      by_arm.setdefault((arm, name), {}).setdefault(variant(r), []).append(value)
   lines = []
-  for (arm, name), by_bias in sorted(by_arm.items()):
-    none, unigram = by_bias.get('none', []), by_bias.get('unigram', [])
-    text = lambda v: '{mean:.2f} ± {sd:.2f} ({min:.2f}–{max:.2f}), n {n}'.format(**protocol.spread(v))  # noqa: E731
-    interval = protocol.welch_interval(unigram, none)
-    difference = (
-      'n < 2' if interval is None else '{difference:+.2f} [{low:+.2f}, {high:+.2f}]'.format(**interval)
-    )
-    lines.append(
-      f'{arm} at update {update}, {name}: none {text(none) if none else "–"}; '
-      f'unigram {text(unigram) if unigram else "–"}; unigram − none {difference}'
-    )
+  text = lambda v: '{mean:.2f} ± {sd:.2f} ({min:.2f}–{max:.2f}), n {n}'.format(**protocol.spread(v))  # noqa: E731
+  for (arm, name), by_variant in sorted(by_arm.items()):
+    none = by_variant.get('none', [])
+    parts = [f'none {text(none) if none else "–"}']
+    for other in sorted(set(by_variant) - {'none'}):
+      interval = protocol.welch_interval(by_variant[other], none)
+      difference = (
+        'n < 2' if interval is None else '{difference:+.2f} [{low:+.2f}, {high:+.2f}]'.format(**interval)
+      )
+      parts.append(f'{other} {text(by_variant[other])}; {other} − none {difference}')
+    lines.append(f'{arm} at update {update}, {name}: ' + '; '.join(parts))
   return '\n'.join(lines)
 
 
@@ -293,11 +327,12 @@ def main(argv):
       'seed': args.seed,
     },
     'bias': args.bias,
+    'logit_grad': args.logit_grad,
     'warmup_steps': config.optimizer.warmup_steps,
     'total_steps': config.total_steps,
     'platform': jax.devices()[0].platform,
     'jax': jax.__version__,
-    **train(config, args.bias, args.updates, args.measure_every),
+    **train(config, args.bias, args.updates, args.measure_every, args.logit_grad),
   }
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:

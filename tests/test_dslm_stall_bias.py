@@ -1,7 +1,7 @@
 """experiments/dslm_stall_bias.py: without the bias its independent loop trains as `dsjax.main` does (its
 optimizer is dsjax's, update for update), its gradients are the plain reference's, a uniform bias leaves
-the first loss as it is, its summaries read the runs, and the plain reference's residual sums' parts add
-up."""
+the first loss as it is, the centred logits' gradient is the one written out by hand, its summaries read
+the runs, and the plain reference's residual sums' parts add up."""
 
 import json
 import os
@@ -101,6 +101,39 @@ def test_a_uniform_bias_leaves_the_first_loss_as_it_is(monkeypatch):
   assert with_bias['train_losses'][0] == pytest.approx(without['train_losses'][0], rel=1e-6)
 
 
+def test_the_centred_gradient_is_the_identity_less_the_mean_over_positions():
+  z_BLV = jax.random.normal(jax.random.key(0), (2, 5, 7))
+  c_BLV = jax.random.normal(jax.random.key(1), (2, 5, 7))
+  np.testing.assert_array_equal(dslm_stall_bias.centred_gradient(z_BLV), z_BLV)
+  grad = jax.grad(lambda z: (dslm_stall_bias.centred_gradient(z) * c_BLV).sum())(z_BLV)
+  np.testing.assert_allclose(grad, c_BLV - c_BLV.mean(axis=(0, 1)), atol=1e-6)
+
+
+def test_the_centred_loss_gives_the_layers_the_centred_cross_entropy_gradient():
+  """The loss is unchanged; the layer gradients are the logits' VJP of the cross-entropy's gradient less
+  its mean over positions, written out by hand (softmax − one-hot, over the number of positions)."""
+  config = _config()
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=0))
+  spec = ref.reference_spec(model)
+  params, constants = dslm_stall_bias.split_model(model)
+  tokens_BL1 = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
+  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(0, 0), 2, 16)
+  deltas_NBLD = jnp.zeros((spec.depth, 2, 16, spec.width))
+  full = dslm_stall_bias.make_loss(spec, constants)
+  centred = dslm_stall_bias.make_loss(spec, constants, 'centred')
+  assert centred(params, tokens_BL1, masks) == full(params, tokens_BL1, masks)
+
+  tree = ref.reference_tree(model)
+  z_BLV, vjp = jax.vjp(lambda d: ref.logits(tree, tokens_BL1[:, :-1], spec, masks, d), deltas_NBLD)
+  g_BLV = (jax.nn.softmax(z_BLV) - jax.nn.one_hot(tokens_BL1[:, 1:], z_BLV.shape[-1])) / (2 * 16)
+  (expected_NBLD,) = vjp(g_BLV - g_BLV.mean(axis=(0, 1)))
+  got_NBLD = jax.grad(centred, argnums=3)(params, tokens_BL1, masks, deltas_NBLD)
+  np.testing.assert_allclose(got_NBLD, expected_NBLD, rtol=1e-4, atol=1e-5 * np.abs(expected_NBLD).max())
+  # and the frequencies' part is not negligible here: without the centring the gradients differ
+  assert not np.allclose(jax.grad(full, argnums=3)(params, tokens_BL1, masks, deltas_NBLD), got_NBLD)
+
+
 def test_only_the_sweeps_optimizer_is_implemented():
   config = _config()
   config.optimizer.schedule = 'cosine'
@@ -154,9 +187,10 @@ def test_the_summary_table_reads_the_runs(tmp_path):
   ]
 
 
-def test_the_contrasts_compare_the_seeds_without_and_with_the_bias(tmp_path):
+def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
   paths = []
-  for bias, ratios in (('none', (1e-12, 1e-10)), ('unigram', (0.5, 0.7))):
+  for variant, ratios in (('none', (1e-12, 1e-10)), ('unigram', (0.5, 0.7)), ('centred', (1e-3, 1e-1))):
+    bias = 'none' if variant == 'centred' else variant
     for seed, ratio in enumerate(ratios):
       row = {
         'updates': 40,
@@ -168,15 +202,17 @@ def test_the_contrasts_compare_the_seeds_without_and_with_the_bias(tmp_path):
       run = {
         'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'dslm', 'lr': 3e-3, 'seed': seed},
         'bias': bias,
+        'logit_grad': 'centred' if variant == 'centred' else 'full',
         'rows': [row],
         'train_losses': [7.0] * 41,
       }
-      paths.append(str(tmp_path / f'{bias}_{seed}.json'))
+      paths.append(str(tmp_path / f'{variant}_{seed}.json'))
       with open(paths[-1], 'w') as f:
         json.dump(run, f)
   lines = dslm_stall_bias.contrast_lines(paths).splitlines()
   assert len(lines) == 4
   ratio_line = next(line for line in lines if 'log10 gradient ratio' in line)
   assert 'none -11.00 ± 1.41 (-12.00–-10.00), n 2' in ratio_line and 'unigram − none +10.' in ratio_line
+  assert 'centred − none +9.00' in ratio_line
   last_line = next(line for line in lines if 'last layer' in line)
   assert 'unigram − none -0.49 [-0.49, -0.49]' in last_line
