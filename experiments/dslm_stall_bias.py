@@ -84,6 +84,7 @@ def _define_flags():
   flags.DEFINE_string('tokenizer', TOKENIZER, "The sweep's tokenizer.json.")
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
+  flags.DEFINE_string('baseline', 'none', "--summarize: the variant the others' differences are from.")
 
 
 def arm_config(shape: str, block: str, scheme: str, lr: float, seed: int, tokenizer: str):
@@ -263,11 +264,11 @@ def summary_table(paths: list[str]) -> str:
   return '\n'.join(lines)
 
 
-def contrast_lines(paths: list[str], update: int = 40) -> str:
+def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -> str:
   """Per arm, at `update`, over the seeds of each variant (mean ± sd, min–max), and each variant's
-  difference from 'none' (no bias, the full gradient) with its 95% Welch interval: log10 of the gradient
-  ratio, the token correlation of layer 33 and of the last layer, and the most positive 2λβ·Cov(shared) of
-  the FFN sums at the layers shown."""
+  difference from `baseline` ('none': no bias, the full gradient) with its 95% Welch interval: log10 of
+  the gradient ratio, the token correlation of layer 33 and of the last layer, and the most positive
+  2λβ·Cov(shared) of the FFN sums at the layers shown."""
   by_arm = {}
   for path in paths:
     with open(path) as f:
@@ -291,14 +292,14 @@ def contrast_lines(paths: list[str], update: int = 40) -> str:
   lines = []
   text = lambda v: '{mean:.2f} ± {sd:.2f} ({min:.2f}–{max:.2f}), n {n}'.format(**protocol.spread(v))  # noqa: E731
   for (arm, name), by_variant in sorted(by_arm.items()):
-    none = by_variant.get('none', [])
-    parts = [f'none {text(none) if none else "–"}']
-    for other in sorted(set(by_variant) - {'none'}):
-      interval = protocol.welch_interval(by_variant[other], none)
+    base = by_variant.get(baseline, [])
+    parts = [f'{baseline} {text(base) if base else "–"}']
+    for other in sorted(set(by_variant) - {baseline}):
+      interval = protocol.welch_interval(by_variant[other], base)
       difference = (
         'n < 2' if interval is None else '{difference:+.2f} [{low:+.2f}, {high:+.2f}]'.format(**interval)
       )
-      parts.append(f'{other} {text(by_variant[other])}; {other} − none {difference}')
+      parts.append(f'{other} {text(by_variant[other])}; {other} − {baseline} {difference}')
     lines.append(f'{arm} at update {update}, {name}: ' + '; '.join(parts))
   return '\n'.join(lines)
 
@@ -307,7 +308,7 @@ def main(argv):
   args = flags.FLAGS
   if args.summarize:
     print(summary_table(argv[1:]))
-    print(contrast_lines(argv[1:]))
+    print(contrast_lines(argv[1:], baseline=args.baseline))
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')

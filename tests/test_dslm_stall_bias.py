@@ -214,5 +214,7 @@ def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
   ratio_line = next(line for line in lines if 'log10 gradient ratio' in line)
   assert 'none -11.00 ± 1.41 (-12.00–-10.00), n 2' in ratio_line and 'unigram − none +10.' in ratio_line
   assert 'centred − none +9.00' in ratio_line
+  against_the_bias = dslm_stall_bias.contrast_lines(paths, baseline='unigram')
+  assert 'none − unigram -10.' in against_the_bias and 'centred − unigram' in against_the_bias
   last_line = next(line for line in lines if 'last layer' in line)
   assert 'unigram − none -0.49 [-0.49, -0.49]' in last_line
