@@ -74,6 +74,7 @@ def _define_flags():
   flags.DEFINE_enum(
     'logit_grad', 'full', LOGIT_GRADS, "'centred': the logits' gradient less its mean over positions."
   )
+  flags.DEFINE_float('logit_scale', 1.0, 'A constant the logits are multiplied by (a fixed temperature).')
   flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
   flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
   flags.DEFINE_enum('scheme', 'dslm', ('dslm', 'vanilla'), "model.scheme: the sweep's two arms.")
@@ -126,9 +127,11 @@ def _centred_gradient_bwd(_, g_BLV):
 centred_gradient.defvjp(_centred_gradient_fwd, _centred_gradient_bwd)
 
 
-def make_loss(spec, constants, logit_grad: str = 'full'):
+def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.0):
   def loss(params, tokens_BL1, masks, deltas_NBLD=None):
     z_BLV = ref.logits(reference_tree(params, constants), tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
+    if logit_scale != 1.0:
+      z_BLV = logit_scale * z_BLV
     if logit_grad == 'centred':
       z_BLV = centred_gradient(z_BLV)
     if 'logit_bias' in params:
@@ -187,7 +190,9 @@ def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> d
   }
 
 
-def train(config, bias: str, updates: int, measure_every: int, logit_grad: str = 'full') -> dict:
+def train(
+  config, bias: str, updates: int, measure_every: int, logit_grad: str = 'full', logit_scale: float = 1.0
+) -> dict:
   info = data_lib.dataset_info(config.data)
   model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
   spec = ref.reference_spec(model)
@@ -196,7 +201,7 @@ def train(config, bias: str, updates: int, measure_every: int, logit_grad: str =
     params['logit_bias'] = jnp.asarray(
       gpu_decisive.train_log_frequencies(config, info.vocab_size), jnp.float32
     )
-  loss = make_loss(spec, constants, logit_grad)
+  loss = make_loss(spec, constants, logit_grad, logit_scale)
   layer_grads = jax.jit(jax.grad(loss, argnums=3))  # compiled once, for every measurement
   tx = make_optimizer(config)
   opt_state = tx.init(params)
@@ -235,8 +240,14 @@ SUMMARY_UPDATES = (10, 20, 40)  # the rows of a run the table shows, where it ha
 
 def variant(run: dict) -> str:
   """What a run changed: its bias ('none', 'unigram'), with ' centred' where the layers got the logits'
-  gradient less its mean (runs written before `--logit_grad` existed had the full gradient)."""
-  return run['bias'] + (' centred' if run.get('logit_grad', 'full') == 'centred' else '')
+  gradient less its mean, and the logits' scale where it is not 1 (runs written before these flags
+  existed had the full gradient and scale 1)."""
+  scale = run.get('logit_scale', 1.0)
+  return (
+    run['bias']
+    + (' centred' if run.get('logit_grad', 'full') == 'centred' else '')
+    + (f' logits ×{scale:g}' if scale != 1.0 else '')
+  )
 
 
 def summary_table(paths: list[str]) -> str:
@@ -329,11 +340,12 @@ def main(argv):
     },
     'bias': args.bias,
     'logit_grad': args.logit_grad,
+    'logit_scale': args.logit_scale,
     'warmup_steps': config.optimizer.warmup_steps,
     'total_steps': config.total_steps,
     'platform': jax.devices()[0].platform,
     'jax': jax.__version__,
-    **train(config, args.bias, args.updates, args.measure_every, args.logit_grad),
+    **train(config, args.bias, args.updates, args.measure_every, args.logit_grad, args.logit_scale),
   }
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:

@@ -134,6 +134,14 @@ def test_the_centred_loss_gives_the_layers_the_centred_cross_entropy_gradient():
   assert not np.allclose(jax.grad(full, argnums=3)(params, tokens_BL1, masks, deltas_NBLD), got_NBLD)
 
 
+def test_a_runs_variant_names_what_it_changed():
+  run = {'bias': 'none'}
+  assert dslm_stall_bias.variant(run) == 'none'
+  run.update(logit_grad='centred', logit_scale=0.17)
+  assert dslm_stall_bias.variant(run) == 'none centred logits ×0.17'
+  assert dslm_stall_bias.variant({'bias': 'unigram', 'logit_grad': 'full', 'logit_scale': 1.0}) == 'unigram'
+
+
 def test_only_the_sweeps_optimizer_is_implemented():
   config = _config()
   config.optimizer.schedule = 'cosine'
