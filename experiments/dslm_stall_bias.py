@@ -1,22 +1,25 @@
-r"""Does the token frequencies' gradient drive the 64-layer Post-LN collapse? The GPU sweep's DSLM Post-LN
-arm trained by an independent loop, with and without a logit bias that starts at the train split's
-log-frequencies of the tokens.
+r"""What drives the 64-layer Post-LN collapse? The GPU sweep's Post-LN arms (DSLM, or `--scheme=vanilla`)
+trained by an independent loop, with one change at a time to what the logits carry and pass back.
 
-  OUT=experiments/results/dslm_stall  # each run below: ~8 min on 2 CPU cores (seeds 0–4 committed)
+  OUT=experiments/results/dslm_stall  # each run: ~8 min alone on the 2 CPU cores, ~9.5 min two at a time
   python experiments/dslm_stall_bias.py --bias=none --seed=0 --updates=41 --out=$OUT/bias_none_s0.json
   python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
   python experiments/dslm_stall_bias.py --logit_grad=centred --seed=0 --updates=41 --out=$OUT/centred_s0.json
   python experiments/dslm_stall_bias.py --summarize $OUT/bias_*_s?.json $OUT/centred_s?.json  # the tables
+  # the committed runs and their flags: experiments/README.md §11
 
 Why. A language model's first lesson is the tokens' frequencies: in every batch part of the logits'
 gradient moves them towards the frequencies, the same way at every token. In the stalled run (experiments/
 README.md §11) what the branches add becomes shared by the sequence's tokens, and the token
-representations collapse onto it within the warm-up. A logit bias that already holds the frequencies
-(learnt, not decayed) leaves the layers nothing to learn there. If the collapse goes away with it, learning
-the frequencies drives it; if not, something else does. `--logit_grad=centred` asks the same the other way
-round, with no bias: the gradient reaching the layers from the logits is taken less its mean over the
-batch's token positions (the part that moves every position's logits the same way, towards the batch's
-frequencies), so no parameter is moved by that part; the loss itself is unchanged.
+representations collapse onto it within the warm-up. The changes, each against the plain run:
+- `--bias=unigram`: a logit bias (learnt, not decayed) that starts at the train split's log-frequencies of
+  the tokens, so the layers have nothing to learn there.
+- `--logit_grad=centred`: no bias; the gradient reaching the model from the logits is taken less its mean
+  over the batch's token positions (the part that moves every position's logits the same way, towards the
+  batch's frequencies), so no parameter is moved by that part; the loss itself is unchanged. With
+  `--bias=unigram` as well, the bias still gets the whole gradient.
+- `--logit_scale=s`: the logits multiplied by a constant s throughout (a fixed temperature), which scales
+  how much they vary from token to token at initialisation by s.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
