@@ -88,6 +88,7 @@ def _define_flags():
   flags.DEFINE_string('tokenizer', TOKENIZER, "The sweep's tokenizer.json.")
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
+  flags.DEFINE_bool('initial_logits', False, "Print the arm's initial_logit_spread; train nothing.")
   flags.DEFINE_string('baseline', 'none', "--summarize: the variant the others' differences are from.")
 
 
@@ -191,6 +192,23 @@ def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> d
     'corr_seq': [dslm_stall.corr_seq_explicit(outputs_NBLD[layer]) for layer in shown],
     'residual_sum_parts': dslm_stall.sum_parts_shown(parts_N2P, shown),
   }
+
+
+def initial_logit_spread(config) -> dict:
+  """At initialisation, on the run's first batch and dropout masks: the logits' variance over the
+  vocabulary, averaged over the token positions, and the part of it that is the same at every position
+  (the variance over the vocabulary of the logits' mean over positions)."""
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
+  spec = ref.reference_spec(model)
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
+  )
+  tokens_BL1 = jnp.asarray(next(iter(pipeline))['tokens'])
+  b, l1 = tokens_BL1.shape
+  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, 0), b, l1 - 1)
+  z_BLV = np.asarray(ref.logits(ref.reference_tree(model), tokens_BL1[:, :-1], spec, masks), np.float64)
+  return {'variance': float(z_BLV.var(axis=-1).mean()), 'shared': float(z_BLV.mean(axis=(0, 1)).var())}
 
 
 def train(
@@ -326,6 +344,10 @@ def main(argv):
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
+  if args.initial_logits:
+    config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer)
+    print(json.dumps(initial_logit_spread(config)))
+    return
   if not args.out:
     raise ValueError('--out: the JSON to write is required')
   if args.updates < 1 or args.measure_every < 1:

@@ -142,6 +142,11 @@ def test_a_runs_variant_names_what_it_changed():
   assert dslm_stall_bias.variant({'bias': 'unigram', 'logit_grad': 'full', 'logit_scale': 1.0}) == 'unigram'
 
 
+def test_the_initial_logit_spread_splits_off_the_part_every_position_shares():
+  spread = dslm_stall_bias.initial_logit_spread(_config())
+  assert 0 <= spread['shared'] < spread['variance'] and np.isfinite(spread['variance'])
+
+
 def test_only_the_sweeps_optimizer_is_implemented():
   config = _config()
   config.optimizer.schedule = 'cosine'
