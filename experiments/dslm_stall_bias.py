@@ -194,19 +194,31 @@ def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> d
   }
 
 
+def arm_model(config):
+  """The arm's dataset info, its dsjax model as initialised for the run's seed, and the model's spec for
+  the plain reference."""
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
+  return info, model, ref.reference_spec(model)
+
+
+def batches(config, spec):
+  """The run's batches in order, each as (tokens_BL1, the dropout masks of its update)."""
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
+  )
+  for done, batch in enumerate(pipeline):
+    tokens_BL1 = jnp.asarray(batch['tokens'])
+    b, l1 = tokens_BL1.shape
+    yield tokens_BL1, ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, done), b, l1 - 1)
+
+
 def initial_logit_spread(config) -> dict:
   """At initialisation, on the run's first batch and dropout masks: the logits' variance over the
   vocabulary, averaged over the token positions, and the part of it that is the same at every position
   (the variance over the vocabulary of the logits' mean over positions)."""
-  info = data_lib.dataset_info(config.data)
-  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
-  spec = ref.reference_spec(model)
-  pipeline = data_lib.make_pipeline(
-    config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
-  )
-  tokens_BL1 = jnp.asarray(next(iter(pipeline))['tokens'])
-  b, l1 = tokens_BL1.shape
-  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, 0), b, l1 - 1)
+  _, model, spec = arm_model(config)
+  tokens_BL1, masks = next(batches(config, spec))
   z_BLV = np.asarray(ref.logits(ref.reference_tree(model), tokens_BL1[:, :-1], spec, masks), np.float64)
   return {'variance': float(z_BLV.var(axis=-1).mean()), 'shared': float(z_BLV.mean(axis=(0, 1)).var())}
 
@@ -214,9 +226,7 @@ def initial_logit_spread(config) -> dict:
 def train(
   config, bias: str, updates: int, measure_every: int, logit_grad: str = 'full', logit_scale: float = 1.0
 ) -> dict:
-  info = data_lib.dataset_info(config.data)
-  model = schemes.build_model(config, info, nnx.Rngs(params=config.seed))
-  spec = ref.reference_spec(model)
+  info, model, spec = arm_model(config)
   params, constants = split_model(model)
   if bias == 'unigram':
     params['logit_bias'] = jnp.asarray(
@@ -233,15 +243,8 @@ def train(
     deltas, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, deltas), opt_state, value
 
-  pipeline = data_lib.make_pipeline(
-    config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
-  )
   shown, rows, losses, start = dslm_stall.layers_shown(spec.depth), [], [], time.time()
-  for done, batch in zip(range(updates), pipeline):
-    tokens_BL1 = jnp.asarray(batch['tokens'])
-    masks = ref.dropout_masks(
-      spec, step_lib.dropout_key_for_step(config.seed, done), tokens_BL1.shape[0], tokens_BL1.shape[1] - 1
-    )
+  for done, (tokens_BL1, masks) in zip(range(updates), batches(config, spec)):
     if done % measure_every == 0 or done == updates - 1:
       rows.append(
         {
