@@ -34,6 +34,16 @@ def _config(block: str = 'postln'):
   return c
 
 
+def _tiny_arm_and_batch():
+  """The tiny arm's model, spec, parameters and constants, and a random batch with its dropout masks."""
+  config = _config()
+  info, model, spec = dslm_stall_bias.arm_model(config)
+  params, constants = dslm_stall_bias.split_model(model)
+  tokens_BL1 = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
+  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, 0), 2, 16)
+  return model, spec, params, constants, tokens_BL1, masks
+
+
 def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
   config = _config()
   loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
@@ -67,13 +77,7 @@ def test_the_optimizer_is_dsjaxs_update_for_update():
 
 
 def test_the_measured_gradients_are_the_plain_references():
-  config = _config()
-  info = data_lib.dataset_info(config.data)
-  model = schemes.build_model(config, info, nnx.Rngs(params=0))
-  spec = ref.reference_spec(model)
-  params, constants = dslm_stall_bias.split_model(model)
-  tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
-  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(0, 0), 2, 16)
+  model, spec, params, constants, tokens, masks = _tiny_arm_and_batch()
   row = dslm_stall_bias.measure(
     jax.grad(dslm_stall_bias.make_loss(spec, constants), argnums=3),
     params,
@@ -112,13 +116,7 @@ def test_the_centred_gradient_is_the_identity_less_the_mean_over_positions():
 def test_the_centred_loss_gives_the_layers_the_centred_cross_entropy_gradient():
   """The loss is unchanged; the layer gradients are the logits' VJP of the cross-entropy's gradient less
   its mean over positions, written out by hand (softmax − one-hot, over the number of positions)."""
-  config = _config()
-  info = data_lib.dataset_info(config.data)
-  model = schemes.build_model(config, info, nnx.Rngs(params=0))
-  spec = ref.reference_spec(model)
-  params, constants = dslm_stall_bias.split_model(model)
-  tokens_BL1 = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
-  masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(0, 0), 2, 16)
+  model, spec, params, constants, tokens_BL1, masks = _tiny_arm_and_batch()
   deltas_NBLD = jnp.zeros((spec.depth, 2, 16, spec.width))
   full = dslm_stall_bias.make_loss(spec, constants)
   centred = dslm_stall_bias.make_loss(spec, constants, 'centred')
