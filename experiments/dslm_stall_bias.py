@@ -274,6 +274,14 @@ def variant(run: dict) -> str:
   )
 
 
+def read_run(path: str) -> tuple[dict, dict, str]:
+  """A run's JSON, its measured rows by update, and its arm's name."""
+  with open(path) as f:
+    run = json.load(f)
+  rows = {row['updates']: row for row in run['rows']}
+  return run, rows, '{scheme} {block} {shape}, lr {lr:g}'.format(**run['arm'])
+
+
 def summary_table(paths: list[str]) -> str:
   """Markdown: per run, layer 1's gradient variance over the last layer's at the updates of
   `SUMMARY_UPDATES` it has, the token correlation of layers 17, 33 and the last at its last measured
@@ -284,16 +292,14 @@ def summary_table(paths: list[str]) -> str:
     '|---|---|---|---|---|---|',
   ]
   for path in paths:
-    with open(path) as f:
-      r = json.load(f)
-    rows = {row['updates']: row for row in r['rows']}
+    r, rows, arm = read_run(path)
     ratios = ' / '.join(
       f'{rows[u]["grad_var_over_last"][0]:.2g}' if u in rows else '–' for u in SUMMARY_UPDATES
     )
     last = rows[max(rows)]
     corr = dict(zip(last['layers'], last['corr_seq']))
     corrs = ' / '.join(f'{corr[layer]:.2f}' if layer in corr else '–' for layer in (16, 32, max(corr)))
-    name = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm']) + f', update {max(rows)}'
+    name = f'{arm}, update {max(rows)}'
     loss = np.mean(r['train_losses'][-5:])
     lines.append(f'| {name} | {variant(r)} | {r["arm"]["seed"]} | {ratios} | {corrs} | {loss:.3f} |')
   return '\n'.join(lines)
@@ -306,13 +312,10 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
   2λβ·Cov(shared) of the FFN sums at the layers shown."""
   by_arm = {}
   for path in paths:
-    with open(path) as f:
-      r = json.load(f)
-    rows = {row['updates']: row for row in r['rows']}
+    r, rows, arm = read_run(path)
     if update not in rows:
       continue
     row = rows[update]
-    arm = '{scheme} {block} {shape}, lr {lr:g}'.format(**r['arm'])
     corr = dict(zip(row['layers'], row['corr_seq']))
     measures = {
       'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
