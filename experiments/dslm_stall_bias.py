@@ -305,11 +305,18 @@ def summary_table(paths: list[str]) -> str:
   return '\n'.join(lines)
 
 
+def last_layer_correlation(row: dict) -> float:
+  """A measured row's token correlation at the deepest layer it lists."""
+  return dict(zip(row['layers'], row['corr_seq']))[max(row['layers'])]
+
+
 def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -> str:
   """Per arm, at `update`, over the seeds of each variant (mean ± sd, min–max), and each variant's
   difference from `baseline` ('none': no bias, the full gradient) with its 95% Welch interval: log10 of
   the gradient ratio, the token correlation of layer 33 and of the last layer, and the most positive
-  2λβ·Cov(shared) of the FFN sums at the layers shown."""
+  2λβ·Cov(shared) of the FFN sums at the layers shown. Over the measured updates up to `update`: the
+  lowest and the highest log10 gradient ratio and the highest token correlation of the last layer, which
+  show a collapse the run has left again by `update`."""
   by_arm = {}
   for path in paths:
     r, rows, arm = read_run(path)
@@ -317,13 +324,18 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
       continue
     row = rows[update]
     corr = dict(zip(row['layers'], row['corr_seq']))
+    so_far = [rows[u] for u in sorted(rows) if u <= update]
+    log_ratios = [math.log10(past['grad_var_over_last'][0]) for past in so_far]
     measures = {
       'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
       'token correlation, layer 33': corr.get(32, math.nan),
-      'token correlation, last layer': corr[max(corr)],
+      'token correlation, last layer': last_layer_correlation(row),
       'most positive shared covariance term of an FFN sum': max(
         row['residual_sum_parts']['ffn']['cross_shared']
       ),
+      'lowest log10 gradient ratio so far': min(log_ratios),
+      'highest log10 gradient ratio so far': max(log_ratios),
+      'highest token correlation of the last layer so far': max(map(last_layer_correlation, so_far)),
     }
     for name, value in measures.items():
       by_arm.setdefault((arm, name), {}).setdefault(variant(r), []).append(value)

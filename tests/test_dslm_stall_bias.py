@@ -210,22 +210,31 @@ def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
         'corr_seq': [0, 0.5, 0.9, 0.99 if bias == 'none' else 0.5],
         'residual_sum_parts': {'ffn': {'cross_shared': [0.0, 0.1, 0.3 + seed / 10, 0.2]}},
       }
+      # An earlier measurement, and one after `update`, which the measures so far must not read.
+      earlier = {**row, 'updates': 10, 'grad_var_over_last': [1e-20, 1, 1, 1], 'corr_seq': [0, 0, 0, 0.95]}
+      later = {**row, 'updates': 50, 'grad_var_over_last': [1e20, 1, 1, 1], 'corr_seq': [0, 0, 0, 1.0]}
       run = {
         'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'dslm', 'lr': 3e-3, 'seed': seed},
         'bias': bias,
         'logit_grad': 'centred' if variant == 'centred' else 'full',
-        'rows': [row],
-        'train_losses': [7.0] * 41,
+        'rows': [earlier, row, later],
+        'train_losses': [7.0] * 51,
       }
       paths.append(str(tmp_path / f'{variant}_{seed}.json'))
       with open(paths[-1], 'w') as f:
         json.dump(run, f)
   lines = dslm_stall_bias.contrast_lines(paths).splitlines()
-  assert len(lines) == 4
+  assert len(lines) == 7
+  lowest = next(line for line in lines if 'lowest log10 gradient ratio so far' in line)
+  assert 'none -20.00 ± 0.00' in lowest and 'unigram − none +0.00' in lowest
+  highest = next(line for line in lines if 'highest log10 gradient ratio so far' in line)
+  assert 'none -11.00 ± 1.41' in highest and 'unigram − none +10.' in highest
+  peak = next(line for line in lines if 'highest token correlation' in line)
+  assert 'none 0.99 ± 0.00' in peak and 'unigram 0.95 ± 0.00' in peak
   ratio_line = next(line for line in lines if 'log10 gradient ratio' in line)
   assert 'none -11.00 ± 1.41 (-12.00–-10.00), n 2' in ratio_line and 'unigram − none +10.' in ratio_line
   assert 'centred − none +9.00' in ratio_line
   against_the_bias = dslm_stall_bias.contrast_lines(paths, baseline='unigram')
   assert 'none − unigram -10.' in against_the_bias and 'centred − unigram' in against_the_bias
-  last_line = next(line for line in lines if 'last layer' in line)
+  last_line = next(line for line in lines if 'correlation, last layer' in line)
   assert 'unigram − none -0.49 [-0.49, -0.49]' in last_line
