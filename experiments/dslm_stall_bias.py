@@ -20,6 +20,8 @@ representations collapse onto it within the warm-up. The changes, each against t
   `--bias=unigram` as well, the bias still gets the whole gradient.
 - `--logit_scale=s`: the logits multiplied by a constant s throughout (a fixed temperature), which scales
   how much they vary from token to token at initialisation by s.
+- `--dslm_k=k`: DSLM's β² = k/N, λ² = 1 − β² (the paper's k is 2). With k = N/2, λ = β, and a Post-LN
+  layer's norm makes its residual add the vanilla one (LN is scale-invariant), the initial weights DSLM's.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
@@ -78,6 +80,9 @@ def _define_flags():
     'logit_grad', 'full', LOGIT_GRADS, "'centred': the logits' gradient less its mean over positions."
   )
   flags.DEFINE_float('logit_scale', 1.0, 'A constant the logits are multiplied by (a fixed temperature).')
+  flags.DEFINE_float(
+    'dslm_k', None, 'DSLM only: model.dslm.k (β² = k/N, λ² = 1 − β²; the paper: 2). With k = N/2, λ = β.'
+  )
   flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
   flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
   flags.DEFINE_enum('scheme', 'dslm', ('dslm', 'vanilla'), "model.scheme: the sweep's two arms.")
@@ -92,10 +97,16 @@ def _define_flags():
   flags.DEFINE_string('baseline', 'none', "--summarize: the variant the others' differences are from.")
 
 
-def arm_config(shape: str, block: str, scheme: str, lr: float, seed: int, tokenizer: str):
+def arm_config(
+  shape: str, block: str, scheme: str, lr: float, seed: int, tokenizer: str, dslm_k: float | None = None
+):
   c = configs.get_config(f'depth,{shape}')
   c.model.scheme, c.model.block, c.optimizer.lr, c.seed = scheme, block, lr, seed
   c.data.tokenizer = tokenizer
+  if dslm_k is not None:
+    if scheme != 'dslm':
+      raise ValueError(f'--dslm_k: only with --scheme=dslm, got --scheme={scheme}')
+    c.model.dslm.k = dslm_k
   config_lib.validate_config(c, num_devices=1)
   return c
 
@@ -264,13 +275,14 @@ SUMMARY_UPDATES = (10, 20, 40)  # the rows of a run the table shows, where it ha
 
 def variant(run: dict) -> str:
   """What a run changed: its bias ('none', 'unigram'), with ' centred' where the layers got the logits'
-  gradient less its mean, and the logits' scale where it is not 1 (runs written before these flags
-  existed had the full gradient and scale 1)."""
-  scale = run.get('logit_scale', 1.0)
+  gradient less its mean, the logits' scale where it is not 1, and DSLM's k where it is not the paper's 2
+  (runs written before these flags existed had the full gradient, scale 1 and k = 2)."""
+  scale, k = run.get('logit_scale', 1.0), run.get('dslm_k', 2.0)
   return (
     run['bias']
     + (' centred' if run.get('logit_grad', 'full') == 'centred' else '')
     + (f' logits ×{scale:g}' if scale != 1.0 else '')
+    + (f' k={k:g}' if k != 2.0 else '')
   )
 
 
@@ -363,7 +375,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
   if args.initial_logits:
-    config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer)
+    config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
     print(json.dumps(initial_logit_spread(config)))
     return
   if not args.out:
@@ -372,7 +384,7 @@ def main(argv):
     raise ValueError(
       f'--updates and --measure_every must be ≥ 1, got {args.updates} and {args.measure_every}'
     )
-  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer)
+  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
   result = {
     'arm': {
       'shape': args.shape,
@@ -384,6 +396,7 @@ def main(argv):
     'bias': args.bias,
     'logit_grad': args.logit_grad,
     'logit_scale': args.logit_scale,
+    **({'dslm_k': config.model.dslm.k} if args.scheme == 'dslm' else {}),
     'warmup_steps': config.optimizer.warmup_steps,
     'total_steps': config.total_steps,
     'platform': jax.devices()[0].platform,

@@ -138,6 +138,17 @@ def test_a_runs_variant_names_what_it_changed():
   run.update(logit_grad='centred', logit_scale=0.17)
   assert dslm_stall_bias.variant(run) == 'none centred logits ×0.17'
   assert dslm_stall_bias.variant({'bias': 'unigram', 'logit_grad': 'full', 'logit_scale': 1.0}) == 'unigram'
+  assert dslm_stall_bias.variant({'bias': 'none', 'dslm_k': 2.0}) == 'none'
+  run = {'bias': 'none', 'logit_grad': 'centred', 'dslm_k': 32.0}
+  assert dslm_stall_bias.variant(run) == 'none centred k=32'
+
+
+def test_dslm_k_sets_lambda_and_beta_of_dslm_only():
+  args = ('64x32', 'postln', 'dslm', 3e-3, 0, dslm_stall_bias.TOKENIZER)
+  assert dslm_stall_bias.arm_config(*args, dslm_k=32.0).model.dslm.k == 32.0
+  assert dslm_stall_bias.arm_config(*args).model.dslm.k == 2.0
+  with pytest.raises(ValueError, match='--dslm_k: only with --scheme=dslm'):
+    dslm_stall_bias.arm_config('64x32', 'postln', 'vanilla', 3e-3, 0, dslm_stall_bias.TOKENIZER, 32.0)
 
 
 def test_the_initial_logit_spread_splits_off_the_part_every_position_shares():
