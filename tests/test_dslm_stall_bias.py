@@ -143,7 +143,7 @@ def test_a_runs_variant_names_what_it_changed():
   assert dslm_stall_bias.variant(run) == 'none centred k=32'
 
 
-def test_dslm_k_sets_lambda_and_beta_of_dslm_only():
+def test_dslm_k_is_set_for_dslm_and_refused_for_vanilla():
   args = ('64x32', 'postln', 'dslm', 3e-3, 0, dslm_stall_bias.TOKENIZER)
   assert dslm_stall_bias.arm_config(*args, dslm_k=32.0).model.dslm.k == 32.0
   assert dslm_stall_bias.arm_config(*args).model.dslm.k == 2.0
@@ -242,7 +242,7 @@ def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
   assert 'none -11.00 ± 1.41' in highest and 'unigram − none +10.' in highest
   peak = next(line for line in lines if 'highest token correlation' in line)
   assert 'none 0.99 ± 0.00' in peak and 'unigram 0.95 ± 0.00' in peak
-  ratio_line = next(line for line in lines if 'log10 gradient ratio' in line)
+  ratio_line = next(line for line in lines if ', log10 gradient ratio:' in line)
   assert 'none -11.00 ± 1.41 (-12.00–-10.00), n 2' in ratio_line and 'unigram − none +10.' in ratio_line
   assert 'centred − none +9.00' in ratio_line
   against_the_bias = dslm_stall_bias.contrast_lines(paths, baseline='unigram')
