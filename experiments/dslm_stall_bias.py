@@ -21,7 +21,8 @@ representations collapse onto it within the warm-up. The changes, each against t
 - `--logit_scale=s`: the logits multiplied by a constant s throughout (a fixed temperature), which scales
   how much they vary from token to token at initialisation by s.
 - `--dslm_k=k`: DSLM's β² = k/N, λ² = 1 − β² (the paper's k is 2). With k = N/2, λ = β, and a Post-LN
-  layer's norm makes its residual add the vanilla one (LN is scale-invariant), the initial weights DSLM's.
+  layer's norm makes its residual add the vanilla one (LN is scale-invariant); the initial weights and the
+  output scale stay DSLM's.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
@@ -374,8 +375,8 @@ def main(argv):
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
+  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
   if args.initial_logits:
-    config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
     print(json.dumps(initial_logit_spread(config)))
     return
   if not args.out:
@@ -384,7 +385,6 @@ def main(argv):
     raise ValueError(
       f'--updates and --measure_every must be ≥ 1, got {args.updates} and {args.measure_every}'
     )
-  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
   result = {
     'arm': {
       'shape': args.shape,
