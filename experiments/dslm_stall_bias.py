@@ -340,7 +340,7 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
     so_far = [rows[u] for u in sorted(rows) if u <= update]
     log_ratios = [math.log10(past['grad_var_over_last'][0]) for past in so_far]
     measures = {
-      'log10 gradient ratio': math.log10(row['grad_var_over_last'][0]),
+      'log10 gradient ratio': log_ratios[-1],  # so_far ends at `update`
       'token correlation, layer 33': corr.get(32, math.nan),
       'token correlation, last layer': last_layer_correlation(row),
       'most positive shared covariance term of an FFN sum': max(
