@@ -23,14 +23,19 @@ representations collapse onto it within the warm-up. The changes, each against t
 - `--dslm_k=k`: DSLM's β² = k/N, λ² = 1 − β² (the paper's k is 2). With k = N/2, λ = β, and a Post-LN
   layer's norm makes its residual add the vanilla one (LN is scale-invariant); the initial weights and the
   output scale stay DSLM's.
+- `--optimizer=msgdw`: DNT's momentum SGD in place of AdamW (its lr from `--lr`), the schedule, warm-up and
+  clipping unchanged. Adam divides each parameter's step by that parameter's own gradient size, so a
+  direction that is the same in every batch gets full-sized steps at every layer, however small its share
+  of the gradient; momentum SGD's steps keep the gradient's proportions.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
 `clip_by_global_norm(1.0)` then `adamw` with the arm's schedule (warm-up from 0 over `warmup_steps`, linear
 decay to 0.01 of the peak at `total_steps`), betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on the weight
-matrices and the token table only — and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With
-`--bias=none` it is the dsjax run itself as the CPU computes it (in float32 throughout; on a GPU dsjax's
-arm computes in bfloat16, the loop still in float32): on the CPU its training losses equal those
+matrices and the token table only (`--optimizer=msgdw`: momentum 0.9, weight decay 1e-4, as `MSGDW`) —
+and dsjax's batches (`dsjax.data.make_pipeline` with the run's seed). With `--bias=none` it is the dsjax run
+itself as the CPU computes it (in float32 throughout; on a GPU dsjax's arm computes in bfloat16, the loop
+still in float32): on the CPU its training losses equal those
 `dsjax.main` logged for the same arm and seed bit for bit at 7 of the 8 logged steps up to 29, and within
 1e-7 at the other (tests/test_dslm_stall_bias.py checks the same on a tiny model). `--scheme=vanilla` trains
 the sweep's other arm. Every `--measure_every` updates, on that
@@ -73,6 +78,10 @@ TOKENIZER = os.path.join(
 BIASES = ('none', 'unigram')
 LOGIT_GRADS = ('full', 'centred')
 DECAYED = ('kernel', 'token_embed')  # dsjax's weight-decay mask on this model
+OPTIMIZERS = ('adamw', 'msgdw')
+# mSGDW as DNT's GPT-2 runs set it (Qi et al. 2025, arXiv:2507.17501, Table 5): heavy-ball momentum 0.9,
+# decoupled weight decay 1e-4. Its lr is the run's --lr; the table's 1.0 is for its own model and batch.
+MSGDW = {'momentum': 0.9, 'nesterov': False, 'weight_decay': 1e-4}
 
 
 def _define_flags():
@@ -86,6 +95,9 @@ def _define_flags():
   )
   flags.DEFINE_string('shape', '64x32', 'DEPTHxWIDTH of the GPU sweep (experiments/configs/gpu_stdlib.py).')
   flags.DEFINE_enum('block', 'postln', ('postln', 'preln'), 'model.block')
+  flags.DEFINE_enum(
+    'optimizer', 'adamw', OPTIMIZERS, "'msgdw': DNT's momentum SGD in place of the arm's AdamW (set --lr)."
+  )
   flags.DEFINE_enum('scheme', 'dslm', ('dslm', 'vanilla'), "model.scheme: the sweep's two arms.")
   flags.DEFINE_float('lr', 3e-3, 'Peak learning rate.')
   flags.DEFINE_integer('seed', 0, 'Parameter, data and dropout seed, as config.seed.')
@@ -99,8 +111,17 @@ def _define_flags():
 
 
 def arm_config(
-  shape: str, block: str, scheme: str, lr: float, seed: int, tokenizer: str, dslm_k: float | None = None
+  shape: str,
+  block: str,
+  scheme: str,
+  lr: float,
+  seed: int,
+  tokenizer: str,
+  dslm_k: float | None = None,
+  optimizer: str = 'adamw',
 ):
+  """The GPU sweep's arm; with `optimizer='msgdw'` DNT's mSGDW in place of its AdamW (`MSGDW`), the
+  schedule, warm-up and clipping unchanged."""
   c = configs.get_config(f'depth,{shape}')
   c.model.scheme, c.model.block, c.optimizer.lr, c.seed = scheme, block, lr, seed
   c.data.tokenizer = tokenizer
@@ -108,6 +129,8 @@ def arm_config(
     if scheme != 'dslm':
       raise ValueError(f'--dslm_k: only with --scheme=dslm, got --scheme={scheme}')
     c.model.dslm.k = dslm_k
+  if optimizer == 'msgdw':
+    c.optimizer.update(name='msgdw', **MSGDW)
   config_lib.validate_config(c, num_devices=1)
   return c
 
@@ -158,12 +181,15 @@ def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  """The arm's AdamW written with optax alone: clipping, then Adam with decoupled weight decay on the
-  matrices and the token table, the lr warmed up from 0 and decayed linearly to `min_lr_ratio`."""
+  """The arm's optimizer written with optax alone: clipping, then AdamW (or mSGDW) with decoupled weight
+  decay on the matrices and the token table, the lr warmed up from 0 and decayed linearly to
+  `min_lr_ratio`. mSGDW is heavy-ball momentum, then the decay, then the lr (decay and lr coupled, as
+  PyTorch's AdamW couples them)."""
   o, total = config.optimizer, config.total_steps
-  if o.schedule != 'linear' or o.name != 'adamw' or o.init_lr_ratio != 0 or not o.clip_norm:
+  if o.schedule != 'linear' or o.name not in OPTIMIZERS or o.init_lr_ratio != 0 or not o.clip_norm:
     raise ValueError(
-      "the loop implements the depth sweep's optimizer only: adamw, a linear schedule from 0, clipping on"
+      "the loop implements the depth sweep's optimizer only: adamw or msgdw, a linear schedule from 0, "
+      'clipping on'
     )
   schedule = optax.join_schedules(
     [
@@ -176,10 +202,15 @@ def make_optimizer(config) -> optax.GradientTransformation:
   def decayed(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in DECAYED, params)
 
-  return optax.chain(
-    optax.clip_by_global_norm(o.clip_norm),
-    optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed),
-  )
+  if o.name == 'msgdw':
+    update = optax.chain(
+      optax.trace(decay=o.momentum, nesterov=o.nesterov),
+      optax.add_decayed_weights(o.weight_decay, decayed),
+      optax.scale_by_learning_rate(schedule),
+    )
+  else:
+    update = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
+  return optax.chain(optax.clip_by_global_norm(o.clip_norm), update)
 
 
 def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> dict:
@@ -276,14 +307,16 @@ SUMMARY_UPDATES = (10, 20, 40)  # the rows of a run the table shows, where it ha
 
 def variant(run: dict) -> str:
   """What a run changed: its bias ('none', 'unigram'), with ' centred' where the layers got the logits'
-  gradient less its mean, the logits' scale where it is not 1, and DSLM's k where it is not the paper's 2
-  (runs written before these flags existed had the full gradient, scale 1 and k = 2)."""
+  gradient less its mean, the logits' scale where it is not 1, DSLM's k where it is not the paper's 2, and
+  ' mSGDW' where that replaced AdamW (runs written before these flags existed had the full gradient,
+  scale 1, k = 2 and AdamW)."""
   scale, k = run.get('logit_scale', 1.0), run.get('dslm_k', 2.0)
   return (
     run['bias']
     + (' centred' if run.get('logit_grad', 'full') == 'centred' else '')
     + (f' logits ×{scale:g}' if scale != 1.0 else '')
     + (f' k={k:g}' if k != 2.0 else '')
+    + (' mSGDW' if run.get('optimizer', 'adamw') == 'msgdw' else '')
   )
 
 
@@ -375,7 +408,9 @@ def main(argv):
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
-  config = arm_config(args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k)
+  config = arm_config(
+    args.shape, args.block, args.scheme, args.lr, args.seed, args.tokenizer, args.dslm_k, args.optimizer
+  )
   if args.initial_logits:
     print(json.dumps(initial_logit_spread(config)))
     return
@@ -394,6 +429,7 @@ def main(argv):
       'seed': args.seed,
     },
     'bias': args.bias,
+    'optimizer': args.optimizer,
     'logit_grad': args.logit_grad,
     'logit_scale': args.logit_scale,
     **({'dslm_k': config.model.dslm.k} if args.scheme == 'dslm' else {}),

@@ -1,5 +1,5 @@
 """experiments/dslm_stall_bias.py: without the bias its independent loop trains as `dsjax.main` does (its
-optimizer is dsjax's, update for update), its gradients are the plain reference's, a uniform bias leaves
+optimizers are dsjax's, update for update), its gradients are the plain reference's, a uniform bias leaves
 the first loss as it is, the centred logits' gradient is the one written out by hand, its summaries read
 the runs, and the plain reference's residual sums' parts add up."""
 
@@ -54,11 +54,15 @@ def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
   assert [row['updates'] for row in ours['rows']] == [0, 2, 3]
 
 
-def test_the_optimizer_is_dsjaxs_update_for_update():
+@pytest.mark.parametrize('name', dslm_stall_bias.OPTIMIZERS)
+def test_the_optimizer_is_dsjaxs_update_for_update(name):
   """20 updates of random gradients through the warm-up and the decay: the same parameters, and the same
-  weight-decay mask (the matrices and the token table)."""
+  weight-decay mask (the matrices and the token table), with AdamW and with mSGDW."""
   config = _config()
   config.total_steps, config.optimizer.warmup_steps, config.optimizer.weight_decay = 20, 3, 0.1
+  if name == 'msgdw':
+    config.optimizer.update(name='msgdw', **dslm_stall_bias.MSGDW)
+    config.optimizer.lr, config.optimizer.weight_decay = 0.3, 0.1  # a decay large enough to show
   params, _ = dslm_stall_bias.split_model(
     schemes.build_model(config, data_lib.dataset_info(config.data), nnx.Rngs(params=0))
   )
@@ -74,6 +78,18 @@ def test_the_optimizer_is_dsjaxs_update_for_update():
     u, s_theirs = theirs.update(grads, s_theirs, p_theirs)
     p_theirs = optax.apply_updates(p_theirs, u)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p_ours, p_theirs)
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p_ours, params)
+  assert min(jax.tree.leaves(moved)) > 0
+
+
+def test_msgdw_replaces_the_arms_adamw_and_nothing_else():
+  args = ('64x32', 'postln', 'dslm', 0.3, 0, dslm_stall_bias.TOKENIZER)
+  adamw, msgdw = dslm_stall_bias.arm_config(*args), dslm_stall_bias.arm_config(*args, optimizer='msgdw')
+  o = msgdw.optimizer
+  assert (o.name, o.momentum, o.nesterov, o.weight_decay) == ('msgdw', 0.9, False, 1e-4)
+  for key in ('lr', 'schedule', 'warmup_steps', 'min_lr_ratio', 'clip_norm'):
+    assert msgdw.optimizer[key] == adamw.optimizer[key], key
+  assert msgdw.model == adamw.model and msgdw.data == adamw.data
 
 
 def test_the_measured_gradients_are_the_plain_references():
@@ -141,6 +157,9 @@ def test_a_runs_variant_names_what_it_changed():
   assert dslm_stall_bias.variant({'bias': 'none', 'dslm_k': 2.0}) == 'none'
   run = {'bias': 'none', 'logit_grad': 'centred', 'dslm_k': 32.0}
   assert dslm_stall_bias.variant(run) == 'none centred k=32'
+  assert dslm_stall_bias.variant({'bias': 'none', 'optimizer': 'adamw'}) == 'none'
+  run = {'bias': 'none', 'logit_grad': 'centred', 'optimizer': 'msgdw'}
+  assert dslm_stall_bias.variant(run) == 'none centred mSGDW'
 
 
 def test_dslm_k_is_set_for_dslm_and_refused_for_vanilla():
