@@ -108,6 +108,7 @@ def _define_flags():
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
   flags.DEFINE_bool('initial_logits', False, "Print the arm's initial_logit_spread; train nothing.")
   flags.DEFINE_string('baseline', 'none', "--summarize: the variant the others' differences are from.")
+  flags.DEFINE_integer('at_update', 40, '--summarize: the update the contrasts are taken at.')
 
 
 def arm_config(
@@ -404,7 +405,7 @@ def main(argv):
   args = flags.FLAGS
   if args.summarize:
     print(summary_table(argv[1:]))
-    print(contrast_lines(argv[1:], baseline=args.baseline))
+    print(contrast_lines(argv[1:], update=args.at_update, baseline=args.baseline))
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')

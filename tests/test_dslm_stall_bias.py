@@ -268,3 +268,6 @@ def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
   assert 'none − unigram -10.' in against_the_bias and 'centred − unigram' in against_the_bias
   last_line = next(line for line in lines if 'correlation, last layer' in line)
   assert 'unigram − none -0.49 [-0.49, -0.49]' in last_line
+  # at update 10, the earlier measurement alone
+  at_10 = dslm_stall_bias.contrast_lines(paths, update=10)
+  assert 'at update 10, log10 gradient ratio: none -20.00 ± 0.00' in at_10 and 'at update 40' not in at_10
