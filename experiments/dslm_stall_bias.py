@@ -24,9 +24,9 @@ representations collapse onto it within the warm-up. The changes, each against t
   layer's norm makes its residual add the vanilla one (LN is scale-invariant); the initial weights and the
   output scale stay DSLM's.
 - `--optimizer=msgdw`: DNT's momentum SGD in place of AdamW (its lr from `--lr`), the schedule, warm-up and
-  clipping unchanged. Adam divides each parameter's step by that parameter's own gradient size, so a
-  direction that is the same in every batch gets full-sized steps at every layer, however small its share
-  of the gradient; momentum SGD's steps keep the gradient's proportions.
+  clipping unchanged. Adam divides each parameter's step by that parameter's own gradient size, which
+  could give what is the same at every token larger steps than its share of the gradient; momentum SGD's
+  steps keep the gradient's proportions.
 
 The loop is independent of dsjax's training code: the model is `experiments/plain_reference.py` (plain
 `jnp`, dsjax's initial weights, λ, β and dropout masks), the step plain `jax.value_and_grad` and optax —
