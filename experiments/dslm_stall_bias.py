@@ -42,7 +42,8 @@ the sweep's other arm. Every `--measure_every` updates, on that
 update's batch and masks and before the update, it records the gradient of the loss with respect to each
 layer's output (`jax.grad`; its variance at layer 1 over that at the last layer, and the share of it that is
 the same at every token of a sequence), the token correlation of the layer outputs (explicit L×L products)
-and the residual sums' parts (`residual_sum_parts`).
+and the residual sums' parts (`residual_sum_parts`), and how the logits split into what the positions
+share and what varies between them (`logit_parts`); every update, the gradient's norm before clipping.
 """
 
 from __future__ import annotations
@@ -171,8 +172,11 @@ def _centred_gradient_bwd(_, g_BLV):
 centred_gradient.defvjp(_centred_gradient_fwd, _centred_gradient_bwd)
 
 
-def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.0):
-  def loss(params, tokens_BL1, masks, deltas_NBLD=None):
+def make_logits(spec, constants, logit_scale: float = 1.0):
+  """The logits the loss reads, as a function of (params, tokens_BL1, masks, deltas_NBLD=None): the plain
+  reference's, times `logit_scale`, plus the logit bias where the run has one."""
+
+  def logits(params, tokens_BL1, masks, deltas_NBLD=None, logit_grad: str = 'full'):
     z_BLV = ref.logits(reference_tree(params, constants), tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
     if logit_scale != 1.0:
       z_BLV = logit_scale * z_BLV
@@ -180,9 +184,35 @@ def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.
       z_BLV = centred_gradient(z_BLV)
     if 'logit_bias' in params:
       z_BLV = z_BLV + params['logit_bias']
+    return z_BLV
+
+  return logits
+
+
+def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.0):
+  logits = make_logits(spec, constants, logit_scale)
+
+  def loss(params, tokens_BL1, masks, deltas_NBLD=None):
+    z_BLV = logits(params, tokens_BL1, masks, deltas_NBLD, logit_grad)
     return ref.cross_entropy(z_BLV, tokens_BL1[:, 1:])
 
   return loss
+
+
+def logit_parts(z_BLV, targets_BL) -> dict:
+  """How the logits split into what every position shares and what varies between positions: their
+  variance over the vocabulary averaged over the positions; the part of it that is shared (the variance
+  over the vocabulary of their mean over positions); and the cross-entropy the shared logits alone would
+  give the batch's targets (every position given the mean logits) — the unigram loss where the shared part
+  is the batch's log-frequencies, ln V where it is flat."""
+  z_BLV = np.asarray(z_BLV, np.float64)
+  shared_V = z_BLV.mean(axis=(0, 1))
+  log_p_V = shared_V - shared_V.max() - np.log(np.exp(shared_V - shared_V.max()).sum())
+  return {
+    'logit_variance': float(z_BLV.var(axis=-1).mean()),
+    'logit_shared': float(shared_V.var()),
+    'shared_logit_loss': float(-log_p_V[np.asarray(targets_BL)].mean()),
+  }
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
@@ -218,9 +248,10 @@ def make_optimizer(config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), update)
 
 
-def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> dict:
+def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown, logits=None) -> dict:
   """`layer_grads(params, tokens_BL1, masks, deltas_NBLD)`: the loss's gradient with respect to the deltas
-  added to the layer outputs (`jax.grad` of `make_loss`'s loss in its last argument)."""
+  added to the layer outputs (`jax.grad` of `make_loss`'s loss in its last argument). With `logits`
+  (`make_logits`' function, jitted) the row also holds the logits' `logit_parts`."""
   b, l1 = tokens_BL1.shape
   grads_NBLD = layer_grads(params, tokens_BL1, masks, jnp.zeros((spec.depth, b, l1 - 1, spec.width)))
   grads_NBLD = np.asarray(grads_NBLD, np.float64)
@@ -239,6 +270,7 @@ def measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown) -> d
     'grad_shared_fraction': [float(grad_shared_N[layer]) for layer in shown],
     'corr_seq': [dslm_stall.corr_seq_explicit(outputs_NBLD[layer]) for layer in shown],
     'residual_sum_parts': dslm_stall.sum_parts_shown(parts_N2P, shown),
+    **({} if logits is None else logit_parts(logits(params, tokens_BL1, masks), tokens_BL1[:, 1:])),
   }
 
 
@@ -262,13 +294,11 @@ def batches(config, spec):
 
 
 def initial_logit_spread(config) -> dict:
-  """At initialisation, on the run's first batch and dropout masks: the logits' variance over the
-  vocabulary, averaged over the token positions, and the part of it that is the same at every position
-  (the variance over the vocabulary of the logits' mean over positions)."""
+  """The `logit_parts` of the arm at initialisation, on the run's first batch and dropout masks."""
   _, model, spec = arm_model(config)
   tokens_BL1, masks = next(batches(config, spec))
-  z_BLV = np.asarray(ref.logits(ref.reference_tree(model), tokens_BL1[:, :-1], spec, masks), np.float64)
-  return {'variance': float(z_BLV.var(axis=-1).mean()), 'shared': float(z_BLV.mean(axis=(0, 1)).var())}
+  z_BLV = ref.logits(ref.reference_tree(model), tokens_BL1[:, :-1], spec, masks)
+  return logit_parts(z_BLV, tokens_BL1[:, 1:])
 
 
 def train(
@@ -282,6 +312,7 @@ def train(
     )
   loss = make_loss(spec, constants, logit_grad, logit_scale)
   layer_grads = jax.jit(jax.grad(loss, argnums=3))  # compiled once, for every measurement
+  logits = jax.jit(make_logits(spec, constants, logit_scale))
   tx = make_optimizer(config)
   opt_state = tx.init(params)
 
@@ -289,22 +320,24 @@ def train(
   def update(params, opt_state, tokens_BL1, masks):
     value, grads = jax.value_and_grad(loss)(params, tokens_BL1, masks)
     deltas, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, deltas), opt_state, value
+    return optax.apply_updates(params, deltas), opt_state, value, optax.tree.norm(grads)
 
-  shown, rows, losses, start = dslm_stall.layers_shown(spec.depth), [], [], time.time()
+  shown, rows, losses, norms, start = dslm_stall.layers_shown(spec.depth), [], [], [], time.time()
   for done, (tokens_BL1, masks) in zip(range(updates), batches(config, spec)):
     if done % measure_every == 0 or done == updates - 1:
       rows.append(
         {
           'updates': done,
           'layers': shown,
-          **measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown),
+          **measure(layer_grads, params, constants, tokens_BL1, spec, masks, shown, logits),
         }
       )
-    params, opt_state, value = update(params, opt_state, tokens_BL1, masks)
+    params, opt_state, value, norm = update(params, opt_state, tokens_BL1, masks)
     losses.append(float(value))
+    norms.append(float(norm))
     print(f'update {done + 1}: loss {losses[-1]:.4f} ({time.time() - start:.0f} s)', flush=True)
-  return {'rows': rows, 'train_losses': losses}
+  # grad_norms: each update's global gradient norm before clipping (clipped where above clip_norm)
+  return {'rows': rows, 'train_losses': losses, 'grad_norms': norms}
 
 
 SUMMARY_UPDATES = (10, 20, 40)  # the rows of a run the table shows, where it has them

@@ -48,10 +48,28 @@ def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
   config = _config()
   loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:
-    dsjax_losses = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
+    logged = [r for r in map(json.loads, f) if 'train/loss' in r]
   ours = dslm_stall_bias.train(config, 'none', updates=4, measure_every=2)
-  np.testing.assert_allclose(ours['train_losses'], dsjax_losses, rtol=1e-5)
+  np.testing.assert_allclose(ours['train_losses'], [r['train/loss'] for r in logged], rtol=1e-5)
+  np.testing.assert_allclose(ours['grad_norms'], [r['train/grad_norm'] for r in logged], rtol=1e-4)
   assert [row['updates'] for row in ours['rows']] == [0, 2, 3]
+  assert all(row['logit_shared'] < row['logit_variance'] for row in ours['rows'])
+
+
+def test_logit_parts_split_the_shared_logits_and_their_loss():
+  vocab, targets_BL = 5, np.array([[0, 0, 1, 2], [0, 1, 0, 3]])
+  flat = dslm_stall_bias.logit_parts(np.zeros((2, 4, vocab)), targets_BL)
+  np.testing.assert_allclose(flat['shared_logit_loss'], np.log(vocab))
+  assert flat['logit_variance'] == flat['logit_shared'] == 0
+  # shared logits at the targets' log-frequencies give their entropy (the unigram loss), whatever varies
+  # from position to position around them
+  frequencies_V = np.bincount(targets_BL.ravel(), minlength=vocab) / targets_BL.size
+  log_f_V = np.log(np.maximum(frequencies_V, 1e-30))
+  wobble_BLV = np.random.default_rng(0).normal(size=(2, 4, vocab))
+  parts = dslm_stall_bias.logit_parts(log_f_V + wobble_BLV - wobble_BLV.mean(axis=(0, 1)), targets_BL)
+  entropy = -(frequencies_V[frequencies_V > 0] * np.log(frequencies_V[frequencies_V > 0])).sum()
+  np.testing.assert_allclose(parts['shared_logit_loss'], entropy, rtol=1e-6)
+  np.testing.assert_allclose(parts['logit_shared'], log_f_V.var())
 
 
 @pytest.mark.parametrize('name', dslm_stall_bias.OPTIMIZERS)
@@ -172,7 +190,7 @@ def test_dslm_k_is_set_for_dslm_and_refused_for_vanilla():
 
 def test_the_initial_logit_spread_splits_off_the_part_every_position_shares():
   spread = dslm_stall_bias.initial_logit_spread(_config())
-  assert 0 <= spread['shared'] < spread['variance'] and np.isfinite(spread['variance'])
+  assert 0 <= spread['logit_shared'] < spread['logit_variance'] and np.isfinite(spread['logit_variance'])
 
 
 def test_only_the_sweeps_optimizer_is_implemented():
