@@ -389,6 +389,12 @@ def summary_table(paths: list[str]) -> str:
   return '\n'.join(lines)
 
 
+def clip_norm(run: dict) -> float:
+  """The gradient norm above which a run's updates were clipped (runs written before the JSON recorded
+  it all clipped at the sweep's 1.0)."""
+  return run.get('clip_norm', 1.0)
+
+
 def last_layer_correlation(row: dict) -> float:
   """A measured row's token correlation at the deepest layer it lists."""
   return dict(zip(row['layers'], row['corr_seq']))[max(row['layers'])]
@@ -398,7 +404,9 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
   """Per arm, at `update`, over the seeds of each variant (mean ± sd, min–max), and each variant's
   difference from `baseline` ('none': no bias, the full gradient) with its 95% Welch interval: log10 of
   the gradient ratio, the token correlation of layer 33 and of the last layer, and the most positive
-  2λβ·Cov(shared) of the FFN sums at the layers shown. Over the measured updates up to `update`: the
+  2λβ·Cov(shared) of the FFN sums at the layers shown; where the run recorded them, the loss of the
+  shared logits alone (`logit_parts`) and how many updates up to `update` were clipped. Over the measured
+  updates up to `update`: the
   lowest and the highest log10 gradient ratio and the highest token correlation of the last layer, which
   show a collapse the run has left again by `update`."""
   by_arm = {}
@@ -416,6 +424,19 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
       'token correlation, last layer': last_layer_correlation(row),
       'most positive shared covariance term of an FFN sum': max(
         row['residual_sum_parts']['ffn']['cross_shared']
+      ),
+      **(
+        {
+          "loss on the update's batch": r['train_losses'][update],
+          'loss of the shared logits alone (each position given their mean)': row['shared_logit_loss'],
+        }
+        if 'shared_logit_loss' in row
+        else {}
+      ),
+      **(
+        {'updates clipped so far': sum(n > clip_norm(r) for n in r['grad_norms'][:update])}
+        if 'grad_norms' in r
+        else {}
       ),
       'lowest log10 gradient ratio so far': min(log_ratios),
       'highest log10 gradient ratio so far': max(log_ratios),
@@ -472,6 +493,7 @@ def main(argv):
     'logit_scale': args.logit_scale,
     **({'dslm_k': config.model.dslm.k} if args.scheme == 'dslm' else {}),
     'warmup_steps': config.optimizer.warmup_steps,
+    'clip_norm': config.optimizer.clip_norm,
     'total_steps': config.total_steps,
     'platform': jax.devices()[0].platform,
     'jax': jax.__version__,

@@ -289,3 +289,36 @@ def test_the_contrasts_compare_each_variant_with_no_bias(tmp_path):
   # at update 10, the earlier measurement alone
   at_10 = dslm_stall_bias.contrast_lines(paths, update=10)
   assert 'at update 10, log10 gradient ratio: none -20.00 ± 0.00' in at_10 and 'at update 40' not in at_10
+
+
+def test_the_contrasts_read_the_logit_parts_and_the_clipped_updates_where_recorded(tmp_path):
+  paths = []
+  for seed in (0, 1):
+    row = {
+      'updates': 4,
+      'layers': [0, 63],
+      'grad_var_over_last': [0.1, 1],
+      'corr_seq': [0, 0.5],
+      'residual_sum_parts': {'ffn': {'cross_shared': [0.0, 0.1]}},
+      'logit_variance': 0.2,
+      'logit_shared': 0.1,
+      'shared_logit_loss': 8.5 + seed,
+    }
+    run = {
+      'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'vanilla', 'lr': 0.3, 'seed': seed},
+      'bias': 'none',
+      'optimizer': 'msgdw',
+      'clip_norm': 1.0,
+      'rows': [row],
+      'train_losses': [8.0, 8.0, 8.0, 8.0, 7.5 + seed, 9.0],
+      # updates 1-4 came before the row; the 6th is after it and must not count
+      'grad_norms': [0.5, 1.5, 2.0 + seed, 0.9, 3.0, 3.0],
+    }
+    paths.append(str(tmp_path / f'{seed}.json'))
+    with open(paths[-1], 'w') as f:
+      json.dump(run, f)
+  lines = dslm_stall_bias.contrast_lines(paths, update=4, baseline='none mSGDW').splitlines()
+  line = lambda name: next(x for x in lines if name in x)  # noqa: E731
+  assert 'none mSGDW 9.00 ± 0.71 (8.50–9.50), n 2' in line('loss of the shared logits alone')
+  assert 'none mSGDW 8.00 ± 0.71 (7.50–8.50), n 2' in line("loss on the update's batch")
+  assert 'none mSGDW 2.00 ± 0.00' in line('updates clipped so far')
