@@ -1,7 +1,7 @@
 r"""What drives the 64-layer Post-LN collapse? The GPU sweep's Post-LN arms (DSLM, or `--scheme=vanilla`)
 trained by an independent loop, with one change at a time to what the logits carry and pass back.
 
-  OUT=experiments/results/dslm_stall  # each run: ~8 min alone on the 2 CPU cores, ~9.5 min two at a time
+  OUT=experiments/results/dslm_stall  # each run: 8–18 min on 2 CPU cores, by machine and load
   python experiments/dslm_stall_bias.py --bias=none --seed=0 --updates=41 --out=$OUT/bias_none_s0.json
   python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
   python experiments/dslm_stall_bias.py --logit_grad=centred --seed=0 --updates=41 --out=$OUT/centred_s0.json
