@@ -172,11 +172,12 @@ def _centred_gradient_bwd(_, g_BLV):
 centred_gradient.defvjp(_centred_gradient_fwd, _centred_gradient_bwd)
 
 
-def make_logits(spec, constants, logit_scale: float = 1.0):
+def make_logits(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.0):
   """The logits the loss reads, as a function of (params, tokens_BL1, masks, deltas_NBLD=None): the plain
-  reference's, times `logit_scale`, plus the logit bias where the run has one."""
+  reference's, times `logit_scale`, plus the logit bias where the run has one; with `logit_grad='centred'`
+  the gradient passed back through them is `centred_gradient`'s."""
 
-  def logits(params, tokens_BL1, masks, deltas_NBLD=None, logit_grad: str = 'full'):
+  def logits(params, tokens_BL1, masks, deltas_NBLD=None):
     z_BLV = ref.logits(reference_tree(params, constants), tokens_BL1[:, :-1], spec, masks, deltas_NBLD)
     if logit_scale != 1.0:
       z_BLV = logit_scale * z_BLV
@@ -190,10 +191,10 @@ def make_logits(spec, constants, logit_scale: float = 1.0):
 
 
 def make_loss(spec, constants, logit_grad: str = 'full', logit_scale: float = 1.0):
-  logits = make_logits(spec, constants, logit_scale)
+  logits = make_logits(spec, constants, logit_grad, logit_scale)
 
   def loss(params, tokens_BL1, masks, deltas_NBLD=None):
-    z_BLV = logits(params, tokens_BL1, masks, deltas_NBLD, logit_grad)
+    z_BLV = logits(params, tokens_BL1, masks, deltas_NBLD)
     return ref.cross_entropy(z_BLV, tokens_BL1[:, 1:])
 
   return loss
@@ -312,7 +313,7 @@ def train(
     )
   loss = make_loss(spec, constants, logit_grad, logit_scale)
   layer_grads = jax.jit(jax.grad(loss, argnums=3))  # compiled once, for every measurement
-  logits = jax.jit(make_logits(spec, constants, logit_scale))
+  logits = jax.jit(make_logits(spec, constants, logit_grad, logit_scale))
   tx = make_optimizer(config)
   opt_state = tx.init(params)
 
@@ -404,11 +405,11 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
   """Per arm, at `update`, over the seeds of each variant (mean ± sd, min–max), and each variant's
   difference from `baseline` ('none': no bias, the full gradient) with its 95% Welch interval: log10 of
   the gradient ratio, the token correlation of layer 33 and of the last layer, and the most positive
-  2λβ·Cov(shared) of the FFN sums at the layers shown; where the run recorded them, the loss of the
-  shared logits alone (`logit_parts`) and how many updates up to `update` were clipped. Over the measured
-  updates up to `update`: the
-  lowest and the highest log10 gradient ratio and the highest token correlation of the last layer, which
-  show a collapse the run has left again by `update`."""
+  2λβ·Cov(shared) of the FFN sums at the layers shown; where the run recorded them, the loss on the
+  update's batch, the loss of the shared logits alone (`logit_parts`) and how many of the first `update`
+  updates were clipped. Over the measured updates up to `update`: the lowest and the highest log10
+  gradient ratio and the highest token correlation of the last layer, which show a collapse the run has
+  left again by `update`."""
   by_arm = {}
   for path in paths:
     r, rows, arm = read_run(path)
@@ -459,11 +460,42 @@ def contrast_lines(paths: list[str], update: int = 40, baseline: str = 'none') -
   return '\n'.join(lines)
 
 
+def logit_parts_lines(paths: list[str], collapsed: float = 0.97, from_update: int = 15) -> str:
+  """Per run that recorded `logit_parts`: over its measured updates from `from_update` on, the range of
+  the shared logits' loss and at how many it is above flat logits' (ln V); and at the measured updates
+  where the last layer's token correlation is ≥ `collapsed`, the least share of the logits' variance that
+  is shared, the largest |loss − shared logits' loss| and the range of the shared logits' loss."""
+  lines, flat = [], math.log(configs.VOCAB_SIZE)  # the sweep's tokenizer
+  for path in paths:
+    r, rows, arm = read_run(path)
+    measured = [row for _, row in sorted(rows.items()) if 'shared_logit_loss' in row]
+    if not measured:
+      continue
+    later = [row['shared_logit_loss'] for row in measured if row['updates'] >= from_update]
+    line = (
+      f"{arm}, {variant(r)}, seed {r['arm']['seed']}: shared logits' loss from update {from_update} on "
+      f'{min(later):.2f}–{max(later):.2f}, above ln V = {flat:.2f} at {sum(v > flat for v in later)} of '
+      f'{len(later)} measured updates'
+    )
+    down = [row for row in measured if last_layer_correlation(row) >= collapsed]
+    if down:
+      share = min(row['logit_shared'] / row['logit_variance'] for row in down)
+      gap = max(abs(r['train_losses'][row['updates']] - row['shared_logit_loss']) for row in down)
+      losses = [row['shared_logit_loss'] for row in down]
+      line += (
+        f'; at the {len(down)} with the last layer at ≥ {collapsed:g}: shared share ≥ {share:.3f}, '
+        f"|loss − shared logits' loss| ≤ {gap:.3f}, shared logits' loss {min(losses):.2f}–{max(losses):.2f}"
+      )
+    lines.append(line)
+  return '\n'.join(lines)
+
+
 def main(argv):
   args = flags.FLAGS
   if args.summarize:
     print(summary_table(argv[1:]))
     print(contrast_lines(argv[1:], update=args.at_update, baseline=args.baseline))
+    print(logit_parts_lines(argv[1:]))
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')

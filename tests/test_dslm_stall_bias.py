@@ -322,3 +322,25 @@ def test_the_contrasts_read_the_logit_parts_and_the_clipped_updates_where_record
   assert 'none mSGDW 9.00 ± 0.71 (8.50–9.50), n 2' in line('loss of the shared logits alone')
   assert 'none mSGDW 8.00 ± 0.71 (7.50–8.50), n 2' in line("loss on the update's batch")
   assert 'none mSGDW 2.00 ± 0.00' in line('updates clipped so far')
+
+
+def test_the_logit_parts_lines_count_the_updates_above_flat_logits_and_the_collapsed_ones(tmp_path):
+  flat = np.log(4096)
+  rows = [
+    {'updates': u, 'layers': [0, 63], 'corr_seq': [0, corr], 'logit_variance': 0.1, 'logit_shared': shared}
+    | {'shared_logit_loss': loss}
+    for u, corr, shared, loss in ((10, 0.2, 0.0, 9.0), (15, 0.5, 0.05, flat - 0.1), (20, 0.99, 0.099, 9.5))
+  ]
+  run = {
+    'arm': {'shape': '64x32', 'block': 'postln', 'scheme': 'vanilla', 'lr': 0.3, 'seed': 2},
+    'bias': 'none',
+    'logit_grad': 'centred',
+    'rows': rows,
+    'train_losses': [8.0] * 20 + [9.45],
+  }
+  (tmp_path / 'r.json').write_text(json.dumps(run))
+  (line,) = dslm_stall_bias.logit_parts_lines([str(tmp_path / 'r.json')]).splitlines()
+  assert 'seed 2' in line and f'from update 15 on {flat - 0.1:.2f}–9.50' in line
+  assert 'at 1 of 2 measured updates' in line  # update 10 is before from_update
+  assert 'at the 1 with the last layer at ≥ 0.97: shared share ≥ 0.990' in line
+  assert "|loss − shared logits' loss| ≤ 0.050" in line
