@@ -464,14 +464,14 @@ def logit_parts_lines(paths: list[str], collapsed: float = 0.97, from_update: in
   """Per run that recorded `logit_parts`: over its measured updates from `from_update` on, the range of
   the shared logits' loss and at how many it is above flat logits' (ln V); and at the measured updates
   where the last layer's token correlation is ≥ `collapsed`, the least share of the logits' variance that
-  is shared, the largest |loss − shared logits' loss| and the range of the shared logits' loss."""
+  is shared, the range of the loss and of the shared logits' loss, and their largest difference."""
   lines, flat = [], math.log(configs.VOCAB_SIZE)  # the sweep's tokenizer
   for path in paths:
     r, rows, arm = read_run(path)
     measured = [row for _, row in sorted(rows.items()) if 'shared_logit_loss' in row]
-    if not measured:
-      continue
     later = [row['shared_logit_loss'] for row in measured if row['updates'] >= from_update]
+    if not later:
+      continue
     line = (
       f"{arm}, {variant(r)}, seed {r['arm']['seed']}: shared logits' loss from update {from_update} on "
       f'{min(later):.2f}–{max(later):.2f}, above ln V = {flat:.2f} at {sum(v > flat for v in later)} of '
@@ -480,11 +480,13 @@ def logit_parts_lines(paths: list[str], collapsed: float = 0.97, from_update: in
     down = [row for row in measured if last_layer_correlation(row) >= collapsed]
     if down:
       share = min(row['logit_shared'] / row['logit_variance'] for row in down)
-      gap = max(abs(r['train_losses'][row['updates']] - row['shared_logit_loss']) for row in down)
-      losses = [row['shared_logit_loss'] for row in down]
+      losses = [r['train_losses'][row['updates']] for row in down]
+      shared = [row['shared_logit_loss'] for row in down]
+      gap = max(abs(loss - s) for loss, s in zip(losses, shared))
       line += (
         f'; at the {len(down)} with the last layer at ≥ {collapsed:g}: shared share ≥ {share:.3f}, '
-        f"|loss − shared logits' loss| ≤ {gap:.3f}, shared logits' loss {min(losses):.2f}–{max(losses):.2f}"
+        f"loss {min(losses):.2f}–{max(losses):.2f}, shared logits' loss {min(shared):.2f}–{max(shared):.2f}, "
+        f'|difference| ≤ {gap:.3f}'
       )
     lines.append(line)
   return '\n'.join(lines)

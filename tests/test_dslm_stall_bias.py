@@ -343,4 +343,4 @@ def test_the_logit_parts_lines_count_the_updates_above_flat_logits_and_the_colla
   assert 'seed 2' in line and f'from update 15 on {flat - 0.1:.2f}–9.50' in line
   assert 'at 1 of 2 measured updates' in line  # update 10 is before from_update
   assert 'at the 1 with the last layer at ≥ 0.97: shared share ≥ 0.990' in line
-  assert "|loss − shared logits' loss| ≤ 0.050" in line
+  assert "loss 9.45–9.45, shared logits' loss 9.50–9.50, |difference| ≤ 0.050" in line
