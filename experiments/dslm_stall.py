@@ -22,7 +22,7 @@ Post-LN layer's norms divide by, and what the gradient keeps along the skip conn
 (`skip_path_gain`), and each sum's variance split into skip, branch and their covariance, the covariance
 into the part the sequence's tokens share and the tokens' own (`plain_reference.residual_sum_parts`), for
 the checkpoint and for a freshly initialised model of the same config.
-experiments/README.md §11 reads the results.
+experiments/README.md §12 reads the results.
 """
 
 from __future__ import annotations
