@@ -6,11 +6,11 @@ trained by an independent loop, with one change at a time to what the logits car
   python experiments/dslm_stall_bias.py --bias=unigram --seed=0 --updates=41 --out=$OUT/bias_unigram_s0.json
   python experiments/dslm_stall_bias.py --logit_grad=centred --seed=0 --updates=41 --out=$OUT/centred_s0.json
   python experiments/dslm_stall_bias.py --summarize $OUT/bias_*_s?.json $OUT/centred_s?.json  # the tables
-  # the committed runs and their flags: experiments/README.md §11
+  # the committed runs and their flags: experiments/README.md §12
 
 Why. A language model's first lesson is the tokens' frequencies: in every batch part of the logits'
 gradient moves them towards the frequencies, the same way at every token. In the stalled run (experiments/
-README.md §11) what the branches add becomes shared by the sequence's tokens, and the token
+README.md §12) what the branches add becomes shared by the sequence's tokens, and the token
 representations collapse onto it within the warm-up. The changes, each against the plain run:
 - `--bias=unigram`: a logit bias (learnt, not decayed) that starts at the train split's log-frequencies of
   the tokens, so the layers have nothing to learn there.
@@ -216,24 +216,31 @@ def logit_parts(z_BLV, targets_BL) -> dict:
   }
 
 
+def make_schedule(config) -> optax.Schedule:
+  """The lr at each update (counted from 0): warmed up linearly from 0 over `warmup_steps`, then decayed
+  linearly to `min_lr_ratio` of the peak at `total_steps`."""
+  o = config.optimizer
+  return optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, o.lr, o.warmup_steps),
+      optax.linear_schedule(o.lr, o.min_lr_ratio * o.lr, config.total_steps - o.warmup_steps),
+    ],
+    [o.warmup_steps],
+  )
+
+
 def make_optimizer(config) -> optax.GradientTransformation:
   """The arm's optimizer written with optax alone: clipping, then AdamW (or mSGDW) with decoupled weight
   decay on the matrices and the token table, the lr warmed up from 0 and decayed linearly to
   `min_lr_ratio`. mSGDW is heavy-ball momentum, then the decay, then the lr (decay and lr coupled, as
   PyTorch's AdamW couples them)."""
-  o, total = config.optimizer, config.total_steps
+  o = config.optimizer
   if o.schedule != 'linear' or o.name not in OPTIMIZERS or o.init_lr_ratio != 0 or not o.clip_norm:
     raise ValueError(
       "the loop implements the depth sweep's optimizer only: adamw or msgdw, a linear schedule from 0, "
       'clipping on'
     )
-  schedule = optax.join_schedules(
-    [
-      optax.linear_schedule(0.0, o.lr, o.warmup_steps),
-      optax.linear_schedule(o.lr, o.min_lr_ratio * o.lr, total - o.warmup_steps),
-    ],
-    [o.warmup_steps],
-  )
+  schedule = make_schedule(config)
 
   def decayed(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in DECAYED, params)
