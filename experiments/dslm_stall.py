@@ -35,13 +35,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import export, schemes  # noqa: E402
 from dsjax.train import checkpoint as checkpoint_lib  # noqa: E402
+from dsjax.train import cli  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
@@ -238,4 +239,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
@@ -67,8 +67,8 @@ import gpu_stdlib as configs  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import schemes  # noqa: E402
+from dsjax.train import cli, optimizers, protocol  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
-from dsjax.train import optimizers, protocol  # noqa: E402
 from dsjax.train import step as step_lib  # noqa: E402
 from experiments import dslm_stall, gpu_decisive  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
@@ -499,6 +499,23 @@ def logit_parts_lines(paths: list[str], collapsed: float = 0.97, from_update: in
   return '\n'.join(lines)
 
 
+def run_facts(config) -> dict:
+  """What a run's JSON records of its schedule and machine besides its arm."""
+  return {
+    'warmup_steps': config.optimizer.warmup_steps,
+    'clip_norm': config.optimizer.clip_norm,
+    'total_steps': config.total_steps,
+    'platform': jax.devices()[0].platform,
+    'jax': jax.__version__,
+  }
+
+
+def write_json(path: str, result: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(result, f, indent=1)
+
+
 def main(argv):
   args = flags.FLAGS
   if args.summarize:
@@ -533,18 +550,12 @@ def main(argv):
     'logit_grad': args.logit_grad,
     'logit_scale': args.logit_scale,
     **({'dslm_k': config.model.dslm.k} if args.scheme == 'dslm' else {}),
-    'warmup_steps': config.optimizer.warmup_steps,
-    'clip_norm': config.optimizer.clip_norm,
-    'total_steps': config.total_steps,
-    'platform': jax.devices()[0].platform,
-    'jax': jax.__version__,
+    **run_facts(config),
     **train(config, args.bias, args.updates, args.measure_every, args.logit_grad, args.logit_scale),
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=1)
+  write_json(args.out, result)
 
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

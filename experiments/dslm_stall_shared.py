@@ -41,9 +41,10 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from dsjax.train import cli  # noqa: E402
 from experiments import dslm_stall_bias  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
@@ -246,18 +247,12 @@ def main(argv):
     'arm': {'shape': args.shape, 'block': 'postln', 'scheme': args.scheme, 'lr': args.lr, 'seed': args.seed},
     'optimizer': 'msgdw',
     'logit_grad': args.logit_grad,
-    'warmup_steps': config.optimizer.warmup_steps,
-    'clip_norm': config.optimizer.clip_norm,
-    'total_steps': config.total_steps,
-    'platform': jax.devices()[0].platform,
-    'jax': jax.__version__,
+    **dslm_stall_bias.run_facts(config),
     **train(config, args.updates, args.logit_grad),
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=1)
+  dslm_stall_bias.write_json(args.out, result)
 
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

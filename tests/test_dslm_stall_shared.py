@@ -2,11 +2,12 @@
 table's gradient into the head's and the input embedding's is the one each use gives alone, its parts of
 the table's update add up to the optimizer's, at a small lr its first-order parts add up to the shared
 logits' loss's change and each part applied alone changes it by its first-order part, and its summary sums
-what it says."""
+what it says; a bad flag ends it in one line."""
 
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from experiments import dslm_stall_bias, dslm_stall_shared  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from tests.helpers import REPO_ROOT, subprocess_env, tiny_config  # noqa: E402
 
 
 def _config(lr: float):
@@ -70,6 +71,20 @@ def test_it_trains_the_bias_loops_run_and_its_parts_add_up(lr):
       assert value == pytest.approx(row['first_order'][name], rel=0.1, abs=2e-6), (name, row)
   assert [r['update'] for r in ours['attribution']] == [1, 2, 3, 4]
   assert ours['attribution'][0]['first_order']['head'] == 0.0  # the warm-up's lr at the first update is 0
+
+
+def test_a_bad_flag_is_one_line_and_writes_nothing(tmp_path):
+  out = tmp_path / 'run.json'
+  result = subprocess.run(
+    [sys.executable, 'experiments/dslm_stall_shared.py', '--updates=0', f'--out={out}'],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    env=subprocess_env(),
+  )
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == ['dslm_stall_shared.py: error: --updates must be ≥ 1, got 0']
+  assert not out.exists()
 
 
 def test_adam_is_refused():
