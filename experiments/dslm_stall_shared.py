@@ -113,7 +113,7 @@ def train(config, updates: int, logit_grad: str = 'centred', logit_scale: float 
   attributed at every update."""
   if config.optimizer.name != 'msgdw':
     raise ValueError(f'the attribution needs mSGDW (linear in the gradients), got {config.optimizer.name}')
-  info, model, spec = dslm_stall_bias.arm_model(config)
+  _, model, spec = dslm_stall_bias.arm_model(config)
   params, constants = dslm_stall_bias.split_model(model)
   loss = dslm_stall_bias.make_loss(spec, constants, logit_grad, logit_scale)
   shared_loss = make_shared_loss(spec, constants, logit_scale)
@@ -140,14 +140,13 @@ def train(config, updates: int, logit_grad: str = 'centred', logit_scale: float 
     parts, table_state = table_step(
       table_state, count, clip_factor, head_g, grads['token_embed'] - head_g, params['token_embed']
     )
-    dot = lambda a, b: jnp.vdot(a, b)  # noqa: E731
     table_g = shared_grads['token_embed']
-    first_order = {name: dot(table_g, parts[name]) for name in ('head', 'input', 'decay')}
+    first_order = {name: jnp.vdot(table_g, parts[name]) for name in ('head', 'input', 'decay')}
     first_order['trunk'] = sum(
-      dot(g, d) for g, d in zip(jax.tree.leaves(shared_grads['trunk']), jax.tree.leaves(deltas['trunk']))
+      jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(shared_grads['trunk']), jax.tree.leaves(deltas['trunk']))
     )
     others = [k for k in shared_grads if k not in ('token_embed', 'trunk')]
-    first_order['other'] = sum(dot(shared_grads[k], deltas[k]) for k in others)
+    first_order['other'] = sum(jnp.vdot(shared_grads[k], deltas[k]) for k in others)
     table_parts_sum = parts['head'] + parts['input'] + parts['decay']
     split_error = jnp.linalg.norm(table_parts_sum - deltas['token_embed']) / jnp.maximum(
       jnp.linalg.norm(deltas['token_embed']), 1e-30
