@@ -51,10 +51,10 @@ from experiments import plain_reference as ref  # noqa: E402
 PARTS = ('head', 'input', 'decay', 'trunk', 'other')
 
 
-def make_shared_loss(spec, constants, logit_scale: float = 1.0):
+def make_shared_loss(spec, constants):
   """The cross-entropy the shared logits (the logits' mean over the batch's positions) give the batch's
   targets, as a function of (params, tokens_BL1, masks); its gradient is the true one (not centred)."""
-  logits = dslm_stall_bias.make_logits(spec, constants, 'full', logit_scale)
+  logits = dslm_stall_bias.make_logits(spec, constants, 'full')
 
   def shared_loss(params, tokens_BL1, masks):
     shared_V = logits(params, tokens_BL1, masks).mean(axis=(0, 1))
@@ -64,7 +64,7 @@ def make_shared_loss(spec, constants, logit_scale: float = 1.0):
   return shared_loss
 
 
-def make_head_grad(spec, constants, logit_grad: str, logit_scale: float = 1.0):
+def make_head_grad(spec, constants, logit_grad: str):
   """The training loss's gradient with respect to the token table through its use as the output layer
   alone (the tied head), as a function of (params, tokens_BL1, masks): the table read as an untied head,
   everything else held fixed."""
@@ -73,7 +73,7 @@ def make_head_grad(spec, constants, logit_grad: str, logit_scale: float = 1.0):
   def loss_of_head(head_VD, params, tokens_BL1, masks):
     tree = dslm_stall_bias.reference_tree(jax.lax.stop_gradient(params), constants)
     tree['head'] = {'kernel': head_VD.T}
-    z_BLV = logit_scale * ref.logits(tree, tokens_BL1[:, :-1], untied, masks)
+    z_BLV = ref.logits(tree, tokens_BL1[:, :-1], untied, masks)
     if logit_grad == 'centred':
       z_BLV = dslm_stall_bias.centred_gradient(z_BLV)
     return ref.cross_entropy(z_BLV, tokens_BL1[:, 1:])
@@ -108,16 +108,16 @@ def table_update_parts(config, schedule):
   return init, step
 
 
-def train(config, updates: int, logit_grad: str = 'centred', logit_scale: float = 1.0) -> dict:
+def train(config, updates: int, logit_grad: str = 'centred') -> dict:
   """`dslm_stall_bias.train`'s loop (the same update, so the same losses), with the shared logits' loss
   attributed at every update."""
   if config.optimizer.name != 'msgdw':
     raise ValueError(f'the attribution needs mSGDW (linear in the gradients), got {config.optimizer.name}')
   _, model, spec = dslm_stall_bias.arm_model(config)
   params, constants = dslm_stall_bias.split_model(model)
-  loss = dslm_stall_bias.make_loss(spec, constants, logit_grad, logit_scale)
-  shared_loss = make_shared_loss(spec, constants, logit_scale)
-  head_grad = make_head_grad(spec, constants, logit_grad, logit_scale)
+  loss = dslm_stall_bias.make_loss(spec, constants, logit_grad)
+  shared_loss = make_shared_loss(spec, constants)
+  head_grad = make_head_grad(spec, constants, logit_grad)
   tx = dslm_stall_bias.make_optimizer(config)
   schedule = dslm_stall_bias.make_schedule(config)
   table_init, table_step = table_update_parts(config, schedule)
