@@ -22,7 +22,9 @@ import tempfile
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
+
+from dsjax.train import cli
 
 _STEPS = flags.DEFINE_integer('steps', 60, 'Training steps of every member.')
 _LRS = flags.DEFINE_string('lrs', '3e-4,1e-3,3e-3,1e-2', 'Peak learning rates, comma-separated.')
@@ -41,9 +43,27 @@ def _config_flags(steps: int) -> list[str]:
 
 
 def _timed(command: list[str]) -> float:
+  """Seconds `command` took; a ValueError with its last error line if it failed (a bad --override is
+  reported by the command it reaches)."""
   t0 = time.perf_counter()
-  subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  if done.returncode != 0:
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ['no error output']
+    raise ValueError(f'{command[2]} exited with {done.returncode}: {last[0]}')
   return time.perf_counter() - t0
+
+
+def _parsed(flag: str, text: str, kind: type) -> list[str]:
+  """The comma-separated values of `flag`, each a positive `kind` (seeds: ≥ 0); a ValueError otherwise."""
+  values = [v.strip() for v in text.split(',')]
+  try:
+    ok = all(kind(v) > 0 or (kind is int and kind(v) == 0) for v in values)
+  except ValueError:
+    ok = False
+  if not ok:
+    allowed = 'seeds ≥ 0' if kind is int else 'positive numbers'
+    raise ValueError(f'--{flag}={text}: expected comma-separated {allowed}')
+  return values
 
 
 def _final_eval_loss(workdir: str) -> float:
@@ -53,8 +73,13 @@ def _final_eval_loss(workdir: str) -> float:
 
 
 def main(argv):
-  del argv
-  lrs, seeds = _LRS.value.split(','), _SEEDS.value.split(',')
+  if len(argv) > 1:
+    raise ValueError(f'unexpected arguments {argv[1:]}')
+  if _STEPS.value < 1:
+    raise ValueError(f'--steps={_STEPS.value}: must be a positive integer')
+  lrs, seeds = _parsed('lrs', _LRS.value, float), _parsed('seeds', _SEEDS.value, int)
+  if _JSON.value:
+    cli.create_output_file('--json', _JSON.value)
   common = _config_flags(_STEPS.value)
   member_steps = len(lrs) * len(seeds) * _STEPS.value
   with tempfile.TemporaryDirectory() as scratch:
@@ -109,4 +134,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

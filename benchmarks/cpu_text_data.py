@@ -17,10 +17,11 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 from dsjax import data
 from dsjax import tokenizer as tokenizer_cli
+from dsjax.train import cli
 
 _VOCAB = flags.DEFINE_integer('vocab_size', 4096, 'Tokens of the BPE tokenizer.')
 _SEQ_LEN = flags.DEFINE_integer('seq_len', 128, 'data.seq_len of the batches read.')
@@ -34,7 +35,13 @@ def _max_rss_mb() -> float:
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise ValueError(f'unexpected arguments {argv[1:]}')
+  for flag in (_VOCAB, _SEQ_LEN, _BATCH, _BATCHES):
+    if flag.value < 1:
+      raise ValueError(f'--{flag.name}={flag.value}: must be a positive integer')
+  if _JSON.value:
+    cli.create_output_file('--json', _JSON.value)
   results = {'python': sys.version.split()[0], 'cpus': os.cpu_count(), 'vocab_size': _VOCAB.value}
   with tempfile.TemporaryDirectory() as scratch:
     t0 = time.perf_counter()
@@ -72,4 +79,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

@@ -19,10 +19,10 @@ import os
 import re
 import sys
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from dsjax.train import protocol  # noqa: E402
+from dsjax.train import cli, protocol  # noqa: E402
 
 _SWEEPS = flags.DEFINE_multi_string('sweep', [], 'NAME=DIR of a finished sweep (its results.json).')
 _CONTRASTS = flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
@@ -33,28 +33,52 @@ _TERM = re.compile(r'([+-])\s*([\w.-]+)/([\w.-]+)')
 
 
 def load(sweeps: list[str]) -> dict[str, dict]:
+  """{NAME: results.json of DIR} of every --sweep=NAME=DIR, all reported on the same splits."""
+  if not sweeps:
+    raise ValueError('--sweep: name at least one finished sweep as NAME=DIR')
   results = {}
   for entry in sweeps:
     name, _, directory = entry.partition('=')
-    with open(os.path.join(directory, 'results.json')) as f:
-      results[name] = json.load(f)
+    if not name or not directory:
+      raise ValueError(f'--sweep={entry}: expected NAME=DIR')
+    path = os.path.join(directory, 'results.json')
+    try:
+      with open(path) as f:
+        results[name] = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ValueError(f"--sweep={entry}: {path} is not a finished sweep's results.json ({e})") from None
   splits = {json.dumps(r['splits'], sort_keys=True) for r in results.values()}
   if len(splits) > 1:
-    raise SystemExit(f'the sweeps were reported on different splits: {sorted(splits)}')
+    raise ValueError(f'--sweep: the sweeps were reported on different splits: {sorted(splits)}')
   return results
 
 
 def arm(results: dict[str, dict], sweep: str, name: str) -> dict:
+  if sweep not in results:
+    raise ValueError(f'--contrast: no sweep {sweep!r}; the sweeps are {sorted(results)}')
   for a in results[sweep]['arms']:
     if a['name'] == name:
       return a
-  raise SystemExit(f'no arm {name!r} in sweep {sweep!r}')
+  names = [a['name'] for a in results[sweep]['arms']]
+  raise ValueError(f'--contrast: no arm {name!r} in sweep {sweep!r}; its arms are {names}')
+
+
+def terms_of(text: str) -> list[tuple[str, str, str]]:
+  """[(sign, SWEEP, ARM), …] of a contrast 'LABEL: ±SWEEP/ARM ± …'; a ValueError unless it parses whole."""
+  _, _, expression = text.rpartition(':')
+  signed = expression.strip() if expression.lstrip()[:1] in '+-' else '+' + expression.strip()
+  terms = _TERM.findall(signed)
+  if not terms or _TERM.sub('', signed).strip():
+    raise ValueError(f"--contrast={text!r}: expected 'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
+  return terms
 
 
 def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
   label, _, expression = text.rpartition(':')
-  terms = _TERM.findall(expression if expression.lstrip()[:1] in '+-' else '+' + expression)
+  terms = terms_of(text)
   arms = [arm(results, sweep, name) for _, sweep, name in terms]
+  if any(metric not in a['report'] for a in arms):
+    raise ValueError(f'--metric={metric}: not reported by every arm of {text!r}')
   groups = [a['report'][metric]['values'] for a in arms]
   weights = [1.0 if sign == '+' else -1.0 for sign, _, _ in terms]
   out = protocol.contrast_interval(groups, weights)
@@ -69,8 +93,13 @@ def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise ValueError(f'unexpected arguments {argv[1:]}; pass --sweep and --contrast')
+  if not _CONTRASTS.value:
+    raise ValueError("--contrast: name at least one, as 'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
   results = load(_SWEEPS.value)
+  if _OUT.value:
+    cli.create_output_file('--out', _OUT.value)
   lines = [
     f"Contrasts of `{_METRIC.value}` on the report split at each arm's selected lr (95% Welch intervals)",
     '',
@@ -85,4 +114,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

@@ -20,14 +20,24 @@ idle 2-core CPU (measured; about twice that on a shared one).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import sys
 
-from absl import app, flags, logging
+import matplotlib
+import numpy as np
+from absl import flags, logging
+
+matplotlib.use('Agg')  # Files only: no display is assumed.
+import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from configs import gpt_dslm_deep  # noqa: E402
+from dsjax.data.embedded import python_docs_documents  # noqa: E402
+from dsjax.instrument.collector import read_jsonl  # noqa: E402
+from dsjax.train import cli, loop  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', '/tmp/dslm_vs_postln', 'Output directory.')
 _STEPS = flags.DEFINE_integer('steps', None, "Training steps (default: the config's).")
@@ -42,10 +52,6 @@ def configs(
 ):
   """{'dslm': configs/gpt_dslm_deep.py, 'vanilla_postln': the same with model.scheme='vanilla' and
   model.block='postln'} (+ 'vanilla_preln')."""
-  import copy
-
-  from configs import gpt_dslm_deep
-
   dslm = gpt_dslm_deep.get_config()
   dslm.seed = seed
   if steps is not None:
@@ -82,10 +88,6 @@ def summarize(name: str, records: list[dict], final_eval: dict) -> dict:
 def unigram_entropy() -> float:
   """Entropy (nats) of the byte distribution of the training split: the loss of a model that ignores
   the context — the plateau a model that has not learnt to use its input sits on."""
-  import numpy as np
-
-  from dsjax.data.embedded import python_docs_documents
-
   data = b''.join(text.encode('utf-8') for _, text in python_docs_documents()['train'])
   counts = np.bincount(np.frombuffer(data, np.uint8), minlength=256)
   probs = counts[counts > 0] / counts.sum()
@@ -93,11 +95,6 @@ def unigram_entropy() -> float:
 
 
 def plot(curves: dict[str, list[dict]], path: str, title: str, plateau: float):
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
   fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
   for name, records in curves.items():
     steps = [r['step'] for r in records if 'train/loss' in r]
@@ -115,14 +112,22 @@ def plot(curves: dict[str, list[dict]], path: str, title: str, plateau: float):
   plt.close(fig)
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)
-  from dsjax.instrument.collector import read_jsonl
-  from dsjax.train import loop
+def check_flags(argv: list[str]):
+  """A ValueError naming the flag unless every flag is one this script can run."""
+  if len(argv) > 1:
+    raise ValueError(f'unexpected arguments {argv[1:]}')
+  for flag, value in (('--steps', _STEPS.value), ('--depth', _DEPTH.value)):
+    if value is not None and value < 1:
+      raise ValueError(f'{flag}={value}: must be a positive integer')
+  if _LR.value is not None and not (math.isfinite(_LR.value) and _LR.value > 0):
+    raise ValueError(f'--lr={_LR.value}: must be a positive finite learning rate')
 
+
+def main(argv):
+  check_flags(argv)  # Before anything is written.
+  logging.set_verbosity(logging.WARNING)
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
+  cli.create_output_dir('--out', out)
   curves, summary = {}, []
   runs = configs(_STEPS.value, _DEPTH.value, _SEED.value, _LR.value, _WITH_PRELN.value)
   for name, config in runs.items():
@@ -156,4 +161,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback

@@ -38,6 +38,18 @@ def test_no_function_level_imports_of_dsjax():
   assert not found, f'function-level imports of dsjax modules: {found}'
 
 
+def test_scripts_with_absl_flags_report_user_errors_in_one_line():
+  """Every script under experiments/ and benchmarks/ that parses absl flags starts through
+  `dsjax.train.cli.run`, not `absl.app.run`, so a bad flag or path ends it in one line, not a traceback."""
+  found = []
+  for folder in ('experiments', 'benchmarks'):
+    for path in sorted((PACKAGE.parent / folder).glob('*.py')):
+      text = path.read_text()
+      if 'flags.DEFINE_' in text and ('app.run(' in text or 'cli.run(' not in text):
+        found.append(str(path.relative_to(PACKAGE.parent)))
+  assert not found, f'scripts started without cli.run: {found}'
+
+
 def test_no_module_outside_schemes_names_a_method():
   """String literals and attribute chains outside dsjax/schemes/ never name a registered method."""
   names = set(schemes.SCHEMES)
