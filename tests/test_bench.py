@@ -27,12 +27,15 @@ TINY_BENCH = [
 
 
 def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
+  """Every instrumentation mode of one tiny run ('sampled' beside the 'return' step on whole tensors),
+  its JSON, the FLOPs formula, the parameter count and the profile of the first mode."""
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run(
     [
       *TINY_BENCH,
-      '--instrument=off,callback,monitor',
+      '--instrument=off,callback,monitor,return,sampled',
+      '--config.instrument.sample_rows=32',
       '--peak_tflops=1',
       f'--json={out}',
       f'--profile={tmp_path / "profile"}',
@@ -45,8 +48,11 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert 'instrumentation overhead (callback)' in proc.stdout
   assert 'instrumentation overhead (monitor)' in proc.stdout  # the 'return' step with the stability monitor
+  assert 'instrumentation overhead (sampled)' in proc.stdout
+  assert 'sampled statistics (32 rows per site)' in proc.stdout
   results = json.loads(out.read_text())
-  assert set(results['modes']) == {'off', 'callback', 'monitor'} and results['inputs'] == 'random'
+  assert set(results['modes']) == {'off', 'callback', 'monitor', 'return', 'sampled'}
+  assert results['inputs'] == 'random' and results['sample_rows'] == 32
   # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms per
   # layer, then the final norm and the head (no bias).
   per_layer = 4 * (WIDTH * WIDTH + WIDTH) + 2 * (4 * WIDTH * WIDTH) + 4 * WIDTH + WIDTH + 2 * 2 * WIDTH
@@ -66,6 +72,20 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
   assert 'profile' not in results['modes']['callback']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
+
+
+def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compiled(tmp_path):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  command = [*TINY_BENCH, '--instrument=off,return,sampled', f'--json={out}']
+  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+  assert refused.returncode == 2 and 'Traceback' not in refused.stderr
+  last = refused.stderr.strip().splitlines()[-1]
+  assert (
+    last
+    == 'dsjax.bench: error: --instrument=sampled needs --config.instrument.sample_rows > 0 (rows per site)'
+  )
+  assert not out.exists()
 
 
 def test_peak_lookup_takes_the_longest_matching_device_kind():
@@ -99,31 +119,3 @@ assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
 """
   result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
-
-
-def test_sampled_mode_times_the_sampled_statistics_beside_the_whole_tensors(tmp_path):
-  """--instrument=sampled: the 'return' step with instrument.sample_rows rows per site, reported beside
-  the step on whole tensors; without sample_rows it is a one-line error before anything is compiled."""
-  out = tmp_path / 'bench.json'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  command = [
-    *TINY_BENCH,
-    '--instrument=off,return,sampled',
-    '--peak_tflops=1',
-  ]
-  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-  assert refused.returncode != 0
-  assert '--instrument=sampled needs --config.instrument.sample_rows > 0' in refused.stderr
-  assert 'Traceback' not in refused.stderr
-  proc = subprocess.run(
-    [*command, '--config.instrument.sample_rows=32', f'--json={out}'],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert 'instrumentation overhead (sampled)' in proc.stdout
-  assert 'sampled statistics (32 rows per site)' in proc.stdout
-  results = json.loads(out.read_text())
-  assert set(results['modes']) == {'off', 'return', 'sampled'} and results['sample_rows'] == 32

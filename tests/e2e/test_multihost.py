@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -301,12 +302,27 @@ def test_a_locked_workdir_stops_every_process_in_one_line(tmp_path):
   assert sorted(os.listdir(workdir)) == ['.dsjax.lock']
 
 
-def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path):
-  """The newest checkpoint lost a file: both processes find it unreadable, process 0 moves it aside,
-  and both resume from the step before."""
-  workdir = tmp_path / 'run'
+@pytest.fixture(scope='session')
+def checkpointed_run(tmp_path_factory):
+  """A finished two-process run of 4 steps with checkpoints at steps 2 and 4, made once per test
+  process: the tests that restore it work on copies (`_copy_of`)."""
+  workdir = tmp_path_factory.mktemp('checkpointed') / 'run'
   _run_two_processes(workdir, '--config.checkpoint_every=2')
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
+  return workdir
+
+
+def _copy_of(run, tmp_path):
+  """A copy of the workdir `run` under tmp_path, as a run that restores it finds it."""
+  return shutil.copytree(run, tmp_path / 'run', symlinks=True)
+
+
+# The two tests that restore `checkpointed_run` run in one test process, which makes it once.
+@pytest.mark.xdist_group('checkpointed_run')
+def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path, checkpointed_run):
+  """The newest checkpoint lost a file: both processes find it unreadable, process 0 moves it aside,
+  and both resume from the step before."""
+  workdir = _copy_of(checkpointed_run, tmp_path)
   os.remove(workdir / 'checkpoints' / '4' / 'run' / 'metadata')
   second = _run_two_processes(workdir, '--config.total_steps=6')
   assert 'Checkpoint step 4 of' in second[0].stderr and 'Resumed from step 2' in second[0].stderr
@@ -314,12 +330,12 @@ def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path):
   assert len(os.listdir(workdir / 'corrupt_checkpoints')) == 1
 
 
-def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp_path):
+@pytest.mark.xdist_group('checkpointed_run')
+def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp_path, checkpointed_run):
   """Process 1 alone runs out of memory restoring the newest step: the files are fine, so neither
   process sets the step aside; both stop with the one-line error (not in a vote the other never
   joins)."""
-  workdir = tmp_path / 'run'
-  _run_two_processes(workdir, '--config.checkpoint_every=2')
+  workdir = _copy_of(checkpointed_run, tmp_path)
   # Process 1's interpreter loads the hook first: its restores run out of memory once Orbax has read
   # the step (Orbax's own cross-process restore must still be entered by every process). The hook runs
   # before the working directory is on the path: it imports dsjax from ROOT, as `-m dsjax.main` will.
