@@ -85,16 +85,28 @@ def test_the_optimizer_is_dsjaxs_update_for_update(name):
     schemes.build_model(config, data_lib.dataset_info(config.data), nnx.Rngs(params=0))
   )
   ours, theirs = dslm_stall_bias.make_optimizer(config), optimizers.make_optimizer(config.optimizer, 20)[0]
-  p_ours, p_theirs = params, params
-  s_ours, s_theirs = ours.init(params), theirs.init(params)
-  for i in range(20):
+
+  @jax.jit  # One compilation, not one per operation.
+  def random_grads(i):
     leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(i), len(leaves))
-    grads = treedef.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-    u, s_ours = ours.update(grads, s_ours, p_ours)
-    p_ours = optax.apply_updates(p_ours, u)
-    u, s_theirs = theirs.update(grads, s_theirs, p_theirs)
-    p_theirs = optax.apply_updates(p_theirs, u)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(0), i), len(leaves))
+    return treedef.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+  def step(tx):
+    @jax.jit
+    def apply(grads, s, p):
+      u, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, u), s
+
+    return apply
+
+  step_ours, step_theirs = step(ours), step(theirs)
+  p_ours, p_theirs = params, params
+  s_ours, s_theirs = jax.jit(ours.init)(params), jax.jit(theirs.init)(params)
+  for i in range(20):
+    grads = random_grads(i)
+    p_ours, s_ours = step_ours(grads, s_ours, p_ours)
+    p_theirs, s_theirs = step_theirs(grads, s_theirs, p_theirs)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p_ours, p_theirs)
   moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p_ours, params)
   assert min(jax.tree.leaves(moved)) > 0

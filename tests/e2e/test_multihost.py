@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -302,43 +301,11 @@ def test_a_locked_workdir_stops_every_process_in_one_line(tmp_path):
   assert sorted(os.listdir(workdir)) == ['.dsjax.lock']
 
 
-@pytest.fixture(scope='session')
-def checkpointed_run(tmp_path_factory):
-  """A finished two-process run of 4 steps with checkpoints at steps 2 and 4, made once per test
-  process: the tests that restore it work on copies (`_copy_of`)."""
-  workdir = tmp_path_factory.mktemp('checkpointed') / 'run'
-  _run_two_processes(workdir, '--config.checkpoint_every=2')
-  assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
-  return workdir
-
-
-def _copy_of(run, tmp_path):
-  """A copy of the workdir `run` under tmp_path, as a run that restores it finds it."""
-  return shutil.copytree(run, tmp_path / 'run', symlinks=True)
-
-
-# The two tests that restore `checkpointed_run` run in one test process, which makes it once.
-@pytest.mark.xdist_group('checkpointed_run')
-def test_two_processes_skip_a_corrupted_checkpoint_together(tmp_path, checkpointed_run):
-  """The newest checkpoint lost a file: both processes find it unreadable, process 0 moves it aside,
-  and both resume from the step before."""
-  workdir = _copy_of(checkpointed_run, tmp_path)
-  os.remove(workdir / 'checkpoints' / '4' / 'run' / 'metadata')
-  second = _run_two_processes(workdir, '--config.total_steps=6')
-  assert 'Checkpoint step 4 of' in second[0].stderr and 'Resumed from step 2' in second[0].stderr
-  assert [r['step'] for r in _metrics(workdir)] == [1, 2, 3, 4, 5, 6]
-  assert len(os.listdir(workdir / 'corrupt_checkpoints')) == 1
-
-
-@pytest.mark.xdist_group('checkpointed_run')
-def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp_path, checkpointed_run):
-  """Process 1 alone runs out of memory restoring the newest step: the files are fine, so neither
-  process sets the step aside; both stop with the one-line error (not in a vote the other never
-  joins)."""
-  workdir = _copy_of(checkpointed_run, tmp_path)
-  # Process 1's interpreter loads the hook first: its restores run out of memory once Orbax has read
-  # the step (Orbax's own cross-process restore must still be entered by every process). The hook runs
-  # before the working directory is on the path: it imports dsjax from ROOT, as `-m dsjax.main` will.
+def _restore_with_oom_on_process_1(tmp_path, workdir):
+  """Resumes the run in `workdir` to step 6 with process 1's restores running out of memory once Orbax
+  has read the step (Orbax's own cross-process restore must still be entered by every process); the
+  processes' exit codes and stderr. The hook runs before the working directory is on the path: it
+  imports dsjax from ROOT, as `-m dsjax.main` will."""
   hook = tmp_path / 'hook'
   hook.mkdir()
   (hook / 'sitecustomize.py').write_text(
@@ -355,10 +322,30 @@ def test_a_restore_out_of_memory_on_one_process_stops_both_and_moves_nothing(tmp
     tmp_path, workdir, '--config.total_steps=6', extra_env=({}, {'PYTHONPATH': path})
   ) as (procs, logs):
     codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-  stderr = [log.read_text() for log in logs]
+  return codes, [log.read_text() for log in logs]
+
+
+def test_two_processes_restore_together_an_oom_moves_nothing_a_corrupted_step_is_set_aside(tmp_path):
+  """Two restores of one two-process run (checkpoints at steps 2 and 4), each agreed by both processes
+  (not in a vote the other never joins):
+  - process 1 alone runs out of memory restoring step 4: the files are fine, so neither process sets
+    the step aside; both stop with the one-line error;
+  - then step 4 loses a file: both find it unreadable, process 0 moves it aside, and both resume from
+    step 2."""
+  workdir = tmp_path / 'run'
+  _run_two_processes(workdir, '--config.checkpoint_every=2')
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
+
+  codes, stderr = _restore_with_oom_on_process_1(tmp_path, workdir)
   assert codes == [2, 2], [s[-2000:] for s in stderr]
   last = [s.strip().splitlines()[-1] for s in stderr]
   assert all(line.startswith('dsjax.main: error: could not restore checkpoint step 4 of') for line in last)
   assert 'on another process' in last[0] and 'MemoryError' in last[1], last  # (the hook ran)
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4']
   assert not (workdir / 'corrupt_checkpoints').exists()
+
+  os.remove(workdir / 'checkpoints' / '4' / 'run' / 'metadata')
+  second = _run_two_processes(workdir, '--config.total_steps=6')
+  assert 'Checkpoint step 4 of' in second[0].stderr and 'Resumed from step 2' in second[0].stderr
+  assert [r['step'] for r in _metrics(workdir)] == [1, 2, 3, 4, 5, 6]
+  assert len(os.listdir(workdir / 'corrupt_checkpoints')) == 1

@@ -411,6 +411,13 @@ def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
   return collector
 
 
+@functools.cache
+def _returned(remat, num_devices):
+  """`_run_instrumented` with the statistics returned from the step, made once per test process for the
+  tests below, which only read it."""
+  return _run_instrumented(remat, num_devices)
+
+
 @pytest.mark.parametrize(
   'remat,num_devices',
   [
@@ -422,7 +429,7 @@ def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
 )
 def test_every_statistic_arrives_exactly_once(remat, num_devices):
   assert len(jax.devices()) >= num_devices
-  collector = _run_instrumented(remat, num_devices)
+  collector = _returned(remat, num_devices)
   keys = [(r['step'], r['layer'], r['site'], r['stat']) for r in collector.records]
   assert set(keys) == _expected_keys(steps=(1, 2))  # nothing missing, nothing extra
   assert len(keys) == len(set(keys)) and collector.num_duplicates == 0  # exactly once
@@ -451,8 +458,7 @@ def test_callback_delivery_arrives_exactly_once_with_the_same_values(remat, num_
   assert set(keys) == _expected_keys(steps=(1, 2))
   assert len(keys) == len(set(keys)) and collector.num_duplicates == 0
   returned = {
-    (r['step'], r['layer'], r['site'], r['stat']): r['value']
-    for r in _run_instrumented(remat, num_devices).records
+    (r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _returned(remat, num_devices).records
   }
   for r in collector.records:
     key = (r['step'], r['layer'], r['site'], r['stat'])
@@ -460,13 +466,10 @@ def test_callback_delivery_arrives_exactly_once_with_the_same_values(remat, num_
 
 
 def test_statistics_do_not_depend_on_mesh_or_remat():
-  one = {
-    (r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _run_instrumented('none', 1).records
-  }
+  one = {(r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _returned('none', 1).records}
   for remat, num_devices in [('full', 1), ('none', 8), ('full', 8)]:
     other = {
-      (r['step'], r['layer'], r['site'], r['stat']): r['value']
-      for r in _run_instrumented(remat, num_devices).records
+      (r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _returned(remat, num_devices).records
     }
     assert one.keys() == other.keys()
     for key in one:

@@ -10,6 +10,7 @@ plain form reproduces, so there it is checked for determinism and, over many key
 mean of inverted dropout (outputs and gradients).
 """
 
+import functools
 import re
 
 import chex
@@ -66,6 +67,7 @@ def test_fast_forms_match_the_plain_math(name, dtype, causal, seq_len):
   q, k, v = _qkv(dtype, (2, seq_len, 4, 32))
   cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)
 
+  @functools.partial(jax.jit, static_argnums=0)  # One compilation, not one per operation.
   def value_and_grads(attend):
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, SCALE, causal), q, k, v)
     return out, vjp(cotangent)

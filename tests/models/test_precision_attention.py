@@ -6,6 +6,7 @@ interpreter off a TPU; tests/models/test_attention_implementations.py checks the
 every layer-stack option must compute the same function.
 """
 
+import functools
 import types
 
 import chex
@@ -83,12 +84,17 @@ def test_attention_implementations_match_xla(name, fn, dtype, causal, seq_len):
     q, k, v, scale=32**-0.5, is_causal=causal, implementation='xla'
   )
   cotangent = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(dtype)
-  value_and_vjp = lambda f: jax.vjp(lambda q, k, v: f(q, k, v, causal), q, k, v)  # noqa: E731
-  out, vjp = value_and_vjp(fn)
-  out_ref, vjp_ref = value_and_vjp(xla)
+
+  @functools.partial(jax.jit, static_argnums=0)  # One compilation, not one per operation.
+  def value_and_grads(f):
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, causal), q, k, v)
+    return out, vjp(cotangent)
+
+  out, grads = value_and_grads(fn)
+  out_ref, grads_ref = value_and_grads(xla)
   tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), **tol)
-  for g, g_ref in zip(vjp(cotangent), vjp_ref(cotangent)):
+  for g, g_ref in zip(grads, grads_ref):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), **tol)
 
 
@@ -133,13 +139,14 @@ def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, m
     q, k, v, scale=8**-0.5, is_causal=causal, implementation='xla'
   )
   grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sin(f(q, k, v)).sum(), (0, 1, 2)))  # noqa: E731
-  want_jvp, want_grad = jax.jvp(xla, (q, k, v), tangents), grad(xla)(q, k, v)
+  jvp = lambda f, *tangents: jax.jit(lambda *primals: jax.jvp(f, primals, tangents))  # noqa: E731
+  want_jvp, want_grad = jvp(xla, *tangents)(q, k, v), grad(xla)(q, k, v)
   blocks = 4 if causal else 1
   for key_form, value_form in [(True, True), (True, False), (False, True), (False, False)]:
     monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_KEY_GRADIENT', key_form)
     monkeypatch.setattr(attention_xla, 'TRANSPOSED_ATTENTION_VALUE_GRADIENT', value_form)
     for got, want in [
-      *zip(jax.jvp(ours, (q, k, v), tangents), want_jvp),
+      *zip(jvp(ours, *tangents)(q, k, v), want_jvp),
       *zip(grad(ours)(q, k, v), want_grad),
     ]:
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -148,7 +155,7 @@ def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, m
       expected = blocks * (key_form + value_form) if platform == 'cpu' else 0
       assert module.count('stablehlo.optimization_barrier') == expected, (platform, key_form, value_form)
   q16, k16, v16 = (t.astype(jnp.bfloat16) for t in (q, k, v))
-  tangent16 = jax.jvp(ours, (q16, k16, v16), tuple(t.astype(jnp.bfloat16) for t in tangents))[1]
+  tangent16 = jvp(ours, *(t.astype(jnp.bfloat16) for t in tangents))(q16, k16, v16)[1]
   chex.assert_type(tangent16, jnp.bfloat16)
   for got, want in zip(grad(ours)(q16, k16, v16), want_grad):
     chex.assert_type(got, jnp.bfloat16)
@@ -305,11 +312,11 @@ def test_bfloat16_params_keep_float32_optimizer_state():
   }
   assert params['token_embed'].dtype == jnp.bfloat16 and params['head']['kernel'].dtype == jnp.bfloat16
   tx, _ = optimizers.make_optimizer(tiny_config('gpt').optimizer, 10)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)  # jitted: one compilation, not one per operation
   float_leaves = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
   assert float_leaves and all(x.dtype == jnp.float32 for x in float_leaves)
   grads = jax.tree.map(jnp.ones_like, params)
-  updates, _ = tx.update(grads, opt_state, params)
+  updates, _ = jax.jit(tx.update)(grads, opt_state, params)
   new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
   chex.assert_trees_all_equal_dtypes(new_params, params)
 
@@ -341,10 +348,15 @@ def test_bfloat16_params_train(model_name, info, dtype):
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
   assert np.isfinite(loss)
   tx, _ = optimizers.make_optimizer(tiny_config(model_name).optimizer, 10)
-  new, opt_state = params, tx.init(params)
+
+  @jax.jit  # One compilation, not one per operation.
+  def step(p, o):
+    updates, o = tx.update(grads, o, p)
+    return optax.apply_updates(p, updates), o
+
+  new, opt_state = params, jax.jit(tx.init)(params)
   for _ in range(2):  # the first step's learning rate is 0 (warm-up)
-    updates, opt_state = tx.update(grads, opt_state, new)
-    new = optax.apply_updates(new, updates)
+    new, opt_state = step(new, opt_state)
   new, old = nnx.to_pure_dict(new), nnx.to_pure_dict(params)
   stack_old, stack_new = (t['trunk']['stack']['layers'] for t in (old, new))
   for name in ('pre_attn_norm', 'pre_ffn_norm'):

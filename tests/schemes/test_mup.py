@@ -126,9 +126,10 @@ def test_mup_lr_scaling_reaches_the_optimizer():
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(3), len(leaves))
   grads = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-  mup_updates, _ = setup.tx.update(grads, state['opt_state'], params)
+  # Jitted: one compilation each, not one per operation.
+  mup_updates, _ = jax.jit(setup.tx.update)(grads, state['opt_state'], params)
   plain_tx, _ = optimizers.make_optimizer(config.optimizer, config.total_steps)
-  plain_updates, _ = plain_tx.update(grads, plain_tx.init(params), params)
+  plain_updates, _ = jax.jit(plain_tx.update)(grads, jax.jit(plain_tx.init)(params), params)
 
   scales = state_lib.param_lr_scales(setup.abstract_model)
   layers_ = mup_updates['trunk']['stack']['layers']
