@@ -24,6 +24,7 @@ import time
 import jax
 from absl import flags
 
+from dsjax import sweep
 from dsjax.train import cli
 
 _STEPS = flags.DEFINE_integer('steps', 60, 'Training steps of every member.')
@@ -53,19 +54,6 @@ def _timed(command: list[str]) -> float:
   return time.perf_counter() - t0
 
 
-def _parsed(flag: str, text: str, kind: type) -> list[str]:
-  """The comma-separated values of `flag`, each a positive `kind` (seeds: ≥ 0); a ValueError otherwise."""
-  values = [v.strip() for v in text.split(',')]
-  try:
-    ok = all(kind(v) > 0 or (kind is int and kind(v) == 0) for v in values)
-  except ValueError:
-    ok = False
-  if not ok:
-    allowed = 'seeds ≥ 0' if kind is int else 'positive numbers'
-    raise ValueError(f'--{flag}={text}: expected comma-separated {allowed}')
-  return values
-
-
 def _final_eval_loss(workdir: str) -> float:
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if 'eval/loss' in line]
@@ -77,7 +65,8 @@ def main(argv):
     raise ValueError(f'unexpected arguments {argv[1:]}')
   if _STEPS.value < 1:
     raise ValueError(f'--steps={_STEPS.value}: must be a positive integer')
-  lrs, seeds = _parsed('lrs', _LRS.value, float), _parsed('seeds', _SEEDS.value, int)
+  sweep.parse_lrs(_LRS.value), sweep.parse_seeds(_SEEDS.value)  # the checks of dsjax.sweep, which runs them
+  lrs, seeds = _LRS.value.split(','), _SEEDS.value.split(',')
   if _JSON.value:
     cli.create_output_file('--json', _JSON.value)
   common = _config_flags(_STEPS.value)
