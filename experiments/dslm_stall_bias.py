@@ -537,6 +537,7 @@ def main(argv):
     raise ValueError(
       f'--updates and --measure_every must be ≥ 1, got {args.updates} and {args.measure_every}'
     )
+  cli.create_output_file('--out', args.out)  # A bad path now, not after the training.
   result = {
     'arm': {
       'shape': args.shape,

@@ -242,6 +242,7 @@ def main(argv):
   config = dslm_stall_bias.arm_config(
     args.shape, 'postln', args.scheme, args.lr, args.seed, args.tokenizer, optimizer='msgdw'
   )
+  cli.create_output_file('--out', args.out)  # A bad path now, not after the training.
   result = {
     'arm': {'shape': args.shape, 'block': 'postln', 'scheme': args.scheme, 'lr': args.lr, 'seed': args.seed},
     'optimizer': 'msgdw',
