@@ -12,6 +12,8 @@
 # the wheels of benchmarks/gpu_wheels.sh where the image lacks some). The output goes to OUTDIR/gpu_speed.log
 # too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
 # into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
+# GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (~4 minutes
+# on 2 cores) before device time is spent on it.
 set -uo pipefail
 if [[ $# -lt 1 || $# -gt 3 ]]; then
   echo "usage: benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]" >&2; exit 2
@@ -24,6 +26,14 @@ mkdir -p "$out"
 exec > >(tee -a "$out/gpu_speed.log") 2>&1
 source benchmarks/gpu_env.sh || exit 1
 sample_rows=${SAMPLE_ROWS:-1024}
+steps=20 rounds=10 deep_depth=192 tiny_gpt=() tiny_vit=()
+if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
+  steps=2 rounds=2 deep_depth=2
+  tiny_gpt=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.seq_len=64
+            --config.model.scan_unroll=1)
+  tiny_vit=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.image_size=32
+            --config.model.scan_unroll=1)
+fi
 skipped=()
 
 row() {  # row NAME COMMAND...: one measurement, unless the budget is spent
@@ -34,11 +44,11 @@ row() {  # row NAME COMMAND...: one measurement, unless the budget is spent
 }
 bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
-  row "$name" python -m dsjax.bench "$@" --steps=20 --json="$out/${prefix}_$name.json"
+  row "$name" python -m dsjax.bench "$@" --steps=$steps --json="$out/${prefix}_$name.json"
 }
-gpt2=(--config=configs/gpt2_small.py)
-vit=(--config=configs/vit_b16.py)
-deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=192
+gpt2=(--config=configs/gpt2_small.py "${tiny_gpt[@]}")
+vit=(--config=configs/vit_b16.py "${tiny_vit[@]}")
+deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=$deep_depth
       --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
 fused=(--config.model.fused_ops=pallas)
 sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
@@ -50,8 +60,8 @@ bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench vit_b16_b128 "${vit[@]}" --instrument=off
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
-  --set=model.depth=192 --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
-  --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=10 \
+  --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
+  --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
 bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
 bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32

@@ -493,6 +493,9 @@ def run_benchmark(
       'jax': jax.__version__,
       'date': time.strftime('%Y-%m-%d'),
     },
+    # Set (JAX_COMPILATION_CACHE_DIR), a compile may load an earlier process's program or autotuning:
+    # then compile_s is not the cold compile time.
+    'compilation_cache': jax.config.jax_compilation_cache_dir,
     'commit': source_commit(),
     'inputs': inputs,
     'steps': num_steps,
@@ -547,7 +550,8 @@ def report(results: dict) -> str:
     f'attention {c["attention"]}, fused ops {c.get("fused_ops", "none")}, remat {c["remat"]}, '
     f'{"scan unroll " + str(c["scan_unroll"]) if c["scan_layers"] else "python loop"}, {c["optimizer"]}',
     f'device: {d["kind"]} ({d["platform"]}), jax {d["jax"]}, {d["date"]}; inputs: {results["inputs"]} '
-    f'{"(random values of the configured shape)" if results["inputs"] == "random" else "(one real batch)"}',
+    f'{"(random values of the configured shape)" if results["inputs"] == "random" else "(one real batch)"}'
+    + (f'; compilation cache {results["compilation_cache"]}' if results.get('compilation_cache') else ''),
     f'model FLOPs/step {results["model_flops_per_step"]:.4g} (6N + 12·depth·d·L per position, N = '
     f'{results["matmul_params"]:,} matmul parameters{causal_note})',
     f'peak: {results["peak_tflops"] or "unknown"} TFLOP/s '

@@ -31,6 +31,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   its JSON, the FLOPs formula, the parameter count and the profile of the first mode."""
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
   proc = subprocess.run(
     [
       *TINY_BENCH,
@@ -53,6 +54,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   results = json.loads(out.read_text())
   assert set(results['modes']) == {'off', 'callback', 'monitor', 'return', 'sampled'}
   assert results['inputs'] == 'random' and results['sample_rows'] == 32
+  assert results['compilation_cache'] is None  # every compile_s a cold compile
   # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms per
   # layer, then the final norm and the head (no bias).
   per_layer = 4 * (WIDTH * WIDTH + WIDTH) + 2 * (4 * WIDTH * WIDTH) + 4 * WIDTH + WIDTH + 2 * 2 * WIDTH

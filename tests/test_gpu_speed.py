@@ -1,0 +1,48 @@
+"""`benchmarks/gpu_speed.sh`, the GPU speed measurements in one call: its usage errors, and (slow) the whole
+call at a tiny size on the CPU (`GPU_SPEED_TINY=1`), every row run and its JSON written."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / 'benchmarks' / 'gpu_speed.sh'
+
+
+def _run(args, env=None, timeout=60):
+  # python3 on PATH is this interpreter, whose environment has dsjax's dependencies.
+  path = f'{os.path.dirname(sys.executable)}{os.pathsep}{os.environ["PATH"]}'
+  env = dict(os.environ, PATH=path, JAX_PLATFORMS='cpu', **(env or {}))
+  return subprocess.run(
+    ['bash', str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout
+  )
+
+
+def test_usage_and_an_outdir_that_is_a_file_are_one_line_and_exit_2(tmp_path):
+  proc = _run([])
+  assert proc.returncode == 2 and proc.stderr.strip().count('\n') == 0
+  assert proc.stderr.startswith('usage: benchmarks/gpu_speed.sh OUTDIR')
+  a_file = tmp_path / 'f'
+  a_file.write_text('')
+  proc = _run([str(a_file)])
+  assert proc.returncode == 2 and proc.stderr.strip() == f'OUTDIR: {a_file} exists and is not a directory'
+
+
+@pytest.mark.slow
+def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
+  out = tmp_path / 'out'
+  proc = _run(
+    [str(out), 'cpu', '100000'],
+    env={'GPU_SPEED_TINY': '1', 'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')},
+    timeout=1200,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert 'FAILED' not in proc.stdout and 'skipped: none' in proc.stdout
+  # Every JSON a row names is written, under the names benchmarks/README.md cites (with PREFIX 'cpu').
+  named = set(re.findall(r'^(?:bench|row) (\w+) ', SCRIPT.read_text(), re.M))
+  written = {p.name for p in out.glob('cpu_*.json')}
+  assert written == {f'cpu_{name}.json' for name in named}, (written, named)
