@@ -61,7 +61,8 @@ def _scaled(tx: optax.GradientTransformation, factor: jax.Array) -> optax.Gradie
 
 
 def _stack(trees: Sequence[Any]) -> Any:
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  # One compiled program for the whole tree: op by op, each leaf's stack would be compiled on its own.
+  return jax.jit(lambda *ts: jax.tree.map(lambda *xs: jnp.stack(xs), *ts))(*trees)
 
 
 def _finite_mean(losses_WK: np.ndarray) -> np.ndarray:
