@@ -12,7 +12,7 @@
 # the wheels of benchmarks/gpu_wheels.sh where the image lacks some). The output goes to OUTDIR/gpu_speed.log
 # too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
 # into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
-# GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (~4 minutes
+# GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (3-4 minutes
 # on 2 cores) before device time is spent on it.
 set -uo pipefail
 if [[ $# -lt 1 || $# -gt 3 ]]; then
