@@ -52,10 +52,7 @@ def timed_steps(config) -> dict:
 
 
 def main():
-  parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
-  paired.add_config_args(parser)
-  args = paired.parse_timing_args(parser, 'rounds')
-  config = paired.config_from_args(parser, args)
+  args, config = paired.parse_config_timing_args(__doc__)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
   results = paired.report(
     args, seconds, 'compiled', jax.devices()[0].device_kind, bench.source_commit(), jax.__version__

@@ -62,14 +62,14 @@ def step_with(config, switches: tuple[tuple[object, str], ...], transposed: bool
       setattr(module, switch, True)
 
 
-def main():
-  parser = paired.timing_parser(__doc__.split('\n\n')[0], 'rounds', 'rounds')
+def _add_form_arg(parser) -> None:
   parser.add_argument(
     '--form', choices=sorted(FORMS), default='narrowing', help='Which gradient form the two steps differ in.'
   )
-  paired.add_config_args(parser)
-  args = paired.parse_timing_args(parser, 'rounds')
-  config = paired.config_from_args(parser, args)
+
+
+def main():
+  args, config = paired.parse_config_timing_args(__doc__, _add_form_arg)
   switches = FORMS[args.form]
   steps = {'plain': step_with(config, switches, False), 'transposed': step_with(config, switches, True)}
   seconds = paired.alternate(steps, args.rounds, WARMUP_ROUNDS, args.pause)

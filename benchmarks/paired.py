@@ -85,6 +85,20 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
     parser.error(f'--set={e}')
 
 
+def parse_config_timing_args(
+  doc: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[argparse.Namespace, object]:
+  """The flags of a script that times variants of one config's step in turns (`--rounds`, `--pause`,
+  `--json`, `--config`, `--set`, and what `add_args` adds to the parser), checked, and the config they
+  name: (args, config). `doc`: the script's docstring, whose first paragraph describes it."""
+  parser = timing_parser(doc.split('\n\n')[0], 'rounds', 'rounds')
+  if add_args is not None:
+    add_args(parser)
+  add_config_args(parser)
+  args = parse_timing_args(parser, 'rounds')
+  return args, config_from_args(parser, args)
+
+
 def ratio_summary(times_ms: dict[str, list[float]], base: str) -> dict:
   """Per round, each arm's time over `base`'s: median and quartiles, by arm (`base` left out)."""
   ratios = {name: np.array(t) / np.array(times_ms[base]) for name, t in times_ms.items() if name != base}
