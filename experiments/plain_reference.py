@@ -15,9 +15,11 @@ model and its reference compute the same function of the same numbers.
 rounding does to a statistic. Layers run under `jax.lax.scan` with `jax.checkpoint` (recomputation, not a
 derivative rule), so a 192-layer backward pass keeps only each layer's input.
 
-What it covers: LayerNorm, Pre-LN and Post-LN layouts (and an InputNorm), learned positions,
-ReLU / exact GeLU, dropout on the embedding and both branch outputs, untied or tied embeddings;
-`reference_spec` refuses a model with anything else (attention dropout, QKNorm, mid norms, RMSNorm, a
+What it covers: LayerNorm and RMSNorm; every norm placement of `dsjax.models.plan.NormLayout` — Pre-LN,
+Post-LN, and DNT's InputNorm, PreNorm, MidNorm and QKNorm (Qi et al. 2025, arXiv:2507.17501, §3), so
+the settings S1–S5 —; learned positions, ReLU / exact GeLU, dense layers with or without biases, dropout
+on the embedding and both branch outputs, untied or tied embeddings. `reference_spec` refuses a model
+with anything else (attention dropout, a warmed-up logit scale, identity-mixed attention, a
 concatenation trunk).
 tests/test_plain_reference.py checks loss and every parameter gradient against dsjax's.
 """
@@ -45,9 +47,15 @@ class Spec:
   eps: float
   causal: bool
   logit_scale: float
-  input_norm: bool
-  pre_norm: bool  # Pre-LN: a norm before each branch and a final one after the stack
+  norm: str  # 'layernorm' | 'rmsnorm', every norm of the model
+  input_norm: bool  # after the embedding (DNT's InputNorm)
+  pre_attn: bool  # before the attention branch (Pre-LN; DNT's PreNorm)
+  pre_ffn: bool  # before the FFN branch
+  qk_norm: bool  # on each head's queries and keys, gain shared across heads (DNT's QKNorm)
+  mid_attn: bool  # on the attention branch's output, before its dropout (DNT's MidNorm)
+  mid_ffn: bool  # on the FFN branch's output
   post_norm: bool  # Post-LN: a norm after each residual add
+  final_norm: bool  # after the stack, before the head
   tied: bool  # the head is the token embedding's transpose
 
 
@@ -58,13 +66,10 @@ def reference_spec(model: nnx.Module) -> Spec:
   lay = cfg.layout
   unsupported = {
     'attention dropout': cfg.attn_dropout > 0,
-    'QKNorm or mid norms': lay.qk_norm or lay.mid_attn or lay.mid_ffn,
-    'a norm other than LayerNorm': cfg.norm != 'layernorm',
+    'a warmed-up logit scale': attn.logit_factor is not None,
+    'a norm other than LayerNorm or RMSNorm': cfg.norm not in ('layernorm', 'rmsnorm'),
     'identity-mixed attention': cfg.attn_identity,
-    'Pre-LN norms without a final norm (or the reverse)': (lay.pre_attn or lay.pre_ffn) != lay.final_norm,
-    'one of the two pre-branch norms only': lay.pre_attn != lay.pre_ffn,
     'an activation other than relu or gelu': cfg.activation not in ('relu', 'gelu'),
-    'no biases': not cfg.use_bias,
   }
   missing = [name for name, present in unsupported.items() if present]
   if missing:
@@ -78,9 +83,15 @@ def reference_spec(model: nnx.Module) -> Spec:
     eps=float(cfg.norm_eps),
     causal=bool(attn.causal),
     logit_scale=float(attn.logit_scale),
+    norm=cfg.norm,
     input_norm=lay.input_norm,
-    pre_norm=lay.pre_attn,
+    pre_attn=lay.pre_attn,
+    pre_ffn=lay.pre_ffn,
+    qk_norm=lay.qk_norm,
+    mid_attn=lay.mid_attn,
+    mid_ffn=lay.mid_ffn,
     post_norm=lay.post,
+    final_norm=lay.final_norm,
     tied=model.head is None,
   )
 
@@ -112,14 +123,19 @@ def dropout_masks(spec: Spec, dropout_key: jax.Array | None, batch: int, seq_len
   }
 
 
-def _layernorm(x, p, eps):
-  mean = x.mean(-1, keepdims=True)
-  var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) / jnp.sqrt(var + eps) * p['scale'] + p['bias']
+def _norm(x, p, spec: Spec):
+  """LayerNorm ((x − mean) / sqrt(var + eps) · scale + bias) or RMSNorm (x / sqrt(mean(x²) + eps) · scale)
+  over the last axis."""
+  if spec.norm == 'layernorm':
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + spec.eps) * p['scale'] + p['bias']
+  return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + spec.eps) * p['scale']
 
 
 def _dense(x, p):
-  return jnp.einsum('...i,io->...o', x, p['kernel'], precision='highest') + p['bias']
+  y = jnp.einsum('...i,io->...o', x, p['kernel'], precision='highest')
+  return y + p['bias'] if 'bias' in p else y
 
 
 def _softmax(z, mask):
@@ -133,6 +149,8 @@ def _attention(x_BLD, p, spec: Spec):
   b, l, d = x_BLD.shape
   heads = lambda t: t.reshape(b, l, spec.num_heads, d // spec.num_heads)  # noqa: E731
   q, k, v = heads(_dense(x_BLD, p['q'])), heads(_dense(x_BLD, p['k'])), heads(_dense(x_BLD, p['v']))
+  if spec.qk_norm:
+    q, k = _norm(q, p['q_norm'], spec), _norm(k, p['k_norm'], spec)
   logits_BHQT = spec.logit_scale * jnp.einsum('bqhk,bthk->bhqt', q, k, precision='highest')
   mask_QT = jnp.tril(jnp.ones((l, l), bool)) if spec.causal else jnp.ones((l, l), bool)
   probs_BHQT = _softmax(logits_BHQT, mask_QT)
@@ -162,16 +180,16 @@ def _block_with_terms(x_BLD, p, keep_2BLD, spec: Spec):
   keep = (None, None) if keep_2BLD is None else (keep_2BLD[0], keep_2BLD[1])
   skip_ffn = p.get('skip_ffn', p['skip_attn'])
   branch_ffn = p.get('branch_ffn', p['branch_attn'])
-  norm = lambda name, t, on: _layernorm(t, p[name], spec.eps) if on else t  # noqa: E731
+  norm = lambda name, t, on: _norm(t, p[name], spec) if on else t  # noqa: E731
 
-  h = _dropout(
-    _attention(norm('pre_attn_norm', x_BLD, spec.pre_norm), p['attn'], spec), keep[0], spec.dropout
-  )
+  h = _attention(norm('pre_attn_norm', x_BLD, spec.pre_attn), p['attn'], spec)
+  h = _dropout(norm('mid_attn_norm', h, spec.mid_attn), keep[0], spec.dropout)
   attn_terms = (p['skip_attn'], x_BLD, p['branch_attn'], h)
   x_BLD = norm('post_attn_norm', _residual_sum(*attn_terms), spec.post_norm)
-  ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_norm)
+  ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_ffn)
   h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1']), spec.activation), p['ffn']['ffn2'])
-  ffn_terms = (skip_ffn, x_BLD, branch_ffn, _dropout(h, keep[1], spec.dropout))
+  h = _dropout(norm('mid_ffn_norm', h, spec.mid_ffn), keep[1], spec.dropout)
+  ffn_terms = (skip_ffn, x_BLD, branch_ffn, h)
   return norm('post_ffn_norm', _residual_sum(*ffn_terms), spec.post_norm), attn_terms, ffn_terms
 
 
@@ -219,7 +237,7 @@ def _embed(tree, tokens_BL, spec: Spec, masks):
   x_BLD = tree['token_embed'][tokens_BL] + tree['pos_embedding'][: tokens_BL.shape[1]]
   x_BLD = _dropout(x_BLD, None if masks is None else masks['embedding'], spec.dropout)
   if spec.input_norm:
-    x_BLD = _layernorm(x_BLD, tree['trunk']['input_norm'], spec.eps)
+    x_BLD = _norm(x_BLD, tree['trunk']['input_norm'], spec)
   return x_BLD
 
 
@@ -237,8 +255,8 @@ def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
     return _block(x_BLD, p, keep, spec) + delta, None
 
   x_BLD, _ = jax.lax.scan(layer, x_BLD, (tree['trunk']['stack']['layers'], layer_masks, deltas))
-  if spec.pre_norm:
-    x_BLD = _layernorm(x_BLD, tree['trunk']['final_norm'], spec.eps)
+  if spec.final_norm:
+    x_BLD = _norm(x_BLD, tree['trunk']['final_norm'], spec)
   x_BLD = x_BLD * tree['trunk']['output_scale']
   head_DV = tree['token_embed'].T if spec.tied else tree['head']['kernel']
   return jnp.einsum('bld,dv->blv', x_BLD, head_DV, precision='highest')

@@ -1,10 +1,11 @@
 """The plain-`jnp` reference GPT of the experiments computes dsjax's loss and gradients from dsjax's weights.
 
 Tiny models (3 layers × 32): the loss and every parameter gradient of `experiments/plain_reference.py`
-equal those of dsjax's GPT — plain attention and the CPU's 'xla' form, Post-LN and Pre-LN, with and
-without dropout (the reference draws dsjax's masks from the same key), untied and tied embeddings — to
-float32 rounding; and the layer outputs' variance and token correlation, and the gradients with respect
-to them, equal those that the instrumentation's probe records.
+equal those of dsjax's GPT — plain attention and the CPU's 'xla' form, Post-LN, Pre-LN and DNT's settings
+S1–S5 with RMSNorm or LayerNorm, with and without biases and dropout (the reference draws dsjax's masks
+from the same key), untied and tied embeddings — to float32 rounding; and the layer outputs' variance
+and token correlation, and the gradients with respect to them, equal those that the instrumentation's
+probe records.
 """
 
 import os
@@ -28,9 +29,17 @@ from tests.helpers import TEXT_INFO, tiny_config  # noqa: E402
 DEPTH, BATCH, SEQ = 3, 2, 16
 
 
-def _model(block: str, attention: str, dropout: float, activation: str = 'relu', tied: bool = False):
+def _model(
+  block: str, attention: str, dropout: float, activation: str = 'relu', tied: bool = False, **overrides
+):
   c = tiny_config(
-    'gpt', depth=DEPTH, block=block, attention=attention, dropout=dropout, activation=activation
+    'gpt',
+    depth=DEPTH,
+    block=block,
+    attention=attention,
+    dropout=dropout,
+    activation=activation,
+    **overrides,
   )
   c.model.scheme = 'vanilla'
   c.model.tie_embeddings = tied
@@ -115,8 +124,37 @@ def test_layer_output_gradients_match_the_probe():
   np.testing.assert_allclose(np.var(np.asarray(g_NBLD, np.float64), axis=(1, 2, 3)), probe_var_N, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+  'setting,norm,use_bias,dropout',
+  [
+    ('S1', 'rmsnorm', True, 0.0),
+    ('S2', 'rmsnorm', False, 0.1),
+    ('S3', 'layernorm', True, 0.0),
+    ('S4', 'rmsnorm', True, 0.1),
+    ('S5', 'rmsnorm', True, 0.1),
+    ('S5', 'layernorm', False, 0.0),
+  ],
+)
+def test_dnt_settings_match_dsjax(setting, norm, use_bias, dropout):
+  """DNT's norm placements (InputNorm, PreNorm, MidNorm, QKNorm) as the reference writes them out."""
+  c, model = _model(
+    'dnt', 'xla', dropout, 'gelu', tied=True, dnt_setting=setting, norm=norm, use_bias=use_bias
+  )
+  batch = _batch()
+  key = step_lib.dropout_key_for_step(c.seed, 1) if dropout else None
+  loss, grads = _dsjax_loss_and_grads(model, batch, key)
+
+  spec = ref.reference_spec(model)
+  masks = ref.dropout_masks(spec, key, BATCH, SEQ)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda t: ref.loss(t, batch['tokens'], spec, masks)))(
+    ref.cast(ref.reference_tree(model), jnp.float32)
+  )
+  np.testing.assert_allclose(float(ref_loss), loss, rtol=1e-6)
+  _assert_grads_close(ref_grads, grads)
+
+
 def test_unsupported_model_is_refused():
-  c = tiny_config('gpt', block='dnt')
+  c = tiny_config('gpt', attn_dropout=0.1)
   model = schemes.build_model(c, TEXT_INFO, nnx.Rngs(params=0), None)
   with pytest.raises(ValueError, match='does not implement'):
     ref.reference_spec(model)

@@ -1,0 +1,234 @@
+r"""DNT against the Pre-LN transformer retrained by an independent loop: is the gap between them the models'?
+
+With AdamW, DNT (setting S5) ends far below Pre-LN (S1) in both of this project's GPT comparisons:
+−0.184 nats per byte on the byte-level GPT of experiments/README.md §1, and −0.68 nats per token
+(≈ 0.21 per byte) on the GPU's 4×128 GPT (§11). The DNT paper's GPT-2 differences are 0.004–0.039 nats
+per token (Qi et al. 2025, arXiv:2507.17501, Table 1). This script retrains §1's members with none of
+dsjax's model, gradient or optimizer code on the path and compares:
+
+  OUT=experiments/results/dnt_independent  # each run ~35 s on 2 CPU cores (18–21 s of training)
+  python experiments/dnt_independent.py --arm=preln --seed=0 --out=$OUT/preln_s0.json
+  python experiments/dnt_independent.py --arm=dnt --seed=0 --out=$OUT/dnt_s0.json
+  python experiments/dnt_independent.py --summarize $OUT/*.json > $OUT/summary.md  # experiments/README.md §1
+
+The loop: the model is `experiments/plain_reference.py` (plain `jnp`, RMSNorm and DNT's norm placements
+written out; `jax.grad` alone, no custom derivative rule), started from dsjax's initial weights for the
+seed; the optimizer is optax written here from the paper's GPT settings as `experiments/configs/dnt.py`
+sets them (Tables 3 and 5: `clip_by_global_norm(1.0)`, then AdamW with betas (0.9, 0.95), eps 1e-8 and
+decoupled weight decay 0.1 on the weight matrices and the token table, the lr warmed up from 0 over the
+first 30 steps and decayed by a cosine to 0.1 of the peak at step 300); the batches are dsjax's
+(`dsjax.data.make_pipeline` with the seed), as are the sweep's splits (train on 'train', report on
+'validation[50%:]'). The run records its training loss averaged over each 50 steps, as the sweep logs
+it, and its loss on the report split, and sets them beside those of the sweep's member of the same arm,
+lr and seed (experiments/results/dnt_gpt_adamw/arms/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
+import dnt as dnt_configs  # noqa: E402  (experiments/configs/dnt.py)
+
+from dsjax import data as data_lib  # noqa: E402
+from dsjax import schemes  # noqa: E402
+from dsjax.train import config as config_lib  # noqa: E402
+from dsjax.train import protocol  # noqa: E402
+from experiments import plain_reference as ref  # noqa: E402
+
+SETTINGS = {'preln': 'S1', 'dnt': 'S5'}  # DNT §4.4: S1 the standard Pre-Norm transformer, S5 DNT
+SPLITS = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}  # §1's sweep
+SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results/dnt_gpt_adamw')
+DECAYED = ('kernel', 'token_embed')  # the weight matrices and the token table
+
+
+def arm_config(arm: str, lr: float, seed: int):
+  """§1's AdamW member: `experiments/configs/dnt.py:gpt,adamw` with the arm's setting, lr and seed."""
+  c = dnt_configs.get_config('gpt,adamw')
+  c.model.dnt_setting, c.optimizer.lr, c.seed = SETTINGS[arm], lr, seed
+  c.data.train_split, c.data.eval_split = SPLITS['train'], SPLITS['select']
+  config_lib.validate_config(c, num_devices=1)
+  return c
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """Clipping, then AdamW with the warm-up and cosine of the paper's GPT runs, decay on `DECAYED` only."""
+  o = config.optimizer
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, o.lr, o.warmup_steps, config.total_steps, end_value=o.min_lr_ratio * o.lr
+  )
+  decayed = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key in DECAYED, params)  # noqa: E731
+  adamw = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
+  return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+
+
+def split_model(model):
+  """(the trainable parameters, the constants such as λ, β and the output scale), as nested dicts."""
+  as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
+  return as_jnp(nnx.state(model, nnx.Param)), as_jnp(nnx.state(model, nnx.Not(nnx.Param)))
+
+
+def _merge(a: dict, b: dict) -> dict:
+  """`a` with `b`'s entries added, nested dicts merged: parameters and constants as the reference's tree."""
+  out = dict(a)
+  for key, value in b.items():
+    out[key] = _merge(out[key], value) if key in out and isinstance(value, dict) else value
+  return out
+
+
+def report_loss(params, constants, spec, config) -> float:
+  """Mean next-token loss over the report split, padded rows masked out as dsjax's evaluation does."""
+
+  @jax.jit
+  def sums(params, tokens_BL1, mask_B):
+    z_BLV = ref.logits(_merge(params, constants), tokens_BL1[:, :-1], spec)
+    z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
+    log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
+    xent_BL = log_norm_BL - jnp.take_along_axis(z_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+    mask_BL = jnp.broadcast_to(mask_B[:, None], xent_BL.shape)
+    return (xent_BL * mask_BL).sum(), mask_BL.sum()
+
+  pipeline = data_lib.make_pipeline(
+    config.data,
+    split=SPLITS['report'],
+    global_batch_size=config.eval_batch_size,
+    seed=0,
+    process_index=0,
+    process_count=1,
+    train=False,
+  )
+  total, count = 0.0, 0.0
+  for batch in pipeline:
+    tokens = jnp.asarray(batch['tokens'])
+    mask = jnp.asarray(batch.get('mask', np.ones(tokens.shape[:1], np.float32)), jnp.float32)
+    s, n = sums(params, tokens, mask)
+    total, count = total + float(s), count + float(n)
+  return total / count
+
+
+def train(config) -> dict:
+  """A member trained by the loop: its training loss averaged over each `config.log_every` steps, its
+  report loss and how many steps were clipped."""
+  seed = config.seed
+  info = data_lib.dataset_info(config.data)
+  model = schemes.build_model(config, info, nnx.Rngs(params=seed))
+  spec = ref.reference_spec(model)
+  params, constants = split_model(model)
+  tx = make_optimizer(config)
+  opt_state = tx.init(params)
+
+  def loss(params, tokens_BL1):
+    return ref.loss(_merge(params, constants), tokens_BL1, spec)
+
+  @jax.jit
+  def update(params, opt_state, tokens_BL1):
+    value, grads = jax.value_and_grad(loss)(params, tokens_BL1)
+    deltas, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, deltas), opt_state, value, optax.tree.norm(grads)
+
+  pipeline = data_lib.make_pipeline(
+    config.data, global_batch_size=config.batch_size, seed=seed, process_index=0, process_count=1
+  )
+  logged, window, clipped, start = [], [], 0, time.time()
+  for step, batch in zip(range(1, config.total_steps + 1), pipeline):
+    params, opt_state, value, norm = update(params, opt_state, jnp.asarray(batch['tokens']))
+    window.append(float(value))
+    clipped += int(float(norm) > config.optimizer.clip_norm)
+    if step % config.log_every == 0:
+      logged.append([step, float(np.mean(window))])
+      window = []
+      print(f'seed {seed}: step {step}, train loss {logged[-1][1]:.4f} ({time.time() - start:.0f} s)')
+  return {
+    'train_loss': logged,
+    'report_loss': report_loss(params, constants, spec, config),
+    'clipped_steps': clipped,
+    'seconds': time.time() - start,
+  }
+
+
+def sweep_member(arm: str, lr: float, seed: int) -> dict | None:
+  """The sweep's member of the same arm, lr and seed: its logged training losses and report loss."""
+  path = os.path.join(SWEEP, 'arms', arm, f'lr_{lr:e}.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    members = json.load(f)['members']
+  for m in members:
+    if m['seed'] == seed:
+      return {'train_loss': m['train_loss'], 'report_loss': m['report']['eval/loss'], 'path': path}
+  return None
+
+
+def summary(paths: list[str]) -> str:
+  """Markdown: per run, the largest difference of the logged training losses from the sweep's member
+  and both report losses; then DNT − Pre-LN on the report split with its 95% interval, from each loop."""
+  runs = []
+  for path in paths:
+    with open(path) as f:
+      runs.append(json.load(f))
+  lines = [
+    '| arm | lr | seed | report loss, independent loop | report loss, dsjax sweep '
+    '| largest train-loss difference (of 6 logged) |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in sorted(runs, key=lambda r: (r['arm'], r['lr'], r['seed'])):
+    m = r['sweep_member']
+    gap = max(abs(a[1] - b[1]) for a, b in zip(r['train_loss'], m['train_loss'])) if m else float('nan')
+    sweep = f'{m["report_loss"]:.4f}' if m else '–'
+    lines.append(f'| {r["arm"]} | {r["lr"]:g} | {r["seed"]} | {r["report_loss"]:.4f} | {sweep} | {gap:.2e} |')
+  for lr in sorted({r['lr'] for r in runs}):
+    by_arm = {arm: [r for r in runs if r['lr'] == lr and r['arm'] == arm] for arm in SETTINGS}
+    for source, value in (
+      ('independent loop', lambda r: r['report_loss']),
+      ('dsjax sweep', lambda r: r['sweep_member']['report_loss']),
+    ):
+      groups = [[value(r) for r in by_arm['dnt']], [value(r) for r in by_arm['preln']]]
+      interval = protocol.contrast_interval(groups, [1, -1])
+      if interval:
+        lines.append(
+          f'\nDNT − Pre-LN at lr {lr:g}, {source}: {interval["difference"]:+.4f} '
+          f'[{interval["low"]:+.4f}, {interval["high"]:+.4f}] ({len(groups[0])} and {len(groups[1])} seeds)'
+        )
+  return '\n'.join(lines)
+
+
+def main(argv):
+  args = flags.FLAGS
+  if args.summarize:
+    print(summary(argv[1:]))
+    return
+  if not args.out:
+    raise app.UsageError('--out: the JSON to write is required')
+  result = {
+    'arm': args.arm,
+    'setting': SETTINGS[args.arm],
+    'lr': args.lr,
+    'seed': args.seed,
+    **train(arm_config(args.arm, args.lr, args.seed)),
+    'sweep_member': sweep_member(args.arm, args.lr, args.seed),
+    'jax': jax.__version__,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(result, f, indent=1)
+  print(f'wrote {args.out}: report loss {result["report_loss"]:.4f}')
+
+
+if __name__ == '__main__':
+  flags.DEFINE_enum('arm', 'dnt', list(SETTINGS), "'preln' (S1) or 'dnt' (S5).")
+  flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms: 1e-2).")
+  flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
+  flags.DEFINE_string('out', None, 'The JSON to write.')
+  flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
+  app.run(main)
