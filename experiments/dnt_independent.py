@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
@@ -43,8 +43,8 @@ import dnt as dnt_configs  # noqa: E402  (experiments/configs/dnt.py)
 
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import schemes  # noqa: E402
+from dsjax.train import cli, protocol  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
-from dsjax.train import protocol  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
 SETTINGS = {'preln': 'S1', 'dnt': 'S5'}  # DNT §4.4: S1 the standard Pre-Norm transformer, S5 DNT
@@ -208,18 +208,21 @@ def main(argv):
   if args.summarize:
     print(summary(argv[1:]))
     return
-  if not args.out:
-    raise app.UsageError('--out: the JSON to write is required')
+  if len(argv) > 1:
+    raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
+  if not args.lr > 0:
+    raise ValueError(f'--lr must be > 0, got {args.lr}')
+  config = arm_config(args.arm, args.lr, args.seed)
+  cli.create_output_file('--out', args.out)  # A bad path now, not after the training.
   result = {
     'arm': args.arm,
     'setting': SETTINGS[args.arm],
     'lr': args.lr,
     'seed': args.seed,
-    **train(arm_config(args.arm, args.lr, args.seed)),
+    **train(config),
     'sweep_member': sweep_member(args.arm, args.lr, args.seed),
     'jax': jax.__version__,
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1)
   print(f'wrote {args.out}: report loss {result["report_loss"]:.4f}')
@@ -231,4 +234,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
-  app.run(main)
+  cli.run(main)  # user errors as one line, without a traceback
