@@ -325,6 +325,10 @@ def _restore_with_oom_on_process_1(tmp_path, workdir):
   return codes, [log.read_text() for log in logs]
 
 
+# Slow (~70 s on 2 cores: one two-process run and two two-process restores). The one-process restore
+# paths are in tests/e2e/test_reliability*.py; the default suite keeps two-process runs through the
+# signal and locked-workdir tests.
+@pytest.mark.slow
 def test_two_processes_restore_together_an_oom_moves_nothing_a_corrupted_step_is_set_aside(tmp_path):
   """Two restores of one two-process run (checkpoints at steps 2 and 4), each agreed by both processes
   (not in a vote the other never joins):

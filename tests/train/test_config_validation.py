@@ -53,7 +53,8 @@ def _count_calls(monkeypatch, functions: dict) -> collections.Counter:
   return counts
 
 
-@pytest.mark.parametrize('model_name', ['gpt', 'vit'])
+# ViT slow (~11 s): the once-per-section count goes through the same code as GPT's.
+@pytest.mark.parametrize('model_name', ['gpt', pytest.param('vit', marks=pytest.mark.slow)])
 def test_a_run_validates_each_config_section_once(tmp_path, monkeypatch, model_name):
   """Two steps, an evaluation after each (and the instrumented step): every section's validation
   runs exactly once."""
