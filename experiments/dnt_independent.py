@@ -2,11 +2,11 @@ r"""DNT against the Pre-LN transformer retrained by an independent loop: is the 
 
 With AdamW, DNT (setting S5) ends far below Pre-LN (S1) in both of this project's GPT comparisons:
 −0.184 nats per byte on the byte-level GPT of experiments/README.md §1, and −0.68 nats per token
-(≈ 0.21 per byte) on the GPU's 4×128 GPT (§11). The DNT paper's GPT-2 differences are 0.004–0.039 nats
+(≈ 0.20 per byte) on the GPU's 4×128 GPT (§11). The DNT paper's GPT-2 differences are 0.004–0.039 nats
 per token (Qi et al. 2025, arXiv:2507.17501, Table 1). This script retrains §1's members with none of
 dsjax's model, gradient or optimizer code on the path and compares:
 
-  OUT=experiments/results/dnt_independent  # each run ~35 s on 2 CPU cores (18–21 s of training)
+  OUT=experiments/results/dnt_independent  # each run ~35 s on 2 CPU cores (18–27 s of training)
   python experiments/dnt_independent.py --arm=preln --seed=0 --out=$OUT/preln_s0.json
   python experiments/dnt_independent.py --arm=dnt --seed=0 --out=$OUT/dnt_s0.json
   python experiments/dnt_independent.py --summarize $OUT/*.json > $OUT/summary.md  # experiments/README.md §1
@@ -73,26 +73,12 @@ def make_optimizer(config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
 
 
-def split_model(model):
-  """(the trainable parameters, the constants such as λ, β and the output scale), as nested dicts."""
-  as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
-  return as_jnp(nnx.state(model, nnx.Param)), as_jnp(nnx.state(model, nnx.Not(nnx.Param)))
-
-
-def _merge(a: dict, b: dict) -> dict:
-  """`a` with `b`'s entries added, nested dicts merged: parameters and constants as the reference's tree."""
-  out = dict(a)
-  for key, value in b.items():
-    out[key] = _merge(out[key], value) if key in out and isinstance(value, dict) else value
-  return out
-
-
 def report_loss(params, constants, spec, config) -> float:
   """Mean next-token loss over the report split, padded rows masked out as dsjax's evaluation does."""
 
   @jax.jit
   def sums(params, tokens_BL1, mask_B):
-    z_BLV = ref.logits(_merge(params, constants), tokens_BL1[:, :-1], spec)
+    z_BLV = ref.logits(ref.merge(params, constants), tokens_BL1[:, :-1], spec)
     z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
     log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
     xent_BL = log_norm_BL - jnp.take_along_axis(z_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
@@ -124,12 +110,12 @@ def train(config) -> dict:
   info = data_lib.dataset_info(config.data)
   model = schemes.build_model(config, info, nnx.Rngs(params=seed))
   spec = ref.reference_spec(model)
-  params, constants = split_model(model)
+  params, constants = ref.split_model(model)
   tx = make_optimizer(config)
   opt_state = tx.init(params)
 
   def loss(params, tokens_BL1):
-    return ref.loss(_merge(params, constants), tokens_BL1, spec)
+    return ref.loss(ref.merge(params, constants), tokens_BL1, spec)
 
   @jax.jit
   def update(params, opt_state, tokens_BL1):

@@ -141,18 +141,9 @@ def arm_config(
   return c
 
 
-def split_model(model):
-  """(trainable parameters, constants such as λ, β and the output scale), as plain nested dicts."""
-  as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
-  return as_jnp(nnx.state(model, nnx.Param)), as_jnp(nnx.state(model, nnx.Not(nnx.Param)))
-
-
 def reference_tree(params, constants):
   """The plain reference's tree: the parameters with the constants put back in (the logit bias apart)."""
-  tree = {k: v for k, v in params.items() if k != 'logit_bias'}
-  layers = {**params['trunk']['stack']['layers'], **constants['trunk']['stack']['layers']}
-  tree['trunk'] = {**params['trunk'], **constants['trunk'], 'stack': {'layers': layers}}
-  return tree
+  return ref.merge({k: v for k, v in params.items() if k != 'logit_bias'}, constants)
 
 
 @jax.custom_vjp
@@ -313,7 +304,7 @@ def train(
   config, bias: str, updates: int, measure_every: int, logit_grad: str = 'full', logit_scale: float = 1.0
 ) -> dict:
   info, model, spec = arm_model(config)
-  params, constants = split_model(model)
+  params, constants = ref.split_model(model)
   if bias == 'unigram':
     params['logit_bias'] = jnp.asarray(
       gpu_decisive.train_log_frequencies(config, info.vocab_size), jnp.float32

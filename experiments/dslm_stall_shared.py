@@ -114,7 +114,7 @@ def train(config, updates: int, logit_grad: str = 'centred') -> dict:
   if config.optimizer.name != 'msgdw':
     raise ValueError(f'the attribution needs mSGDW (linear in the gradients), got {config.optimizer.name}')
   _, model, spec = dslm_stall_bias.arm_model(config)
-  params, constants = dslm_stall_bias.split_model(model)
+  params, constants = ref.split_model(model)
   loss = dslm_stall_bias.make_loss(spec, constants, logit_grad)
   shared_loss = make_shared_loss(spec, constants)
   head_grad = make_head_grad(spec, constants, logit_grad)

@@ -102,6 +102,21 @@ def reference_tree(model: nnx.Module) -> dict[str, Any]:
   return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
 
 
+def split_model(model: nnx.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(the trainable parameters, the constants such as λ, β and the output scale) of a dsjax model, as
+  nested dicts of jnp arrays: what an independent training loop differentiates, and what it keeps."""
+  as_jnp = lambda state: jax.tree.map(jnp.asarray, nnx.to_pure_dict(state))  # noqa: E731
+  return as_jnp(nnx.state(model, nnx.Param)), as_jnp(nnx.state(model, nnx.Not(nnx.Param)))
+
+
+def merge(params: dict[str, Any], constants: dict[str, Any]) -> dict[str, Any]:
+  """`split_model`'s two trees as one, the tree `reference_tree` gives (nested dicts merged key by key)."""
+  tree = dict(params)
+  for key, value in constants.items():
+    tree[key] = merge(tree[key], value) if key in tree and isinstance(value, dict) else value
+  return tree
+
+
 def dropout_masks(spec: Spec, dropout_key: jax.Array | None, batch: int, seq_len: int) -> dict | None:
   """The keep-masks of the model's dropouts for `dropout_key`, drawn as dsjax draws them: the key is split
   into (embedding, stack), the stack key into one per layer, each layer's into three (attention

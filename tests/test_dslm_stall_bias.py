@@ -38,7 +38,7 @@ def _tiny_arm_and_batch():
   """The tiny arm's model, spec, parameters and constants, and a random batch with its dropout masks."""
   config = _config()
   info, model, spec = dslm_stall_bias.arm_model(config)
-  params, constants = dslm_stall_bias.split_model(model)
+  params, constants = ref.split_model(model)
   tokens_BL1 = jax.random.randint(jax.random.key(3), (2, 17), 0, info.vocab_size)
   masks = ref.dropout_masks(spec, step_lib.dropout_key_for_step(config.seed, 0), 2, 16)
   return model, spec, params, constants, tokens_BL1, masks
@@ -81,7 +81,7 @@ def test_the_optimizer_is_dsjaxs_update_for_update(name):
   if name == 'msgdw':
     config.optimizer.update(name='msgdw', **dslm_stall_bias.MSGDW)
     config.optimizer.lr, config.optimizer.weight_decay = 0.3, 0.1  # a decay large enough to show
-  params, _ = dslm_stall_bias.split_model(
+  params, _ = ref.split_model(
     schemes.build_model(config, data_lib.dataset_info(config.data), nnx.Rngs(params=0))
   )
   ours, theirs = dslm_stall_bias.make_optimizer(config), optimizers.make_optimizer(config.optimizer, 20)[0]

@@ -34,7 +34,7 @@ def _config(lr: float):
 def test_the_head_gradient_is_the_table_as_output_layer_alone():
   config = _config(0.3)
   _, model, spec = dslm_stall_bias.arm_model(config)
-  params, constants = dslm_stall_bias.split_model(model)
+  params, constants = ref.split_model(model)
   tokens_BL1 = jax.random.randint(jax.random.key(1), (2, 17), 0, params['token_embed'].shape[0])
   masks = ref.dropout_masks(spec, jax.random.key(2), 2, 16)
   loss = dslm_stall_bias.make_loss(spec, constants, 'centred')
