@@ -79,9 +79,7 @@ def report_loss(params, constants, spec, config) -> float:
   @jax.jit
   def sums(params, tokens_BL1, mask_B):
     z_BLV = ref.logits(ref.merge(params, constants), tokens_BL1[:, :-1], spec)
-    z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
-    log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
-    xent_BL = log_norm_BL - jnp.take_along_axis(z_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+    xent_BL = ref.token_losses(z_BLV, tokens_BL1[:, 1:])
     mask_BL = jnp.broadcast_to(mask_B[:, None], xent_BL.shape)
     return (xent_BL * mask_BL).sum(), mask_BL.sum()
 

@@ -312,12 +312,17 @@ def loss(tree, tokens_BL1, spec: Spec, masks=None, deltas_NBLD=None):
   return cross_entropy(logits(tree, tokens_BL1[:, :-1], spec, masks, deltas_NBLD), tokens_BL1[:, 1:])
 
 
-def cross_entropy(z_BLV, targets_BL):
-  """Mean of log Σ exp(z) − z[target] over the positions."""
+def token_losses(z_BLV, targets_BL):
+  """log Σ exp(z) − z[target] at every position (B, L)."""
   z_max = jax.lax.stop_gradient(z_BLV.max(-1, keepdims=True))
   log_norm_BL = jnp.log(jnp.exp(z_BLV - z_max).sum(-1)) + z_max[..., 0]
   target_BL = jnp.take_along_axis(z_BLV, targets_BL[..., None], axis=-1)[..., 0]
-  return (log_norm_BL - target_BL).mean()
+  return log_norm_BL - target_BL
+
+
+def cross_entropy(z_BLV, targets_BL):
+  """Mean of `token_losses` over the positions."""
+  return token_losses(z_BLV, targets_BL).mean()
 
 
 def cast(tree, dtype):
