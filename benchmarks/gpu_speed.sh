@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of the speed work in one call of at most ~8 minutes, each new form side by side with
 # the previous code on the same machine: the plain ops against `model.fused_ops=pallas`, the whole-tensor
-# instrumentation against `instrument.sample_rows`, and the per-step callback delivery. Rows run in order
+# instrumentation against `instrument.sample_rows`, and the per-step callback delivery; and beside dsjax's
+# plain rows their `torch.compile` peers (benchmarks/torch_compiled.py, timm's ViT too). Rows run in order
 # of importance; a row that would start after BUDGET seconds (default 420) is skipped and named, so the
 # call ends in time. Every JSON goes to OUTDIR under the name benchmarks/README.md cites (PREFIX, default
 # h100, in place of the device). `benchmarks/gpu_table.sh` re-runs the whole table (longer than 8 minutes).
@@ -26,15 +27,17 @@ mkdir -p "$out"
 exec > >(tee -a "$out/gpu_speed.log") 2>&1
 source benchmarks/gpu_env.sh || exit 1
 sample_rows=${SAMPLE_ROWS:-1024}
-steps=20 rounds=10 deep_depth=192 tiny_gpt=() tiny_vit=()
+steps=20 rounds=10 deep_depth=192 tiny_gpt=() tiny_vit=() peer_device=cuda tiny_gpt_peer=() tiny_vit_peer=()
 if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
-  steps=2 rounds=2 deep_depth=2
+  steps=2 rounds=2 deep_depth=2 peer_device=cpu
   tiny_gpt=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.seq_len=64
             --config.model.scan_unroll=1)
   tiny_vit=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.image_size=32
             --config.model.scan_unroll=1)
+  tiny_gpt_peer=(--set=model.depth=2 --set=model.width=64 --set=model.num_heads=4 --set=data.seq_len=64)
+  tiny_vit_peer=(--set=model.depth=2 --set=model.width=64 --set=model.num_heads=4 --set=data.image_size=32)
 fi
-skipped=()
+skipped=() missing=()
 
 row() {  # row NAME COMMAND...: one measurement, unless the budget is spent
   local name=$1; shift
@@ -46,14 +49,29 @@ bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${
   local name=$1; shift
   row "$name" python -m dsjax.bench "$@" --steps=$steps --json="$out/${prefix}_$name.json"
 }
+peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $out/${prefix}_NAME.json
+  local name=$1; shift
+  local needs=(torch) library
+  [[ " $* " == *" --vit=timm "* ]] && needs+=(timm)
+  for library in "${needs[@]}"; do
+    if ! python -c "import $library" 2>/dev/null; then
+      missing+=("$name"); echo "=== ${prefix}_$name: not run, $library is not installed"; return
+    fi
+  done
+  row "$name" python benchmarks/torch_compiled.py "$@" --device=$peer_device --steps=$steps \
+    --json="$out/${prefix}_$name.json"
+}
 gpt2=(--config=configs/gpt2_small.py "${tiny_gpt[@]}")
 vit=(--config=configs/vit_b16.py "${tiny_vit[@]}")
+gpt2_peer=(--config=configs/gpt2_small.py "${tiny_gpt_peer[@]}")
+vit_peer=(--config=configs/vit_b16.py "${tiny_vit_peer[@]}")
 deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=$deep_depth
       --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
 fused=(--config.model.fused_ops=pallas)
 sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
 
 bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sampled
+peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
@@ -63,11 +81,14 @@ row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
   --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
+peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
 bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32
+peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
+peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written plainly (timm's is the target's)
 
-echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}"
+echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}; not installed: ${missing[*]:-none}"
 if [[ -n ${OUT:-} ]]; then
   tar czf "$OUT/gpu_speed.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' -C "$(dirname "$out")" \
     "$(basename "$out")" && echo "packed $out into $OUT/gpu_speed.tgz"

@@ -45,6 +45,18 @@ python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=m
   --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 --set=batch_size=16 \
   --set=model.scan_unroll=1 --rounds=20 --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
 
+# The torch.compile peers of the GPT-2 small and ViT-B/16 rows, on this machine (PyTorch there; timm for
+# the ViT-B/16 peer the ViT target is set against, the ViT written plainly beside it).
+peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $out/${prefix}_NAME.json
+  local name=$1; shift
+  echo "=== ${prefix}_$name: python benchmarks/torch_compiled.py $*"
+  python benchmarks/torch_compiled.py "$@" --steps=20 --json="$out/${prefix}_$name.json"
+}
+peer torch_gpt2_small_b16 "${gpt2[@]}"
+peer torch_gpt2_small_b32 "${gpt2[@]}" --set=batch_size=32
+peer torch_vit_b16_b128_timm "${vit[@]}" --vit=timm
+peer torch_vit_b16_b128 "${vit[@]}"
+
 # Not yet in the table: the fused norm and GELU kernels (model.fused_ops=pallas) side by side with the
 # plain math, profiled, on this machine (the plain rows are gpt2_small_b16_profile and vit_b16_b128_profile).
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" --instrument=off --config.model.fused_ops=pallas \

@@ -37,19 +37,37 @@ WARMUP_STEPS = 2
 
 
 class Block(nn.Module):
-  def __init__(self, d: int, heads: int):
+  """One Pre-LN layer: x + Attention(LayerNorm(x)), then x + FFN(LayerNorm(x)). The q, k and v projections
+  are three `nn.Linear`s, or with `fused_qkv` one (d, 3d) `nn.Linear` (as dsjax computes them: one matmul
+  of the stacked kernels); `causal` masks attention to earlier positions (GPT) or not (ViT)."""
+
+  def __init__(
+    self,
+    d: int,
+    heads: int,
+    mlp_ratio: int = 4,
+    eps: float = 1e-6,
+    causal: bool = True,
+    fused_qkv: bool = False,
+  ):
     super().__init__()
-    self.heads = heads
-    self.norm1, self.norm2 = nn.LayerNorm(d, eps=1e-6), nn.LayerNorm(d, eps=1e-6)
-    self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-    self.ffn1, self.ffn2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    self.heads, self.causal, self.fused_qkv = heads, causal, fused_qkv
+    self.norm1, self.norm2 = nn.LayerNorm(d, eps=eps), nn.LayerNorm(d, eps=eps)
+    if fused_qkv:
+      self.qkv = nn.Linear(d, 3 * d)
+    else:
+      self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+    self.o = nn.Linear(d, d)
+    self.ffn1, self.ffn2 = nn.Linear(d, mlp_ratio * d), nn.Linear(mlp_ratio * d, d)
 
   def attention(self, x_BLD: torch.Tensor) -> torch.Tensor:
     b, l, d = x_BLD.shape
     split = lambda t: t.view(b, l, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-    out_BHLK = F.scaled_dot_product_attention(
-      split(self.q(x_BLD)), split(self.k(x_BLD)), split(self.v(x_BLD)), is_causal=True
-    )
+    if self.fused_qkv:
+      q_BLD, k_BLD, v_BLD = self.qkv(x_BLD).chunk(3, dim=-1)
+    else:
+      q_BLD, k_BLD, v_BLD = self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
+    out_BHLK = F.scaled_dot_product_attention(split(q_BLD), split(k_BLD), split(v_BLD), is_causal=self.causal)
     return self.o(out_BHLK.transpose(1, 2).reshape(b, l, d))
 
   def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
@@ -58,13 +76,28 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-  def __init__(self):
+  """Token and learned position embeddings, `depth` Pre-LN `Block`s, a final LayerNorm and an untied head
+  without bias; by default the shape of `configs/gpt_preln.py` (the module's constants)."""
+
+  def __init__(
+    self,
+    vocab: int = VOCAB,
+    depth: int = DEPTH,
+    width: int = WIDTH,
+    heads: int = HEADS,
+    seq_len: int = SEQ_LEN,
+    mlp_ratio: int = 4,
+    eps: float = 1e-6,
+    fused_qkv: bool = False,
+  ):
     super().__init__()
-    self.token_embed = nn.Embedding(VOCAB, WIDTH)
-    self.pos_embed = nn.Parameter(torch.randn(SEQ_LEN, WIDTH) * 0.02)
-    self.blocks = nn.ModuleList(Block(WIDTH, HEADS) for _ in range(DEPTH))
-    self.final_norm = nn.LayerNorm(WIDTH, eps=1e-6)
-    self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+    self.token_embed = nn.Embedding(vocab, width)
+    self.pos_embed = nn.Parameter(torch.randn(seq_len, width) * 0.02)
+    self.blocks = nn.ModuleList(
+      Block(width, heads, mlp_ratio, eps, causal=True, fused_qkv=fused_qkv) for _ in range(depth)
+    )
+    self.final_norm = nn.LayerNorm(width, eps=eps)
+    self.head = nn.Linear(width, vocab, bias=False)
 
   def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
     x_BLD = self.token_embed(tokens_BL) + self.pos_embed[: tokens_BL.shape[1]]

@@ -1,6 +1,8 @@
 """`benchmarks/gpu_speed.sh`, the GPU speed measurements in one call: its usage errors, and (slow) the whole
-call at a tiny size on the CPU (`GPU_SPEED_TINY=1`), every row run and its JSON written."""
+call at a tiny size on the CPU (`GPU_SPEED_TINY=1`), every row run and its JSON written (the PyTorch peer
+rows need PyTorch, and timm for its ViT)."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -43,6 +45,17 @@ def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert 'FAILED' not in proc.stdout and 'skipped: none' in proc.stdout
   # Every JSON a row names is written, under the names benchmarks/README.md cites (with PREFIX 'cpu').
-  named = set(re.findall(r'^(?:bench|row) (\w+) ', SCRIPT.read_text(), re.M))
+  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', SCRIPT.read_text(), re.M))
+  assert {'torch_gpt2_small_b16', 'torch_vit_b16_b128_timm'} <= named
+  # A peer row whose library is missing here is left out, and named as such.
+  for library, left_out in (
+    ('torch', lambda name: name.startswith('torch_')),
+    ('timm', lambda n: n.endswith('_timm')),
+  ):
+    if importlib.util.find_spec(library) is None:
+      assert all(
+        f'{name}: not run, {library} is not installed' in proc.stdout for name in named if left_out(name)
+      )
+      named = {name for name in named if not left_out(name)}
   written = {p.name for p in out.glob('cpu_*.json')}
   assert written == {f'cpu_{name}.json' for name in named}, (written, named)
