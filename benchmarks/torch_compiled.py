@@ -20,8 +20,8 @@ The step: the forward pass under `torch.autocast(bfloat16)` (float32 parameters;
 and attention in bfloat16 and the norms' statistics, softmax and loss in float32), mean cross-entropy,
 backward, clipping at `optimizer.clip_norm` (when set), and AdamW with the config's lr, betas, eps and
 weight decay on every parameter (as `dsjax.train.optimizers` does), PyTorch's fused kernel on a GPU. The
-model is compiled by `torch.compile` (default mode); the optimizer step runs uncompiled, as the fused
-kernel it already is. `--device=cpu --compile=off` runs the same step eagerly in float32 (a check).
+model and the loss are compiled by `torch.compile` (default mode); the optimizer step runs uncompiled, as
+the fused kernel it already is. `--device=cpu --compile=off` runs the same step eagerly in float32 (a check).
 
 Timing: the first step, compilation included, is reported as `first_step_s`; 2 warm-up steps follow, then
 `--steps` timed steps, each waited for (its loss read back): median and min–max. Model FLOPs as
@@ -149,6 +149,7 @@ def build(config, data_info, vit: str) -> tuple[nn.Module, dict]:
 
 
 def matmul_params(model: nn.Module) -> int:
+  """N of the model FLOPs: every parameter but the looked-up ones (`LOOKED_UP`)."""
   return sum(p.numel() for name, p in model.named_parameters() if not any(k in name for k in LOOKED_UP))
 
 
@@ -177,14 +178,19 @@ def make_train_step(config, data_info, args):
     size, _, channels = data_info.image_shape
     inputs = torch.randn(config.batch_size, channels, size, size, generator=generator).to(device)
     targets = torch.randint(0, dims['classes'], (config.batch_size,), generator=generator).to(device)
-  forward = torch.compile(model) if args.compile == 'on' else model
-  autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == 'cuda')
+  use_bf16 = device.type == 'cuda'
+
+  def loss_fn(inputs, targets):
+    with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+      logits = model(inputs)
+    return F.cross_entropy(logits.float().reshape(-1, dims['classes']), targets.reshape(-1))
+
+  # The loss compiled with the model, as a torch.compile training script would.
+  compiled_loss_fn = torch.compile(loss_fn) if args.compile == 'on' else loss_fn
 
   def step() -> float:
     optimizer.zero_grad(set_to_none=True)
-    with autocast:
-      logits = forward(inputs)
-    loss = F.cross_entropy(logits.float().reshape(-1, dims['classes']), targets.reshape(-1))
+    loss = compiled_loss_fn(inputs, targets)
     loss.backward()
     if o.clip_norm:
       torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)

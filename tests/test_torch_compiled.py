@@ -12,12 +12,7 @@ import sys
 
 import pytest
 
-from dsjax import bench, models
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'benchmarks'))
-import paired  # noqa: E402  (benchmarks/paired.py: the peer's own config reader)
-
 SCRIPT = ROOT / 'benchmarks' / 'torch_compiled.py'
 HAVE_TORCH = importlib.util.find_spec('torch') is not None
 TINY_GPT = ['--set=model.depth=2', '--set=model.width=32', '--set=model.num_heads=2', '--set=data.seq_len=16']
@@ -72,11 +67,28 @@ def test_the_peer_counts_the_matmul_parameters_and_flops_dsjax_counts(tmp_path, 
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   peer = json.loads(out.read_text())
-  ours = paired.load_config(ROOT / 'configs' / f'{config}.py', [a.removeprefix('--set=') for a in args])
-  prepared = bench.prepare(ours, ['off'], 'random')
-  num_params = bench.matmul_params(prepared.setup.abstract_model)
-  assert peer['matmul_params'] == num_params
-  dims = models.model_dims(ours.model, prepared.data_info, seq_len=ours.data.seq_len)
-  flops, _ = bench.model_flops_per_step(ours, dims, num_params)
-  assert peer['model_tflops_per_step'] == pytest.approx(flops / 1e12, rel=1e-12)
+  # dsjax's own count, from its benchmark's JSON (a process of its own: its absl flags are global).
+  ours_json = tmp_path / 'ours.json'
+  overrides = [a.replace('--set=', '--config.') for a in args]
+  ours_proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'dsjax.bench',
+      f'--config=configs/{config}.py',
+      *overrides,
+      '--instrument=off',
+      '--steps=1',
+      f'--json={ours_json}',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    timeout=300,
+  )
+  assert ours_proc.returncode == 0, ours_proc.stderr[-3000:]
+  ours = json.loads(ours_json.read_text())
+  assert peer['matmul_params'] == ours['matmul_params']
+  assert peer['model_tflops_per_step'] * 1e12 == pytest.approx(ours['model_flops_per_step'], rel=1e-12)
   assert peer['step_ms_median'] > 0 and peer['compile'] == 'off'
