@@ -138,6 +138,9 @@ def test_the_measured_gradients_are_the_plain_references():
   np.testing.assert_allclose(row['grad_var_over_last'], var_N / var_N[-1], rtol=1e-5)
 
 
+# Slow (12 s): the bias's loop runs by default in test_it_trains_the_bias_loops_run_and_its_parts_add_up
+# (tests/test_dslm_stall_shared.py).
+@pytest.mark.slow
 def test_a_uniform_bias_leaves_the_first_loss_as_it_is(monkeypatch):
   config = _config()
   monkeypatch.setattr(

@@ -211,6 +211,9 @@ def test_cli_run_preln_depth8(tmp_path):
   assert result['summary'] == s
 
 
+# Slow (27 s): the same errors and --help run by default in tests/e2e/test_cli_errors.py
+# (sensitivity-zero-draws, sensitivity-unknown-block, test_help_exits_zero).
+@pytest.mark.slow
 def test_cli_help_and_one_line_errors(tmp_path):
   base = [sys.executable, '-m', 'dsjax.sensitivity', '--config=configs/gpt_preln.py', f'--out={tmp_path}/o']
   assert (

@@ -264,6 +264,9 @@ def _two_logged_processes(tmp_path, workdir, *overrides, extra_env=({}, {})):
           proc.wait()
 
 
+# Slow (34 s): the two-process path runs by default in the locked-workdir test, and a signal to a one-process
+# run in tests/e2e/test_reliability.py.
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
   """Preemption reaches hosts at different moments: SIGTERM to process 1 alone makes both processes
   save the same step and exit (not hang in a collective the other never joins)."""

@@ -273,6 +273,9 @@ def test_vit_on_a_mesh_trains_like_one_device(capfd):
   )
 
 
+# Slow (31 s): the kernel against the XLA attention runs by default in tests/models, and a Pallas kernel per
+# device inside shard_map in test_fused_kernels_on_a_mesh_run_per_device_and_train_like_one_device.
+@pytest.mark.slow
 def test_splash_attention_on_a_mesh_runs_per_device_and_trains_like_one_device(monkeypatch):
   """The TPU's splash kernel (in Pallas' interpreter here) runs inside `jax.shard_map`, each device on
   its batch rows and heads; 5 steps on a (2, 2, 2) mesh match one device, whose losses match the XLA

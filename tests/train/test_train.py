@@ -114,6 +114,8 @@ def test_bad_config_fails_before_anything_is_written(tmp_path, override, key):
   assert not workdir.exists()
 
 
+# Slow (18 s): dsjax.main's bad values and mistyped keys run by default in tests/e2e/test_cli_errors.py.
+@pytest.mark.slow
 def test_cli_rejects_bad_values_and_mistyped_keys_in_one_line(tmp_path):
   root = REPO_ROOT
   base = [sys.executable, '-m', 'dsjax.main', '--config=configs/vit_dnt.py', f'--workdir={tmp_path}/w']
