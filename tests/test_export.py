@@ -81,7 +81,8 @@ def test_export_rejects_dnt():
     export.fold_state({'trunk': {}}, 'dnt')
 
 
-# Slow (28 s): restore_run itself runs by default in test_export_command_round_trip; this adds the step choice.
+# Slow (28 s): restore_run itself runs by default in test_export_command_round_trip; this adds the
+# step choice.
 @pytest.mark.slow
 def test_restore_run_at_a_chosen_step(tmp_path):
   config = tiny_config('gpt', depth=2)
