@@ -186,6 +186,23 @@ def check_output_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     parser.error(f'--json={args.json}: the directory {parent} does not exist')
 
 
+def step_ms(seconds: list[float]) -> dict[str, float]:
+  """The median, min and max of timed steps (given in seconds), in milliseconds, as the JSONs name them."""
+  return {
+    'step_ms_median': 1e3 * statistics.median(seconds),
+    'step_ms_min': 1e3 * min(seconds),
+    'step_ms_max': 1e3 * max(seconds),
+  }
+
+
+def step_ms_line(results: dict, steps: int) -> str:
+  """'M ms/step median of N (min A, max B)' of the `step_ms` entries in `results`."""
+  return (
+    f'{results["step_ms_median"]:.1f} ms/step median of {steps} '
+    f'(min {results["step_ms_min"]:.1f}, max {results["step_ms_max"]:.1f})'
+  )
+
+
 def write_json(path: str | None, results: dict) -> None:
   """The results to `path` (the `--json` flag), if one was given."""
   if path:

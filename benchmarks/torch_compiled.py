@@ -37,7 +37,6 @@ import argparse
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -200,16 +199,6 @@ def make_train_step(config, data_info, args):
   return step, matmul_params(model), dims['positions']
 
 
-def git_commit() -> str | None:
-  root = pathlib.Path(__file__).resolve().parent.parent
-  try:
-    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=root, capture_output=True, text=True)
-    status = subprocess.run(['git', 'status', '--porcelain'], cwd=root, capture_output=True, text=True)
-  except OSError:
-    return None
-  return None if head.returncode else head.stdout.strip() + ('+dirty' if status.stdout.strip() else '')
-
-
 def parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   paired.add_config_args(parser)
@@ -273,13 +262,11 @@ def main():
     'torch': torch.__version__,
     'config': args.config,
     'overrides': args.set,
-    'commit': git_commit(),
+    'commit': bench.source_commit(),
     'date': time.strftime('%Y-%m-%d'),
     'steps': args.steps,
     'first_step_s': first_step_s,
-    'step_ms_median': 1e3 * median_s,
-    'step_ms_min': 1e3 * min(times),
-    'step_ms_max': 1e3 * max(times),
+    **paired.step_ms(times),
     f'{unit}_per_s': per_s,
     'matmul_params': num_params,
     'model_tflops_per_step': flops / 1e12,
@@ -290,9 +277,8 @@ def main():
   mfu = f', MFU {100 * results["mfu"]:.1f}%' if peak else ''
   print(
     f'PyTorch {torch.__version__} ({"compiled" if args.compile == "on" else "eager"}) on {device}, '
-    f'{args.config} {" ".join(args.set)}: first step {first_step_s:.1f} s; {results["step_ms_median"]:.1f} '
-    f'ms/step median of {args.steps} (min {results["step_ms_min"]:.1f}, max {results["step_ms_max"]:.1f}), '
-    f'{per_s:,.0f} {unit}/s{mfu}'
+    f'{args.config} {" ".join(args.set)}: first step {first_step_s:.1f} s; '
+    f'{paired.step_ms_line(results, args.steps)}, {per_s:,.0f} {unit}/s{mfu}'
   )
   paired.write_json(args.json, results)
 

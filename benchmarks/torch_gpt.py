@@ -160,16 +160,12 @@ def main():
     'steps': args.steps,
     'microbatches': args.microbatches,
     'date': time.strftime('%Y-%m-%d'),
-    'step_ms_median': 1e3 * statistics.median(times),
-    'step_ms_min': 1e3 * min(times),
-    'step_ms_max': 1e3 * max(times),
+    **paired.step_ms(times),
     'tokens_per_s': BATCH * SEQ_LEN / statistics.median(times),
   }
   print(
     f'PyTorch {results["torch"]} eager, {results["threads"]} threads, GPT {DEPTH}x{WIDTH}, seq {SEQ_LEN}, '
-    f'batch {BATCH} ({args.microbatches} microbatch(es)): {results["step_ms_median"]:.1f} ms/step '
-    f'median of {args.steps} '
-    f'(min {results["step_ms_min"]:.1f}, max {results["step_ms_max"]:.1f}), '
+    f'batch {BATCH} ({args.microbatches} microbatch(es)): {paired.step_ms_line(results, args.steps)}, '
     f'{results["tokens_per_s"]:,.0f} tokens/s'
   )
   paired.write_json(args.json, results)
