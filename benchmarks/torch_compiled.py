@@ -7,8 +7,10 @@ PyTorch, compiled, in bfloat16 autocast, and timed as `dsjax.bench` times its st
 Needs PyTorch (and timm for `--vit=timm`); neither is a dependency of dsjax. The shape comes from the
 config (`model.depth`, `width`, `num_heads`, `mlp_ratio`, `norm_eps`, `patch_size`; `data.seq_len` or
 `data.image_size`; `batch_size`) and the vocabulary or number of classes from the dataset's description,
-as `dsjax.bench` reads them; the config must be a Pre-LN LayerNorm model with biases (`model.block='preln'`,
-`norm='layernorm'`, `use_bias`, `activation='gelu'`, no dropout), the architecture these peers write.
+as `dsjax.bench` reads them. The config must be the architecture these peers write (`check_architecture`):
+the plain Pre-LN model (`model.block='preln'`, `scheme` the plain one, `norm='layernorm'`, `use_bias`,
+`activation='gelu'`, no dropout), an untied GPT head, a ViT with learned position embeddings and
+class-token pooling.
   * GPT: `benchmarks/torch_gpt.py`'s model at the config's shape, q/k/v as one (d, 3d) projection (dsjax
     too computes them in one matmul), `scaled_dot_product_attention(is_causal=True)`, exact GELU, learned
     position embeddings, an untied head without bias.
