@@ -221,6 +221,9 @@ def test_default_is_whole_tensors():
   assert instrument_lib.instrument_config().sample_rows == 0
 
 
+# Slow (26 s): the step built with sample_rows as the loop builds it runs by default in tests/test_bench.py
+# (mode 'sampled'), and the config key's checks in test_bad_sample_rows_is_one_line_naming_the_key.
+@pytest.mark.slow
 def test_the_training_loop_samples_when_configured(tmp_path):
   """instrument.sample_rows reaches the loop's instrumented step: the same records as on whole tensors,
   max |x| and the weight-gradient norms equal, the sampled statistics not."""
