@@ -231,32 +231,35 @@ def parse_args():
   return args, config, data_info
 
 
-def main():
-  args, config, data_info = parse_args()
-  step, num_params, positions = make_train_step(config, data_info, args)
+def time_steps(step, steps: int) -> tuple[float, list[float]]:
+  """Seconds of the first step (compilation included), and of each of `steps` steps timed after
+  `WARMUP_STEPS` more."""
   start = time.perf_counter()
   step()
   first_step_s = time.perf_counter() - start
   times = []
-  for i in range(WARMUP_STEPS + args.steps):
+  for i in range(WARMUP_STEPS + steps):
     start = time.perf_counter()
     step()
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
+  return first_step_s, times
+
+
+def main():
+  args, config, data_info = parse_args()
+  step, num_params, positions = make_train_step(config, data_info, args)
+  first_step_s, times = time_steps(step, args.steps)
   m = config.model
   flops = (6 * num_params + 12 * m.depth * m.width * positions) * positions * config.batch_size
   median_s = statistics.median(times)
   device = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
   peaks = [kind for kind in bench.PEAK_TFLOPS if device.startswith(kind)]
   peak = bench.PEAK_TFLOPS[max(peaks, key=len)]['bfloat16'] if peaks else None
-  per_s, unit = (
-    (config.batch_size * positions / median_s, 'tokens')
-    if m.name == 'gpt'
-    else (
-      config.batch_size / median_s,
-      'images',
-    )
-  )
+  if m.name == 'gpt':
+    per_s, unit = config.batch_size * positions / median_s, 'tokens'
+  else:
+    per_s, unit = config.batch_size / median_s, 'images'
   results = {
     'peer': f'torch.compile, {args.vit} ViT' if m.name == 'vit' else 'torch.compile',
     'compile': args.compile,
