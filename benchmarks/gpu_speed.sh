@@ -34,8 +34,8 @@ if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
             --config.model.scan_unroll=1)
   tiny_vit=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.image_size=32
             --config.model.scan_unroll=1)
-  tiny_gpt_peer=(--set=model.depth=2 --set=model.width=64 --set=model.num_heads=4 --set=data.seq_len=64)
-  tiny_vit_peer=(--set=model.depth=2 --set=model.width=64 --set=model.num_heads=4 --set=data.image_size=32)
+  # The same sizes in the PyTorch peer's override syntax (--set=KEY=VALUE; it ignores model.scan_unroll).
+  tiny_gpt_peer=("${tiny_gpt[@]/#--config./--set=}") tiny_vit_peer=("${tiny_vit[@]/#--config./--set=}")
 fi
 skipped=() missing=()
 
