@@ -22,8 +22,6 @@ import time
 import jax
 
 from dsjax import bench
-from dsjax.train import state as state_lib
-from dsjax.train import step as step_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import paired  # noqa: E402 (benchmarks/paired.py, beside this script)
@@ -51,29 +49,9 @@ def main():
     parser.error(f'--rows must list sample sizes >= 1, got {args.rows!r}')
   paired.check_output_args(parser, args)
 
-  data_info = bench.check_args(config, ['off'], 'random')
-  setup = state_lib.make_setup(config, data_info, state_lib.method_preparation(config, data_info))
-  state = jax.eval_shape(setup.create_state)
-  batch = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), bench.random_batch(config, data_info)
-  )
-  use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
-
-  def make(instrument: bool, sample_rows: int = 0):
-    return step_lib.make_train_step(
-      setup.graphdef,
-      setup.tx,
-      step_lib.LOSSES[config.model.name],
-      config.seed,
-      setup.schedule,
-      use_dropout,
-      instrument,
-      moments_per_site=False,
-      microbatches=config.microbatches,
-      moments_sample_rows=sample_rows,
-    )
-
-  steps = {'off': make(False), 'return': make(True), **{f'sampled_{n}': make(True, n) for n in rows}}
+  prepared = bench.prepare(config, ['off'], 'random', shapes_only=True)
+  make = prepared.make_step
+  steps = {'off': make(), 'return': make(True), **{f'sampled_{n}': make(True, sample_rows=n) for n in rows}}
   results = {
     'config': args.config,
     'overrides': args.set,
@@ -83,7 +61,7 @@ def main():
     'steps': {},
   }
   for name, step_fn in steps.items():
-    cost = compiled_cost(step_fn, state, batch)
+    cost = compiled_cost(step_fn, prepared.state, prepared.batch)
     results['steps'][name] = cost
     extra = cost['bytes_accessed'] - results['steps']['off']['bytes_accessed']
     print(

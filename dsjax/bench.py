@@ -374,11 +374,12 @@ class Prepared(NamedTuple):
   )
 
 
-def prepare(config, modes: list[str], inputs: str) -> Prepared:
+def prepare(config, modes: list[str], inputs: str, shapes_only: bool = False) -> Prepared:
   """Checks the arguments (`check_args`), then builds the model, its first state, one batch and the
-  train-step maker (also used by the scripts in benchmarks/)."""
+  train-step maker (also used by the scripts in benchmarks/). `shapes_only`: the state and a random
+  batch as shapes (`jax.ShapeDtypeStruct`), nothing computed or allocated: for compiling the step only."""
   data_info = check_args(config, modes, inputs)
-  if inputs == 'real':
+  if inputs == 'real' and not shapes_only:
     batch = next(
       data_lib.make_pipeline(
         config.data, global_batch_size=config.batch_size, seed=config.seed, process_index=0, process_count=1
@@ -386,10 +387,13 @@ def prepare(config, modes: list[str], inputs: str) -> Prepared:
     )
   else:
     batch = random_batch(config, data_info)
-  batch = jax.device_put(batch, jax.devices()[0])
+  if shapes_only:
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+  else:
+    batch = jax.device_put(batch, jax.devices()[0])
   prepared = state_lib.method_preparation(config, data_info)
   setup = state_lib.make_setup(config, data_info, prepared)
-  state = jax.jit(setup.create_state)()
+  state = jax.eval_shape(setup.create_state) if shapes_only else jax.jit(setup.create_state)()
   loss_fn = step_lib.LOSSES[config.model.name]
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
 

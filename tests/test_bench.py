@@ -121,3 +121,29 @@ assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
 """
   result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
+
+
+def test_steps_compiled_from_shapes_only(tmp_path):
+  """`bench.prepare(shapes_only=True)`, as benchmarks/instrument_sampling_cost.py uses it: the plain,
+  instrumented and sampled steps compiled with nothing computed, and XLA's cost analysis of each."""
+  out = tmp_path / 'cost.json'
+  proc = subprocess.run(
+    [
+      sys.executable,
+      'benchmarks/instrument_sampling_cost.py',
+      '--config=configs/gpt_preln.py',
+      *(f'--set={key}={value}' for key, value in (('model.depth', DEPTH), ('model.width', WIDTH))),
+      f'--set=batch_size={BATCH}',
+      f'--set=data.seq_len={SEQ_LEN}',
+      '--rows=8',
+      f'--json={out}',
+    ],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  steps = json.loads(out.read_text())['steps']
+  assert sorted(steps) == ['off', 'return', 'sampled_8']
+  assert steps['return']['bytes_accessed'] > steps['off']['bytes_accessed'] > 0

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.models import layers
+from dsjax.models.backend import compiling_for, target_backend
 from dsjax.models.config import (
   MODEL_NAMES,
   attention_implementation,
@@ -35,6 +36,7 @@ __all__ = [
   'attention_implementation',
   'attention_implementations',
   'build_model',
+  'compiling_for',
   'compute_dtype',
   'fused_ops_implementation',
   'model_config',
@@ -42,6 +44,7 @@ __all__ = [
   'model_inputs',
   'nonstandard_residual',
   'set_training_step',
+  'target_backend',
   'transformer_config',
   'validate_against_data',
   'validate_model',

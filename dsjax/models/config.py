@@ -15,6 +15,7 @@ import ml_collections
 from absl import logging
 from ml_collections import config_dict
 
+from dsjax.models.backend import compiling_for_another, target_backend
 from dsjax.models.layers import ACTIVATIONS, ATTENTION_IMPLEMENTATIONS
 from dsjax.models.plan import BLOCKS, DNT_SETTINGS
 from dsjax.models.transformer import REMAT_POLICIES
@@ -162,7 +163,7 @@ def compute_dtype(m, backend: str | None = None) -> str:
   has no fast bf16 matmuls, and where the theory's checks run)."""
   if m.dtype != 'auto':
     return m.dtype
-  return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
+  return 'float32' if (backend or target_backend()) == 'cpu' else 'bfloat16'
 
 
 def attention_implementation(m, backend: str | None = None, *, head_dim: int | None = None) -> str:
@@ -187,7 +188,7 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
   if m.attention in ('plain', 'xla'):
     return m.attention
   gpu_capable = _flash_attention_gpu() if backend is None else True
-  backend = backend or jax.default_backend()
+  backend = backend or target_backend()
   no_dropout = {'model.attn_dropout': (m.attn_dropout > 0, 'must be 0 (the fused kernels have no dropout)')}
   if m.attention == 'splash' or (m.attention == 'auto' and backend == 'tpu'):
     if backend != 'tpu':
@@ -223,7 +224,7 @@ def fused_ops_implementation(m, backend: str | None = None) -> str:
   """
   if m.fused_ops != 'pallas':
     return 'none'
-  backend = backend or jax.default_backend()
+  backend = backend or target_backend()
   if backend != 'gpu':
     _warn_fused_ops_interpreted(backend)
   return 'pallas'
@@ -261,7 +262,7 @@ def _flash_attention_gpu() -> bool:
   """Whether this machine's GPU runs cuDNN's flash attention: CUDA (a ROCm GPU is also jax's 'gpu'
   backend, with a capability like 'gfx90a') of compute capability 8.0 (Ampere) or newer. True where
   there is no GPU to ask (the backend check decides there)."""
-  if jax.default_backend() != 'gpu':
+  if compiling_for_another() or jax.default_backend() != 'gpu':
     return True
   capability = getattr(jax.devices()[0], 'compute_capability', None)
   try:

@@ -44,9 +44,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from dsjax.models.backend import target_backend
 from dsjax.models.partitioning import kernel_spec
 
-# True/False: always/never the Pallas interpreter; None: the interpreter unless the backend is a GPU.
+# True/False: always/never the Pallas interpreter; None: the interpreter unless the target backend
+# (`dsjax.models.backend`) is a GPU.
 INTERPRET: bool | None = None
 # Elements one program of a forward kernel handles (rows × padded width); a first guess.
 BLOCK_ELEMENTS = 4096
@@ -139,7 +141,7 @@ def _rows(x: jax.Array) -> jax.Array:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != 'gpu' if INTERPRET is None else INTERPRET
+  return target_backend() != 'gpu' if INTERPRET is None else INTERPRET
 
 
 def _row_spec(num_rows: int, columns: tuple[str, int] | None = None) -> P | None:

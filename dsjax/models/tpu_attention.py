@@ -30,14 +30,15 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
+from dsjax.models.backend import target_backend
 from dsjax.models.partitioning import kernel_spec
 
 # The kernel's blocks of queries and keys, forward and backward (a multiple of the 128 lanes of a TPU
 # vector register; the sequence is padded to a multiple of it): the kernel's own default
 # (`BlockSizes.get_default`). Larger blocks are a tuning to be measured on a TPU, which has not been done.
 BLOCK = 128
-# True/False: always/never the Pallas interpreter; None: the interpreter unless the default backend is
-# a TPU.
+# True/False: always/never the Pallas interpreter; None: the interpreter unless the target backend
+# (`dsjax.models.backend`) is a TPU.
 INTERPRET: bool | None = None
 
 
@@ -77,7 +78,7 @@ def splash_attention(
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != 'tpu' if INTERPRET is None else INTERPRET
+  return target_backend() != 'tpu' if INTERPRET is None else INTERPRET
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,278 @@
+"""The memory traffic of each kernel of a compiled XLA GPU program, read from its optimized HLO text.
+
+A kernel here is what the GPU launches: a fusion, a custom call (cuDNN attention, a Pallas/Triton
+kernel, a cuBLAS matmul) or an unfused op such as a copy; a kernel inside a `while` loop counts once per
+iteration (its known trip count). Its traffic is the bytes it must read and write:
+
+  * every operand read once, except where the fusion only reads part of it: an operand that reaches a
+    `slice` or `dynamic-slice` through elementwise ops alone (e.g. one layer's weights cut from the
+    stacked (depth, ...) array after a convert) counts the elements it slices, at the operand's own
+    element size; the buffer a `dynamic-update-slice` writes into in place is not read;
+  * the output written once, except a fusion whose root is a `dynamic-update-slice`: only the update.
+
+Outside the matmuls and attention, a transformer step's kernels are memory-bound, so their traffic over
+the device's memory bandwidth is a lower bound on their time, and its change is the change a rewrite
+makes in their passes over the activations; compared with a measured profile it says how close a
+kernel runs to the bandwidth. It is not a time: caches, launch latency and compute-bound kernels are not
+modelled, and the compiler that produced the HLO may choose other kernels on a device that autotunes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+ELEMENT_BYTES = {
+  'pred': 1,
+  's4': 0.5,
+  'u4': 0.5,
+  's8': 1,
+  'u8': 1,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+}
+# Ops that launch nothing: they name, bundle or reinterpret buffers.
+FREE_OPS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'after-all', 'opt-barrier'}
+# Ops through which a fusion parameter is still read element for element (so a slice after them reads
+# only the slice).
+ELEMENTWISE_OPS = {'convert', 'bitcast', 'copy', 'negate', 'abs', 'multiply', 'add', 'subtract', 'reshape'}
+SLICE_OPS = {'slice', 'dynamic-slice'}
+KINDS = ('matmul', 'attention', 'pallas', 'other')
+PHASES = ('forward', 'backward', 'update')
+
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$')
+_COMPUTATION = re.compile(r'^(ENTRY )?%([\w.\-]+) .*\{\s*$')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  shape: str  # the result's type text, e.g. 'bf16[16,1024,768]{2,1,0}' or a tuple of such
+  op: str
+  arguments: str  # the text inside the op's parentheses: operand names, or a parameter's number
+  attributes: str  # the rest of the line after the parentheses
+  is_root: bool
+
+  @property
+  def operands(self) -> tuple[str, ...]:
+    return tuple(re.findall(r'%([\w.\-]+)', self.arguments))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  name: str
+  kind: str  # one of KINDS
+  phase: str  # one of PHASES: from the op's jax name (jvp: forward, transpose: backward, else update)
+  bytes: float  # read + written, over all its launches
+  launches: int
+  op_name: str  # the jax operation it was lowered from (metadata op_name)
+  group: str  # what a profile reports it as: the deduplicated name, else the name
+
+
+def array_bytes(shape: str) -> float:
+  """Bytes of the arrays in a type text (a tuple's elements summed)."""
+  return sum(element_count(f'{d}[{dims}]') * ELEMENT_BYTES.get(d, 0) for d, dims in _ARRAY.findall(shape))
+
+
+def element_bytes(shape: str) -> float:
+  found = _ARRAY.search(shape)
+  return ELEMENT_BYTES.get(found.group(1), 0) if found else 0
+
+
+def element_count(shape: str) -> int:
+  """Elements of the first array in a type text."""
+  found = _ARRAY.search(shape)
+  count = 1
+  for d in filter(None, found.group(2).split(',')) if found else ():
+    count *= int(d)
+  return count
+
+
+def _split_arguments(text: str) -> tuple[str, str]:
+  """(inside, after) the op's parentheses; `text` starts just after the opening one."""
+  depth = 0
+  for i, ch in enumerate(text):
+    if ch == '(':
+      depth += 1
+    elif ch == ')':
+      if depth == 0:
+        return text[:i], text[i + 1 :]
+      depth -= 1
+  return text, ''
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+  """({computation name: its instructions in order}, the entry computation's name)."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    if current is None:
+      header = _COMPUTATION.match(line)
+      if header:
+        current = header.group(2)
+        computations[current] = []
+        entry = current if header.group(1) else entry
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    found = _INSTRUCTION.match(line)
+    if found:
+      name, shape, op, rest = found.groups()
+      arguments, attributes = _split_arguments(rest)
+      is_root = line.lstrip().startswith('ROOT ')
+      computations[current].append(Instruction(name, shape, op, arguments, attributes, is_root))
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text')
+  return computations, entry
+
+
+def _fusion_reads(fused: list[Instruction], operand_bytes: list[float]) -> float:
+  """Bytes a fusion reads of its operands (see the module docstring)."""
+  users = collections.defaultdict(list)
+  for instruction in fused:
+    for operand in instruction.operands:
+      users[operand].append(instruction)
+
+  def sliced_elements(name: str) -> int | None:
+    """Elements read of `name` when each of its uses ends in a slice through elementwise ops, else None."""
+    if not users[name]:
+      return None
+    total = 0
+    for user in users[name]:
+      if user.op in SLICE_OPS and user.operands[0] == name:
+        total += element_count(user.shape)
+        continue
+      below = sliced_elements(user.name) if user.op in ELEMENTWISE_OPS and len(user.operands) == 1 else None
+      if below is None:
+        return None
+      total += below
+    return total
+
+  read = 0.0
+  for parameter in (i for i in fused if i.op == 'parameter'):
+    whole = operand_bytes[int(parameter.arguments)]
+    uses = users[parameter.name]
+    if uses and all(u.op == 'dynamic-update-slice' and u.operands[0] == parameter.name for u in uses):
+      continue  # the buffer written in place
+    sliced = sliced_elements(parameter.name)
+    read += whole if sliced is None else min(whole, sliced * element_bytes(parameter.shape))
+  return read
+
+
+def _fusion_writes(fused: list[Instruction], output_bytes: float) -> float:
+  root = next((i for i in fused if i.is_root), None)
+  if root is not None and root.op == 'dynamic-update-slice':
+    update = next(i for i in fused if i.name == root.operands[1])
+    return array_bytes(update.shape)
+  return output_bytes
+
+
+def kind_of(instruction: Instruction) -> str:
+  """'matmul', 'attention', 'pallas' or 'other' (KINDS)."""
+  text = instruction.attributes
+  if instruction.op == 'custom-call':
+    if 'cudnn$fmha' in text:
+      return 'attention'
+    if '__cublas' in text:
+      return 'matmul'
+    return 'pallas' if '__gpu$xla.gpu.triton' in text else 'other'
+  if instruction.op == 'fusion' and re.search(r'"kind":"(__triton_(nested_)?gemm|__cublas|__cudnn)', text):
+    return 'matmul'
+  return 'other'
+
+
+def phase_of(op_name: str) -> str:
+  """The step's part an op belongs to, by the jax name of the op it was lowered from: 'forward' (inside
+  the forward pass's jvp), 'backward' (its transpose) or 'update' (the optimizer and the rest)."""
+  if 'transpose(' in op_name:
+    return 'backward'
+  return 'forward' if 'jvp(' in op_name else 'update'
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+  """Every kernel the program launches, with its traffic (see the module docstring)."""
+  computations, entry = parse(hlo_text)
+  shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
+  found = []
+
+  def walk(computation: str, launches: int) -> None:
+    for instruction in computations[computation]:
+      if instruction.op in FREE_OPS:
+        continue
+      if instruction.op == 'while':
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
+        body = re.search(r'body=%([\w.\-]+)', instruction.attributes).group(1)
+        walk(body, launches * (int(trips.group(1)) if trips else 1))
+        continue
+      if instruction.op in ('call', 'conditional'):
+        callees = re.findall(r'(?:to_apply=|calls=|computations=\{|, )%([\w.\-]+)', instruction.attributes)
+        for callee in callees:
+          walk(callee, launches)
+        continue
+      operand_bytes = [array_bytes(shapes.get(o, '')) for o in instruction.operands]
+      output_bytes = array_bytes(instruction.shape)
+      if instruction.op == 'fusion':
+        fused = computations[re.search(r'calls=%([\w.\-]+)', instruction.attributes).group(1)]
+        traffic = _fusion_reads(fused, operand_bytes) + _fusion_writes(fused, output_bytes)
+      else:
+        traffic = sum(operand_bytes) + output_bytes
+      op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
+      op_name = op_name.group(1) if op_name else ''
+      # A profile names a fusion by its deduplicated name (one per layer otherwise) and a Pallas kernel
+      # by the kernel's own name.
+      group = re.search(r'deduplicated_name="([^"]*)"|\bname = \\?"(\w+)', instruction.attributes)
+      found.append(
+        Kernel(
+          name=instruction.name,
+          kind=kind_of(instruction),
+          phase=phase_of(op_name),
+          bytes=traffic * launches,
+          launches=launches,
+          op_name=op_name,
+          group=next(filter(None, group.groups())) if group else instruction.name,
+        )
+      )
+
+  walk(entry, 1)
+  return found
+
+
+def summarize(found: list[Kernel], bandwidth_bytes_per_s: float, top: int = 15) -> dict:
+  """Traffic by kind and, outside the matmuls and attention, by phase, each with its bandwidth-bound
+  time; and the `top` groups of other and Pallas kernels by traffic."""
+
+  def totals(selected) -> dict:
+    selected = list(selected)
+    traffic = sum(k.bytes for k in selected)
+    return {
+      'kernels': sum(k.launches for k in selected),
+      'gb': traffic / 1e9,
+      'ms_at_bandwidth': traffic / bandwidth_bytes_per_s * 1e3,
+    }
+
+  memory_bound = [k for k in found if k.kind in ('pallas', 'other')]
+  groups = collections.defaultdict(list)
+  for k in memory_bound:
+    groups[(k.group, k.kind, k.phase, k.op_name)].append(k)
+  ranked = sorted(groups.items(), key=lambda item: -sum(k.bytes for k in item[1]))[:top]
+  return {
+    'by_kind': {kind: totals(k for k in found if k.kind == kind) for kind in KINDS},
+    'memory_bound': totals(memory_bound),
+    'memory_bound_by_phase': {p: totals(k for k in memory_bound if k.phase == p) for p in PHASES},
+    'top_memory_bound': [
+      {'group': g, 'kind': kind, 'phase': phase, 'op_name': op, **totals(ks)}
+      for (g, kind, phase, op), ks in ranked
+    ],
+  }
