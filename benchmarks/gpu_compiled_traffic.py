@@ -6,7 +6,7 @@ kernels.
                                             [--top=15] [--json=FILE] [--hlo=DIR]
 
 Needs jax's CUDA plugin (`pip install '.[cuda]'`), not a GPU. `jax.experimental.topologies` describes
-the target device (`TARGETS`, from the data sheets); the model is built and traced for a GPU
+the target device (`hlo_traffic.DEVICES`, from the data sheets); the model is built and traced for a GPU
 (`dsjax.models.compiling_for`: 'auto' takes bfloat16 and cuDNN's attention, `model.fused_ops=pallas`
 lowers its Triton kernels rather than interpreting them) and XLA's GPU compiler compiles the step of
 `dsjax.bench` (the loop's own, donated state, optimizer included) as it would on that device, with one
@@ -47,20 +47,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hlo_traffic  # noqa: E402 (benchmarks/hlo_traffic.py, beside this script)
 import paired  # noqa: E402
 
-# Target devices (NVIDIA data sheets): SXM parts, boost clock. XLA reads the compute capability, the
-# streaming multiprocessors' limits and the memory's size; the bandwidth also converts traffic to time.
-_SM90 = dict(
-  compute_capability=(9, 0),
-  core_count=132,
-  clock_rate_ghz=1.98,
-  l2_cache_size=50 * 2**20,
-  shared_memory_per_core=228 * 2**10,
-  shared_memory_per_block_optin=227 * 2**10,
-)
-TARGETS = {
-  'h100': dict(name='NVIDIA H100 80GB HBM3', memory_bandwidth=3.35e12, device_memory_size=80 << 30, **_SM90),
-  'h200': dict(name='NVIDIA H200', memory_bandwidth=4.8e12, device_memory_size=141 * 10**9, **_SM90),
-}
 MODES = ('off', 'return', 'sampled')
 # The versions of the CUDA libraries that jax[cuda12] installs with jax 0.10 (cuDNN 9, CUDA 12.9).
 _DNN_VERSION = (9, 28)
@@ -116,15 +102,15 @@ def parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   paired.add_config_args(parser)
   parser.set_defaults(config='configs/gpt2_small.py')
-  parser.add_argument('--target', default='h100', help=f'The GPU: one of {sorted(TARGETS)}.')
+  parser.add_argument('--target', default='h100', help=f'The GPU: one of {sorted(hlo_traffic.DEVICES)}.')
   parser.add_argument('--instrument', default='off', help=f'Comma-separated modes, of {list(MODES)}.')
   parser.add_argument('--top', type=int, default=15, help='How many memory-bound kernel groups to list.')
   parser.add_argument('--json', default=None, help='Also write the results to this JSON file.')
   parser.add_argument('--hlo', default=None, help="Write each mode's compiled HLO text into this directory.")
   args = parser.parse_args()
   config = paired.config_from_args(parser, args)
-  if args.target not in TARGETS:
-    parser.error(f'--target must be one of {sorted(TARGETS)}, got {args.target!r}')
+  if args.target not in hlo_traffic.DEVICES:
+    parser.error(f'--target must be one of {sorted(hlo_traffic.DEVICES)}, got {args.target!r}')
   modes = [m for m in args.instrument.split(',') if m]
   if not modes or any(m not in MODES for m in modes):
     parser.error(f'--instrument must list some of {list(MODES)}, got {args.instrument!r}')
@@ -157,7 +143,7 @@ def print_summary(mode: str, summary: dict, target: dict, compile_s: float) -> N
 
 def main():
   parser, args, config, modes = parse_args()
-  target = TARGETS[args.target]
+  target = hlo_traffic.DEVICES[args.target]
   with models.compiling_for('gpu'):
     try:
       prepared = bench.prepare(config, modes, 'random', shapes_only=True)

@@ -70,7 +70,7 @@ deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_
 fused=(--config.model.fused_ops=pallas)
 sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
 
-bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sampled
+bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
@@ -88,6 +88,15 @@ peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
 peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written plainly (timm's is the target's)
 
+# The profiled steps' kernels beside their memory traffic, read from each step's HLO: the bandwidth each
+# kernel ran at (benchmarks/profile_traffic.py; reads files, a second each).
+traffic_device=h100; [[ $prefix == h200 ]] && traffic_device=h200
+traffic() {  # traffic NAME PROFILE_DIR: the profile of ${prefix}_NAME.json beside PROFILE_DIR/step.hlo.txt
+  row "${1}_traffic" python benchmarks/profile_traffic.py --json="$out/${prefix}_$1.json" \
+    --hlo="$out/$2/step.hlo.txt" --device=$traffic_device --out="$out/${prefix}_${1}_traffic.json"
+}
+traffic gpt2_small_b16 profile_gpt2_small
+traffic gpt2_small_b16_fused_ops_profile profile_gpt2_small_fused_ops
 echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}; not installed: ${missing[*]:-none}"
 if [[ -n ${OUT:-} ]]; then
   tar czf "$OUT/gpu_speed.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' -C "$(dirname "$out")" \

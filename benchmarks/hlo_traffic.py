@@ -48,7 +48,22 @@ FREE_OPS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'a
 # only the slice).
 ELEMENTWISE_OPS = {'convert', 'bitcast', 'copy', 'negate', 'abs', 'multiply', 'add', 'subtract', 'reshape'}
 SLICE_OPS = {'slice', 'dynamic-slice'}
+# GPUs (NVIDIA data sheets; SXM parts, boost clock): what XLA's GPU compiler reads of a device
+# (benchmarks/gpu_compiled_traffic.py) and the memory bandwidth that converts traffic to time.
+_SM90 = dict(
+  compute_capability=(9, 0),
+  core_count=132,
+  clock_rate_ghz=1.98,
+  l2_cache_size=50 * 2**20,
+  shared_memory_per_core=228 * 2**10,
+  shared_memory_per_block_optin=227 * 2**10,
+)
+DEVICES = {
+  'h100': dict(name='NVIDIA H100 80GB HBM3', memory_bandwidth=3.35e12, device_memory_size=80 << 30, **_SM90),
+  'h200': dict(name='NVIDIA H200', memory_bandwidth=4.8e12, device_memory_size=141 * 10**9, **_SM90),
+}
 KINDS = ('matmul', 'attention', 'pallas', 'other')
+MEMORY_BOUND_KINDS = ('pallas', 'other')  # the matmuls and attention are compute-bound
 PHASES = ('forward', 'backward', 'update')
 
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
@@ -182,6 +197,8 @@ def _fusion_writes(fused: list[Instruction], output_bytes: float) -> float:
 def kind_of(instruction: Instruction) -> str:
   """'matmul', 'attention', 'pallas' or 'other' (KINDS)."""
   text = instruction.attributes
+  if instruction.op in ('dot', 'convolution'):
+    return 'matmul'
   if instruction.op == 'custom-call':
     if 'cudnn$fmha' in text:
       return 'attention'
@@ -262,7 +279,7 @@ def summarize(found: list[Kernel], bandwidth_bytes_per_s: float, top: int = 15) 
       'ms_at_bandwidth': traffic / bandwidth_bytes_per_s * 1e3,
     }
 
-  memory_bound = [k for k in found if k.kind in ('pallas', 'other')]
+  memory_bound = [k for k in found if k.kind in MEMORY_BOUND_KINDS]
   groups = collections.defaultdict(list)
   for k in memory_bound:
     groups[(k.group, k.kind, k.phase, k.op_name)].append(k)
@@ -275,4 +292,44 @@ def summarize(found: list[Kernel], bandwidth_bytes_per_s: float, top: int = 15) 
       {'group': g, 'kind': kind, 'phase': phase, 'op_name': op, **totals(ks)}
       for (g, kind, phase, op), ks in ranked
     ],
+  }
+
+
+def _profile_name(name: str) -> str:
+  """A kernel's name as a GPU profile writes it: a CUDA kernel's name has '_' where HLO has '.'."""
+  return name.replace('.', '_')
+
+
+def beside_profile(found: list[Kernel], measured: list[dict], bandwidth_bytes_per_s: float) -> dict:
+  """The measured kernels (`dsjax.bench --profile`'s JSON: {'kernel', 'ms_per_step'} each) that are
+  memory-bound kernels of this program (MEMORY_BOUND_KINDS), matched by name, each with its traffic and
+  the bandwidth it ran at; and their totals.
+  The HLO must be the profiled program's own (the profile's DIR/step.hlo.txt): fusion names are not
+  stable from one compilation to the next."""
+  traffic = collections.defaultdict(float)
+  for k in found:
+    if k.kind in MEMORY_BOUND_KINDS:
+      traffic[_profile_name(k.group)] += k.bytes
+  rows = []
+  for kernel in measured:
+    gb = traffic.get(_profile_name(kernel['kernel']))
+    if gb is None or kernel['ms_per_step'] <= 0:
+      continue
+    rows.append(
+      {
+        'kernel': kernel['kernel'],
+        'ms_per_step': kernel['ms_per_step'],
+        'gb': gb / 1e9,
+        'tb_per_s': gb / 1e9 / kernel['ms_per_step'],
+        'fraction_of_bandwidth': gb / (kernel['ms_per_step'] / 1e3) / bandwidth_bytes_per_s,
+      }
+    )
+  total_ms = sum(r['ms_per_step'] for r in rows)
+  total_gb = sum(r['gb'] for r in rows)
+  return {
+    'matched_kernels': len(rows),
+    'ms_per_step': total_ms,
+    'gb': total_gb,
+    'fraction_of_bandwidth': total_gb * 1e9 / (total_ms / 1e3) / bandwidth_bytes_per_s if total_ms else 0.0,
+    'kernels': rows,
   }

@@ -74,6 +74,21 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
   assert 'profile' not in results['modes']['callback']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
+  # benchmarks/profile_traffic.py finds the profiled kernels in that HLO (reads files only).
+  traffic = tmp_path / 'traffic.json'
+  hlo = tmp_path / 'profile' / 'step.hlo.txt'
+  command = [
+    sys.executable,
+    'benchmarks/profile_traffic.py',
+    f'--json={out}',
+    f'--hlo={hlo}',
+    f'--out={traffic}',
+  ]
+  proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  matched = json.loads(traffic.read_text())
+  assert matched['matched_kernels'] > 0 and matched['gb'] > 0
+  assert {row['kernel'] for row in matched['kernels']} <= {k['kernel'] for k in profile['kernels']}
 
 
 def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compiled(tmp_path):

@@ -104,6 +104,21 @@ def test_summary_by_kind_phase_and_group():
   assert groups == ['loop_convert_fusion', 'fused_gelu_backward']
 
 
+def test_profiled_kernels_beside_their_traffic():
+  # As a GPU profile names them: the fusion by its deduplicated name, the Pallas kernel by its own, a
+  # cuBLAS kernel (not in the HLO's memory-bound kernels) by the library's.
+  measured = [
+    {'kernel': 'loop_convert_fusion', 'ms_per_step': CAST / 1e9},  # at the bandwidth
+    {'kernel': 'fused_gelu_backward', 'ms_per_step': 4 * ACTIVATION / 1e9},  # at half of it
+    {'kernel': 'nvjet_sm90_tst_128x160', 'ms_per_step': 1.0},
+  ]
+  found = hlo_traffic.beside_profile(hlo_traffic.kernels(MODULE), measured, bandwidth_bytes_per_s=1e12)
+  assert found['matched_kernels'] == 2
+  assert [row['fraction_of_bandwidth'] for row in found['kernels']] == pytest.approx([1.0, 0.5])
+  assert found['gb'] == pytest.approx((CAST + 2 * ACTIVATION) / 1e9)
+  assert found['fraction_of_bandwidth'] == pytest.approx((CAST + 2 * ACTIVATION) / (CAST + 4 * ACTIVATION))
+
+
 def test_module_without_entry_is_an_error():
   with pytest.raises(ValueError, match='no ENTRY computation'):
     hlo_traffic.parse('HloModule empty\n')

@@ -45,7 +45,9 @@ def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert 'FAILED' not in proc.stdout and 'skipped: none' in proc.stdout
   # Every JSON a row names is written, under the names benchmarks/README.md cites (with PREFIX 'cpu').
-  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', SCRIPT.read_text(), re.M))
+  script = SCRIPT.read_text()
+  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
+  named |= {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
   assert {'torch_gpt2_small_b16', 'torch_vit_b16_b128_timm'} <= named
   # A peer row whose library is missing here is left out, and named as such.
   for library, left_out in (
