@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 DEPTH, WIDTH, SEQ_LEN, BATCH, VOCAB = 2, 32, 16, 8, 256
 
 # One timed step of a tiny GPT, as every test here runs the benchmark.
@@ -138,6 +140,9 @@ assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
   assert result.returncode == 0, result.stderr
 
 
+# Slow (30 s): compiles three steps. By default `bench.prepare(shapes_only=True)` is compiled for an H100
+# by tests/test_gpu_compiled_traffic.py where jax's CUDA plugin is installed.
+@pytest.mark.slow
 def test_steps_compiled_from_shapes_only(tmp_path):
   """`bench.prepare(shapes_only=True)`, as benchmarks/instrument_sampling_cost.py uses it: the plain,
   instrumented and sampled steps compiled with nothing computed, and XLA's cost analysis of each."""
