@@ -28,33 +28,29 @@ TINY_BENCH = [
 ]
 
 
-def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
-  """Every instrumentation mode of one tiny run ('sampled' beside the 'return' step on whole tensors),
-  its JSON, the FLOPs formula, the parameter count and the profile of the first mode."""
+def _tiny_benchmark(tmp_path, modes: str, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+  """The tiny benchmark in the `--instrument` modes `modes`, with 32 sampled rows per site and a 1 TFLOP/s
+  peak: its process (checked to have succeeded) and its JSON."""
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  command = [*TINY_BENCH, f'--instrument={modes}', '--config.instrument.sample_rows=32', '--peak_tflops=1']
   proc = subprocess.run(
-    [
-      *TINY_BENCH,
-      '--instrument=off,callback,monitor,return,sampled',
-      '--config.instrument.sample_rows=32',
-      '--peak_tflops=1',
-      f'--json={out}',
-      f'--profile={tmp_path / "profile"}',
-    ],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
+    [*command, f'--json={out}', *flags], capture_output=True, text=True, env=env, timeout=300
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert 'instrumentation overhead (callback)' in proc.stdout
-  assert 'instrumentation overhead (monitor)' in proc.stdout  # the 'return' step with the stability monitor
+  return proc, json.loads(out.read_text())
+
+
+def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
+  """The plain, returned and sampled instrumentation modes of one tiny run ('sampled' beside the 'return'
+  step on whole tensors), its JSON, the FLOPs formula, the parameter count and the profile of the first
+  mode."""
+  out = tmp_path / 'bench.json'
+  proc, results = _tiny_benchmark(tmp_path, 'off,return,sampled', f'--profile={tmp_path / "profile"}')
   assert 'instrumentation overhead (sampled)' in proc.stdout
   assert 'sampled statistics (32 rows per site)' in proc.stdout
-  results = json.loads(out.read_text())
-  assert set(results['modes']) == {'off', 'callback', 'monitor', 'return', 'sampled'}
+  assert set(results['modes']) == {'off', 'return', 'sampled'}
   assert results['inputs'] == 'random' and results['sample_rows'] == 32
   assert results['compilation_cache'] is None  # every compile_s a cold compile
   # Every parameter but the looked-up token and position tables: q, k, v, o, FFN, two LayerNorms per
@@ -74,7 +70,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert profile['busy_ms_per_step'] > 0 and profile['kernels']
   assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
   assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
-  assert 'profile' not in results['modes']['callback']
+  assert 'profile' not in results['modes']['return']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
   # benchmarks/profile_traffic.py finds the profiled kernels in that HLO (reads files only).
   traffic = tmp_path / 'traffic.json'
@@ -91,6 +87,16 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   matched = json.loads(traffic.read_text())
   assert matched['matched_kernels'] > 0 and matched['gb'] > 0
   assert {row['kernel'] for row in matched['kernels']} <= {k['kernel'] for k in profile['kernels']}
+
+
+# Slow (20 s): the callback delivery and the stability monitor run by default in tests/instrument/
+# (test_instrument.py, test_monitor.py); this is their rows of the benchmark.
+@pytest.mark.slow
+def test_the_callback_and_monitor_modes_time_their_overhead(tmp_path):
+  proc, results = _tiny_benchmark(tmp_path, 'off,callback,monitor')
+  assert 'instrumentation overhead (callback)' in proc.stdout
+  assert 'instrumentation overhead (monitor)' in proc.stdout  # the 'return' step with the stability monitor
+  assert set(results['modes']) == {'off', 'callback', 'monitor'}
 
 
 def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compiled(tmp_path):

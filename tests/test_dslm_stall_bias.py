@@ -44,6 +44,10 @@ def _tiny_arm_and_batch():
   return model, spec, params, constants, tokens_BL1, masks
 
 
+# Slow (25 s): its parts run by default, the optimizers update for update with dsjax's
+# (test_the_optimizer_is_dsjaxs_update_for_update) and the gradients against the plain reference's
+# (test_the_measured_gradients_are_the_plain_references).
+@pytest.mark.slow
 def test_without_the_bias_the_loop_trains_as_dsjax(tmp_path):
   config = _config()
   loop.train_and_evaluate(config, str(tmp_path / 'run'), devices=jax.devices()[:1])

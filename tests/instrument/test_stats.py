@@ -191,6 +191,10 @@ def test_sampled_statistics_of_a_tiny_model():
       np.testing.assert_allclose(kind_stats[name], full['weights'][kind][name], rtol=0.5, err_msg=kind)
 
 
+# Slow (26 s): by default the whole-tensor statistics' independence of mesh and remat runs in
+# tests/instrument/test_instrument.py (test_statistics_do_not_depend_on_mesh_or_remat), and the sampled
+# table against the whole tensors' in test_sampled_statistics_of_a_tiny_model.
+@pytest.mark.slow
 def test_the_sample_is_the_same_every_step_on_a_mesh_and_with_remat():
   """The same parameters and batch at two different steps give the same sampled table (the rows do not
   move with the step), and a mesh of 8 devices (batch, width and heads sharded) and remat the same
