@@ -152,12 +152,20 @@ def _moments(sample_rows, num_devices=1, steps=(0,), remat='none'):
 
 
 def test_sampling_off_is_the_whole_tensor_path():
-  """sample_rows 0 computes exactly what the step computed before the option existed: the same
-  functions on the same tensors (`take_rows` hands back x itself), so the table is bit-identical to
-  that of the step built without the argument."""
+  """sample_rows 0 computes exactly what the statistics computed before the option existed: the same
+  functions on the same tensors (`take_rows` hands back x itself)."""
   x = _position_coded(2, 8, 4) ** 0.5
   off = jax.jit(lambda x: stats_lib.forward_stats(x, 0))(x)
   chex.assert_trees_all_equal(jax.jit(stats_lib.forward_stats)(x), off)
+  off = jax.jit(lambda g: stats_lib.grad_stats(g, 0))(x)
+  chex.assert_trees_all_equal(jax.jit(stats_lib.grad_stats)(x), off)
+
+
+# Slow (17 s): two steps compiled; the statistics they are built from are compared by default above.
+@pytest.mark.slow
+def test_the_step_with_sampling_off_is_the_step_without_it():
+  """The instrumented step's table with sample_rows 0 is bit-identical to that of the step built without
+  the argument."""
   chex.assert_trees_all_equal(_moments(0), _moments(None))
 
 

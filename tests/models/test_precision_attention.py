@@ -126,7 +126,9 @@ def test_attention_keeps_qknorm_logit_scale_and_mask(implementation, dtype):
   )
 
 
-@pytest.mark.parametrize('causal', [False, True])
+# Not causal slow (~15 s): the same rule without the mask; a ViT's gradients through it are compared with
+# the plain attention's by default in tests/models/test_attention_implementations.py.
+@pytest.mark.parametrize('causal', [pytest.param(False, marks=pytest.mark.slow), True])
 def test_xla_attention_derivative_rule_in_both_modes_and_its_cpu_forms(causal, monkeypatch):
   """The XLA path's own derivative rule: forward mode and the gradients equal those of jax's XLA
   attention with each of the CPU's transposed key/value gradient forms on or off; each form puts one
