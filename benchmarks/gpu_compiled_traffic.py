@@ -87,14 +87,19 @@ def has_cuda_plugin() -> bool:
   return any(importlib.util.find_spec(f'jax_cuda{v}_plugin') for v in (12, 13))
 
 
-def compile_for(target: dict, step_fn, state, batch):
-  """`step_fn` compiled for one device of `target` (donated state, every input on that device)."""
+def one_device_of(target: dict) -> jax.sharding.NamedSharding:
+  """A placement on one device of `target`, described to XLA's GPU compiler (no device needed)."""
   config = target_config(target)
   topology = topologies.get_topology_desc(platform='cuda', target_config=config, topology='1x1x1')
   mesh = jax.sharding.Mesh(np.array(topology.devices), ('devices',))
-  on_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)
-  placed = lambda tree: jax.tree.map(shape, tree)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def compile_for(on_device: jax.sharding.NamedSharding, step_fn, state, batch):
+  """`step_fn` compiled with every input on `on_device` (the state donated, as the loop's step is)."""
+  placed = lambda tree: jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree
+  )
   return jax.jit(step_fn, donate_argnums=0).lower(placed(state), placed(batch)).compile()
 
 
@@ -144,6 +149,7 @@ def print_summary(mode: str, summary: dict, target: dict, compile_s: float) -> N
 def main():
   parser, args, config, modes = parse_args()
   target = hlo_traffic.DEVICES[args.target]
+  on_device = one_device_of(target)
   with models.compiling_for('gpu'):
     try:
       prepared = bench.prepare(config, modes, 'random', shapes_only=True)
@@ -163,7 +169,7 @@ def main():
         mode != 'off', sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0
       )
       start = time.perf_counter()
-      compiled = compile_for(target, step_fn, prepared.state, prepared.batch)
+      compiled = compile_for(on_device, step_fn, prepared.state, prepared.batch)
       compile_s = time.perf_counter() - start
       hlo_text = compiled.as_text()
       if args.hlo:
