@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 
 ELEMENT_BYTES = {
@@ -96,12 +97,18 @@ class Kernel:
   group: str  # what a profile reports it as: the deduplicated name, else the name
 
 
+def _count(dims: str) -> int:
+  """Elements of an array whose dimensions are written '16,1024,768' ('' for a scalar)."""
+  return math.prod(int(d) for d in dims.split(',') if d)
+
+
 def array_bytes(shape: str) -> float:
   """Bytes of the arrays in a type text (a tuple's elements summed)."""
-  return sum(element_count(f'{d}[{dims}]') * ELEMENT_BYTES.get(d, 0) for d, dims in _ARRAY.findall(shape))
+  return sum(_count(dims) * ELEMENT_BYTES.get(dtype, 0) for dtype, dims in _ARRAY.findall(shape))
 
 
 def element_bytes(shape: str) -> float:
+  """Bytes of one element of the first array in a type text."""
   found = _ARRAY.search(shape)
   return ELEMENT_BYTES.get(found.group(1), 0) if found else 0
 
@@ -109,10 +116,7 @@ def element_bytes(shape: str) -> float:
 def element_count(shape: str) -> int:
   """Elements of the first array in a type text."""
   found = _ARRAY.search(shape)
-  count = 1
-  for d in filter(None, found.group(2).split(',')) if found else ():
-    count *= int(d)
-  return count
+  return _count(found.group(2)) if found else 1
 
 
 def _split_arguments(text: str) -> tuple[str, str]:
