@@ -12,14 +12,26 @@ also returns the step's moments:
     (`stats.take_rows`, `stats.take_layer_rows`).
 
 How the per-layer statistics leave the layer scan: the probe passes x through an identity with a custom
-VJP that also takes a zero "stats sink" array of shape (depth + 1, sites, statistics). Its forward rule
-computes the forward statistics (kept as residuals: a few scalars); its backward rule computes the
-gradient statistics and returns, as the cotangent of the sink, this site's row at [layer + 1, site]
-(zero elsewhere). The gradient of the loss w.r.t. the sink is therefore the table of all statistics of
-all layers: every entry written exactly once by construction, whatever scan, remat or sharding do,
-with no change to the model beyond its probe hook. The identity keeps the probed dtype (a bfloat16
-activation returns its bfloat16 cotangent unchanged); the statistics are float32 whatever that dtype
-(`stats.py`, "Numerics"), and so is the sink.
+VJP that also takes a zero "stats sink" array. Its forward rule keeps x's statistics as residuals; its
+backward rule computes the gradient's and returns them as the cotangent of the sink. The gradient of
+the loss w.r.t. the sink is therefore a table of all statistics of all layers: every entry written
+exactly once by construction, whatever scan, remat or sharding do, with no change to the model beyond
+its probe hook. Two sinks:
+
+  * a stacked model's layer sites tap a sink of their own layer, (sites, size), entry n of a
+    (depth, sites, size) array that the layer scan carries in with the layer parameters (a
+    `ScannedProbe`). What a site returns there are the partial sums its statistics come from
+    (`stats.forward_sums`, `stats.grad_sums`: sums over tokens and over hidden units), which leave the
+    backward scan as that layer's output; after the loop all layers' and sites' statistics are
+    finished from them at once. Why: on a GPU every small reduction to a scalar is a kernel launch of
+    its own, per site and layer (benchmarks/README.md, "Compiled for a GPU on the CPU"). The sums'
+    shapes come from one more trace of the model, without compute;
+  * the embedding (outside the stack), and the layers of a model that does not stack them
+    (`models.concat`), tap the (depth + 1, sites, statistics) table itself: a site returns its
+    finished statistics at [layer + 1, site], zero elsewhere.
+
+The identity keeps the probed dtype (a bfloat16 activation returns its bfloat16 cotangent unchanged);
+the statistics are float32 whatever that dtype (`stats.py`, "Numerics"), and so are the sinks.
 
 By default the table is returned from the jitted step and handed to the host `Collector` by the
 caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the statistics with
@@ -33,6 +45,7 @@ Why returning is the default, with the evidence for each choice, is in README.md
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -41,7 +54,7 @@ import ml_collections
 
 from dsjax.instrument import stats as stats_lib
 from dsjax.models.config import one_of
-from dsjax.models.transformer import Probe
+from dsjax.models.transformer import Probe, ScannedProbe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
 LAYER_STACK_PATH = ('trunk', 'stack', 'layers')
@@ -172,6 +185,119 @@ def _sink_probe(sink: jax.Array, sample_rows: int) -> Probe:
   )
 
 
+# Inside a stacked model's layer scan the layer sites tap a sink of their layer instead (its entry of a
+# `ScannedProbe`'s per-layer array, (sites, size)): the cotangent of a site's row is the site's partial
+# sums in that layer (`stats.forward_sums` and `stats.grad_sums` of its gradient, flattened), which
+# leaves the backward scan as that layer's output, and the statistics of all layers and sites are
+# finished from them at once after the loop (`stats.forward_stats_of_sums`, `grad_stats_of_sums`).
+
+
+def _flat(sums: dict[str, jax.Array]) -> jax.Array:
+  return jnp.concatenate([sums[name].reshape(-1) for name in sorted(sums)])
+
+
+def _unflat(flat: jax.Array, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+  """`_flat` undone on the last axis of `flat` (..., size), leading axes kept."""
+  out, start = {}, 0
+  for name in sorted(like):
+    size = math.prod(like[name].shape)
+    out[name] = flat[..., start : start + size].reshape(flat.shape[:-1] + like[name].shape)
+    start += size
+  return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sums_tap(site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: jax.Array) -> jax.Array:
+  """Identity on x; d(loss)/d(layer_sink)[site_index] receives the partial sums of x and of its
+  gradient (site_index: in LAYER_SITES)."""
+  del site_index, sample_rows, layer_sink
+  return x_BLD
+
+
+def _sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink):
+  del site_index, layer_sink
+  return x_BLD, _flat(stats_lib.forward_sums(x_BLD, sample_rows))
+
+
+def _sums_tap_bwd(site_index, sample_rows, forward_sums, g_BLD):
+  row = jnp.concatenate([forward_sums, _flat(stats_lib.grad_sums(g_BLD, sample_rows))])
+  # One sink per layer for its four sites, rather than one each: XLA writes their rows into the
+  # scan's output in one kernel, not four.
+  at_site = jax.nn.one_hot(site_index, len(LAYER_SITES), dtype=jnp.float32)
+  return g_BLD, at_site[:, None] * row[None, :]
+
+
+_sums_tap.defvjp(_sums_tap_fwd, _sums_tap_bwd)
+
+
+def _layer_site_shape(loss_fn, params) -> tuple[int, ...] | None:
+  """The shape of the tensors at the layer sites of `loss_fn`'s model (all alike in a stacked model,
+  whatever their dtypes), from a trace without compute; None if they differ."""
+  seen = set()
+
+  def record(site, x_BLD, layer):
+    if site != EMBEDDING_SITE:
+      seen.add(x_BLD.shape)
+    return x_BLD
+
+  jax.eval_shape(lambda params: loss_fn(params, record), params)
+  return next(iter(seen)) if len(seen) == 1 else None
+
+
+def _sums_like(shape: tuple[int, ...], sample_rows: int) -> tuple[dict, dict]:
+  """The shapes of `stats.forward_sums` and `stats.grad_sums` of a probed tensor of `shape`."""
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  return tuple(
+    jax.eval_shape(functools.partial(sums, sample_rows=sample_rows), x)
+    for sums in (stats_lib.forward_sums, stats_lib.grad_sums)
+  )
+
+
+def _scanned_sink_probe(sink: jax.Array, layer_sink: jax.Array, sample_rows: int) -> ScannedProbe:
+  """The probe of a stacked model: the embedding into `sink`, layer n's sites into `layer_sink[n]`."""
+
+  def in_layer(layer_sink_n: jax.Array) -> Probe:
+    return _probe_with(
+      lambda site_index, x_BLD, layer: _sums_tap(site_index - 1, sample_rows, x_BLD, layer_sink_n)
+    )
+
+  return ScannedProbe(outside=_sink_probe(sink, sample_rows), per_layer=layer_sink, in_layer=in_layer)
+
+
+def _layer_table(sums_NSF: jax.Array, like: tuple[dict, dict], tokens: int) -> jax.Array:
+  """(depth, LAYER_SITES, ACTIVATION_STATS) statistics from the partial sums (depth, LAYER_SITES, size)
+  the layer sink received; `tokens`: the tokens per example the sums are over."""
+  forward_like, grad_like = like
+  forward_size = sum(math.prod(s.shape) for s in forward_like.values())
+  forward = stats_lib.forward_stats_of_sums(_unflat(sums_NSF[..., :forward_size], forward_like))
+  grad = stats_lib.grad_stats_of_sums(_unflat(sums_NSF[..., forward_size:], grad_like), tokens)
+  both = {**forward, **grad}
+  return jnp.stack([both[name] for name in ACTIVATION_STATS], axis=-1)
+
+
+def _sink_value_and_grad(loss_fn, params, sample_rows: int) -> tuple[jax.Array, Any, jax.Array]:
+  """(loss, grads, the statistics table) through the stats sinks: the layer sites of a stacked model
+  by their per-layer partial sums, finished after the loop; the embedding, and the layers of a model
+  whose layers are not stacked, in the sink of scalars."""
+  depth = stack_depth(params)
+  sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
+  shape = _layer_site_shape(loss_fn, params) if layer_trees(params)[1] else None
+  if shape is None:
+    loss, (grads, table) = jax.value_and_grad(
+      lambda params, sink: loss_fn(params, _sink_probe(sink, sample_rows)), argnums=(0, 1)
+    )(params, sink)
+    return loss, grads, table
+  like = _sums_like(shape, sample_rows)
+  size = sum(math.prod(s.shape) for sums in like for s in sums.values())
+  layer_sink = jnp.zeros((depth, len(LAYER_SITES), size), jnp.float32)
+  loss, (grads, table, sums_NSF) = jax.value_and_grad(
+    lambda params, sink, layer_sink: loss_fn(params, _scanned_sink_probe(sink, layer_sink, sample_rows)),
+    argnums=(0, 1, 2),
+  )(params, sink, layer_sink)
+  tokens = stats_lib.sample_positions_per_example(shape[0], shape[1], sample_rows)
+  return loss, grads, table.at[1:, 1:].add(_layer_table(sums_NSF, like, tokens))
+
+
 # ------------------------------------------------------------------------------------------------
 # Delivery by `jax.debug.callback` (instrument.delivery='callback').
 # ------------------------------------------------------------------------------------------------
@@ -250,10 +376,7 @@ def value_and_grad(
   if receiver is not None and step is None:
     raise ValueError('value_and_grad(receiver=...) needs the step that tags the records')
   if receiver is None or not per_site:
-    sink = jnp.zeros((stack_depth(params) + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
-    loss, (grads, table) = jax.value_and_grad(
-      lambda params, sink: loss_fn(params, _sink_probe(sink, sample_rows)), argnums=(0, 1)
-    )(params, sink)
+    loss, grads, table = _sink_value_and_grad(loss_fn, params, sample_rows)
     if receiver is None:
       moments = {'activations': table}
     else:

@@ -37,24 +37,49 @@ GRAD_QUANTILES = {'p50': 0.5, 'p90': 0.9, 'p99': 0.99, 'p99.9': 0.999}
 DISTRIBUTION_STATS = tuple(f'grad_abs_{q}' for q in GRAD_QUANTILES) + ('grad_kurtosis', 'grad_tail_ratio')
 
 
-class _Sums:
-  """The few O(B·L·D) reductions every statistic below is computed from (sums over tokens, over hidden
-  units, of squares). Raw, unshifted moments keep it to one read of x per reduction — this runs on 8
-  tensors per layer and step; float32 var = Σx²/n − mean² loses ~(mean/std)²·1e-7 relative accuracy,
-  negligible for activations and gradients (|mean| ≲ std). Whole-tensor sums are taken in two stages
-  (over tokens, then over the B·D partial sums), which keeps float32 rounding at the level of sums of
-  L and of B·D terms rather than of B·L·D.
-  """
+# The statistics are computed in two stages: `forward_sums` / `grad_sums`, the one pass over the tensor
+# (sums over tokens and over hidden units, of squares, the max), and `forward_stats_of_sums` /
+# `grad_stats_of_sums`, the few small reductions of those partial sums to scalars. Inside the layer
+# scan the instrumentation (`probe.py`) keeps each layer's partial sums and finishes all layers at once
+# after the loop: on a GPU every small reduction is a kernel launch of its own, per site and layer.
+#
+# Raw, unshifted moments keep the pass to one read of x: float32 var = Σx²/n − mean² loses
+# ~(mean/std)²·1e-7 relative accuracy, negligible for activations and gradients (|mean| ≲ std).
+# Whole-tensor sums are taken in two stages (over tokens, then over the B·D partial sums), which keeps
+# float32 rounding at the level of sums of L and of B·D terms rather than of B·L·D.
 
-  def __init__(self, x_BLD: jax.Array, *, hidden_sums: bool = True, max_abs: bool = True):
-    x_BLD = x_BLD.astype(jnp.float32)
-    self.b, self.l, self.d = x_BLD.shape
-    self.n = float(x_BLD.size)  # a float: see the module docstring, "Numerics"
-    self.sum_BD = x_BLD.sum(1)  # over tokens
-    self.sum_BL = x_BLD.sum(2) if hidden_sums else None  # over hidden units
-    self.sum = self.sum_BD.sum()
-    self.sum_sq = (x_BLD * x_BLD).sum(1).sum()
-    self.max_abs = jnp.abs(x_BLD).max() if max_abs else None
+
+def forward_sums(x_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
+  """The pass over an activation tensor (B, L, D) its statistics come from, all float32: per (example,
+  hidden unit) the sums of x and x² over the tokens `take_rows` keeps (all of them for sample_rows 0)
+  and max |x| over all tokens, (B, D); per kept (example, token) the sum over hidden units, (B, K)."""
+  x_BLD = x_BLD.astype(jnp.float32)
+  rows_BKD = take_rows(x_BLD, sample_rows)
+  return {
+    'sum_BD': rows_BKD.sum(1),
+    'sum_sq_BD': (rows_BKD * rows_BKD).sum(1),
+    'sum_BK': rows_BKD.sum(2),
+    # Whole tensor even when sampled: a sample's maximum underestimates it, and the stability
+    # monitor's growth and bound flags read it.
+    'max_abs_BL': jnp.abs(x_BLD).max(2),
+  }
+
+
+def grad_sums(g_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
+  """`forward_sums` of a loss gradient (B, L, D): the sums of g and g² over the kept tokens, (B, D)."""
+  rows_BKD = take_rows(g_BLD.astype(jnp.float32), sample_rows)
+  return {'sum_BD': rows_BKD.sum(1), 'sum_sq_BD': (rows_BKD * rows_BKD).sum(1)}
+
+
+class _Moments:
+  """Mean, variance and pair correlations of a tensor from its partial sums over `tokens` (K) tokens per
+  example: sum_BD, sum_sq_BD of shape (..., B, D), any leading axes (e.g. layers and sites) batched."""
+
+  def __init__(self, sums: dict[str, jax.Array], tokens: int):
+    b, d = sums['sum_BD'].shape[-2:]
+    self.n = float(b * tokens * d)  # a float: see the module docstring, "Numerics"
+    self.sum = sums['sum_BD'].sum((-2, -1))
+    self.sum_sq = sums['sum_sq_BD'].sum((-2, -1))
 
   @property
   def mean(self) -> jax.Array:
@@ -65,16 +90,17 @@ class _Sums:
     return jnp.maximum(self.sum_sq / self.n - self.mean**2, 0.0)
 
   def pair_corr(self, group_sums: jax.Array, group_size: int) -> jax.Array:
-    """Correlation over pairs i ≠ j inside groups of `group_size` elements with sums `group_sums`.
+    """Correlation over pairs i ≠ j inside groups of `group_size` elements with sums `group_sums`
+    (..., B, groups).
 
     With c = x − mean: Σ_{i≠j} c_i·c_j = (Σ_i c_i)² − Σ_i c_i², summed over groups and divided by the
     number of ordered pairs n·(group_size − 1) (a float: it passes 2^31 at real sizes).
     """
     if group_size < 2:
-      return jnp.zeros((), jnp.float32)
-    centred_sums = group_sums - float(group_size) * self.mean
+      return jnp.zeros(self.sum.shape, jnp.float32)
+    centred_sums = group_sums - float(group_size) * self.mean[..., None, None]
     num_pairs = self.n * float(group_size - 1)
-    cov = ((centred_sums * centred_sums).sum() - self.n * self.var) / num_pairs
+    cov = ((centred_sums * centred_sums).sum((-2, -1)) - self.n * self.var) / num_pairs
     return _safe_ratio(cov, self.var)
 
 
@@ -82,32 +108,39 @@ def _safe_ratio(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
+def forward_stats_of_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| from `forward_sums` (leading axes
+  batched)."""
+  tokens, width = sums['sum_BK'].shape[-1], sums['sum_BD'].shape[-1]
+  m = _Moments(sums, tokens)
+  return {
+    'mean': m.mean,
+    'var': m.var,
+    'corr_seq': m.pair_corr(sums['sum_BD'], tokens),
+    'corr_hidden': m.pair_corr(sums['sum_BK'], width),
+    'max_abs': sums['max_abs_BL'].max((-2, -1)),
+  }
+
+
+def grad_stats_of_sums(sums: dict[str, jax.Array], tokens: int) -> dict[str, jax.Array]:
+  """grad_var and grad_corr_seq (r^l) from `grad_sums` over `tokens` kept tokens per example."""
+  m = _Moments(sums, tokens)
+  return {'grad_var': m.var, 'grad_corr_seq': m.pair_corr(sums['sum_BD'], tokens)}
+
+
 def forward_stats(x_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
   """mean, var, corr_seq (r^l), corr_hidden (r^d) and max |x| of an activation tensor (B, L, D).
 
   `sample_rows` > 0: all but max |x| from the fixed subset of rows `take_rows` picks; max |x| stays
-  the whole tensor's (a sample's maximum underestimates it, and the stability monitor's growth and
-  bound flags read it)."""
-  if not sample_rows:
-    s = _Sums(x_BLD)
-    max_abs = s.max_abs
-  else:
-    s = _Sums(take_rows(x_BLD, sample_rows), max_abs=False)
-    max_abs = jnp.abs(x_BLD.astype(jnp.float32)).max()
-  return {
-    'mean': s.mean,
-    'var': s.var,
-    'corr_seq': s.pair_corr(s.sum_BD, s.l),
-    'corr_hidden': s.pair_corr(s.sum_BL, s.d),
-    'max_abs': max_abs,
-  }
+  the whole tensor's."""
+  return forward_stats_of_sums(forward_sums(x_BLD, sample_rows))
 
 
 def grad_stats(g_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
   """Variance and token correlation (r^l) of the loss gradient w.r.t. an activation tensor (B, L, D),
   from the rows `take_rows` picks with `sample_rows` > 0 (the same rows as the activation's)."""
-  s = _Sums(take_rows(g_BLD, sample_rows), hidden_sums=False, max_abs=False)
-  return {'grad_var': s.var, 'grad_corr_seq': s.pair_corr(s.sum_BD, s.l)}
+  b, l, _ = g_BLD.shape
+  return grad_stats_of_sums(grad_sums(g_BLD, sample_rows), sample_positions_per_example(b, l, sample_rows))
 
 
 # ------------------------------------------------------------------------------------------------

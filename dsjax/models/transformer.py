@@ -73,6 +73,26 @@ def no_probe(site: str, x: jax.Array, layer: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScannedProbe:
+  """A probe that also gets its own arrays in each layer of the stack.
+
+  `per_layer` (a pytree of arrays with leading axis depth) is scanned with the layer parameters, and
+  layer n is probed by `in_layer(entry n of per_layer)`; the sites outside the stack (the embedding),
+  and layers that are not stacked (`concat.ConcatTrunk`), by the probe itself (`outside`). Why: a value
+  that a probe's custom VJP returns as the cotangent of its layer's entry leaves the backward layer
+  scan as that layer's output, where the cotangent of an array that the probe closes over is added up
+  over the layers (`dsjax.instrument.probe`).
+  """
+
+  outside: Probe
+  per_layer: Any
+  in_layer: Callable[[Any], Probe]
+
+  def __call__(self, site: str, x: jax.Array, layer: jax.Array) -> jax.Array:
+    return self.outside(site, x, layer)
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Static description of the stack (everything that shapes the graph; no array values)."""
 
@@ -254,23 +274,20 @@ class LayerStack(nnx.Module):
   def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, probe: Probe = no_probe) -> jax.Array:
     graphdef, stacked_state = nnx.split(self.layers)
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, self.depth)
+    probe_per_layer = probe.per_layer if isinstance(probe, ScannedProbe) else None
 
     def apply_layer(x_BLD, layer_xs):
-      layer_state, key, index = layer_xs
-      return nnx.merge(graphdef, layer_state)(x_BLD, key, layer=index, probe=probe), None
+      layer_state, key, index, probe_entry = layer_xs
+      layer_probe = probe.in_layer(probe_entry) if isinstance(probe, ScannedProbe) else probe
+      return nnx.merge(graphdef, layer_state)(x_BLD, key, layer=index, probe=layer_probe), None
 
     layer_fn = apply_remat(apply_layer, self.remat)
+    xs = (stacked_state, layer_keys, jnp.arange(self.depth), probe_per_layer)
     if not self.scan_layers:
       for n in range(self.depth):
-        layer_xs = jax.tree.map(lambda a: a[n], (stacked_state, layer_keys, jnp.arange(self.depth)))
-        x_BLD, _ = layer_fn(x_BLD, layer_xs)
+        x_BLD, _ = layer_fn(x_BLD, jax.tree.map(lambda a: a[n], xs))
       return x_BLD
-    x_BLD, _ = jax.lax.scan(
-      layer_fn,
-      x_BLD,
-      (stacked_state, layer_keys, jnp.arange(self.depth)),
-      unroll=min(self.scan_unroll, self.depth),
-    )
+    x_BLD, _ = jax.lax.scan(layer_fn, x_BLD, xs, unroll=min(self.scan_unroll, self.depth))
     return x_BLD
 
 
