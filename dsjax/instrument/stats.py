@@ -49,26 +49,30 @@ DISTRIBUTION_STATS = tuple(f'grad_abs_{q}' for q in GRAD_QUANTILES) + ('grad_kur
 # float32 rounding at the level of sums of L and of B·D terms rather than of B·L·D.
 
 
+def _sum_and_sum_sq(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """Σx and Σx² over `axis` in one (variadic) reduction: one read of x, and one kernel on a GPU, where
+  XLA does not always fuse two reductions of the same tensor."""
+  return jax.lax.reduce((x, x * x), (0.0, 0.0), lambda a, b: (a[0] + b[0], a[1] + b[1]), (axis,))
+
+
 def forward_sums(x_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
   """The pass over an activation tensor (B, L, D) its statistics come from, all float32: per (example,
-  hidden unit) the sums of x and x² over the tokens `take_rows` keeps (all of them for sample_rows 0)
-  and max |x| over all tokens, (B, D); per kept (example, token) the sum over hidden units, (B, K)."""
+  hidden unit) the sums of x and x² over the tokens `take_rows` keeps (all of them for sample_rows 0),
+  (B, D); per kept (example, token) the sum over hidden units, (B, K); and per (example, token) of all
+  tokens max |x| over hidden units, (B, L): the whole tensor's even when sampled (a sample's maximum
+  underestimates it, and the stability monitor's growth and bound flags read it)."""
   x_BLD = x_BLD.astype(jnp.float32)
   rows_BKD = take_rows(x_BLD, sample_rows)
-  return {
-    'sum_BD': rows_BKD.sum(1),
-    'sum_sq_BD': (rows_BKD * rows_BKD).sum(1),
-    'sum_BK': rows_BKD.sum(2),
-    # Whole tensor even when sampled: a sample's maximum underestimates it, and the stability
-    # monitor's growth and bound flags read it.
-    'max_abs_BL': jnp.abs(x_BLD).max(2),
-  }
+  sum_BD, sum_sq_BD = _sum_and_sum_sq(rows_BKD, 1)
+  # Over hidden units, plain reductions: XLA fuses them into the norms' own reductions of the tensor.
+  sum_BK, max_abs_BL = rows_BKD.sum(2), jnp.abs(x_BLD).max(2)
+  return {'sum_BD': sum_BD, 'sum_sq_BD': sum_sq_BD, 'sum_BK': sum_BK, 'max_abs_BL': max_abs_BL}
 
 
 def grad_sums(g_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
   """`forward_sums` of a loss gradient (B, L, D): the sums of g and g² over the kept tokens, (B, D)."""
-  rows_BKD = take_rows(g_BLD.astype(jnp.float32), sample_rows)
-  return {'sum_BD': rows_BKD.sum(1), 'sum_sq_BD': (rows_BKD * rows_BKD).sum(1)}
+  sum_BD, sum_sq_BD = _sum_and_sum_sq(take_rows(g_BLD.astype(jnp.float32), sample_rows), 1)
+  return {'sum_BD': sum_BD, 'sum_sq_BD': sum_sq_BD}
 
 
 class _Moments:

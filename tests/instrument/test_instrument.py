@@ -6,6 +6,7 @@ import json
 import os
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -508,6 +509,32 @@ def test_statistics_match_a_direct_computation():
     row = got[n + 1, SITES.index('ffn_residual')]
     for k, name in enumerate(names):
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
+
+
+@pytest.mark.parametrize('sample_rows', [0, 24])
+def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_rows):
+  """A stacked model's layer sites return partial sums from the layer scan, finished after the loop;
+  the same model probed by a plain function (which the stack cannot give per-layer sinks) returns each
+  site's finished statistics into the table: every entry of the two tables agrees."""
+  config = tiny_config('gpt', depth=DEPTH, remat='full')
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
+
+  def loss_fn(params, probe):
+    return nnx.merge(graphdef, params, rest)(tokens, probe=probe).mean()
+
+  def per_site_loss_fn(params, probe):
+    return loss_fn(params, lambda site, x, layer: probe(site, x, layer))
+
+  def table(loss_fn):
+    return instrument_lib.value_and_grad(loss_fn, params, weights=False, sample_rows=sample_rows)[2]
+
+  from_sums = jax.jit(lambda: table(loss_fn)['activations'])()
+  per_site = jax.jit(lambda: table(per_site_loss_fn)['activations'])()
+  chex.assert_type(from_sums, jnp.float32)
+  assert np.all(np.asarray(per_site[1:, 1:]) != 0)  # every layer site measured by its own tap
+  np.testing.assert_allclose(from_sums, per_site, rtol=1e-4, atol=1e-6)
 
 
 def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):

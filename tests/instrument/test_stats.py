@@ -3,6 +3,7 @@ tensor on synthetic tensors of known moments and on a tiny model's activations, 
 when off (the whole-tensor path is the code path of before, statistic for statistic)."""
 
 import contextlib
+import functools
 
 import chex
 import jax
@@ -178,6 +179,27 @@ def test_the_step_with_sampling_off_is_the_step_without_it():
 TINY_ROWS, TINY_WEIGHT_ROWS = 256, 32
 TINY_RELATIVE = {'var': 0.15, 'grad_var': 0.2}
 TINY_ABSOLUTE = {'mean': 0.03, 'corr_seq': 0.06, 'corr_hidden': 0.01, 'grad_corr_seq': 0.03}
+
+
+@pytest.mark.parametrize('sample_rows', [0, 16])
+def test_statistics_of_stacked_partial_sums_are_each_tensors(sample_rows):
+  """The small reductions of `forward_stats_of_sums` / `grad_stats_of_sums` batch over leading axes
+  (layers × sites after the layer loop): stacked sums give each tensor's statistics."""
+  x_NBLD = jax.random.normal(jax.random.key(0), (3, 4, 12, 8)) * jnp.arange(1.0, 4.0)[:, None, None, None]
+  stacked = jax.vmap(functools.partial(stats_lib.forward_sums, sample_rows=sample_rows))(x_NBLD)
+  tokens = stats_lib.sample_positions_per_example(4, 12, sample_rows)
+  both = {
+    **stats_lib.forward_stats_of_sums(stacked),
+    **stats_lib.grad_stats_of_sums({k: stacked[k] for k in ('sum_BD', 'sum_sq_BD')}, tokens),
+  }
+  for n in range(3):
+    expected = {
+      **stats_lib.forward_stats(x_NBLD[n], sample_rows),
+      **stats_lib.grad_stats(x_NBLD[n], sample_rows),
+    }
+    for name, value in expected.items():
+      chex.assert_shape(both[name], (3,))
+      np.testing.assert_allclose(both[name][n], value, rtol=1e-5, atol=1e-7, err_msg=f'{name} {n}')
 
 
 def test_sampled_statistics_of_a_tiny_model():

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from dsjax import schemes
-from dsjax.models import layers
+from dsjax.models import layers, transformer
 from dsjax.models.transformer import NormLayout
 from tests.helpers import IMAGE_INFO, TEXT_INFO, tiny_config
 
@@ -83,6 +83,29 @@ def test_scan_matches_unrolled_layers():
     layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[n], state))
     y = layer(y, keys[n], layer=jnp.asarray(n))
   np.testing.assert_allclose(scanned, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('scan_layers', [True, False])
+def test_a_scanned_probe_gets_each_layers_entry(scan_layers):
+  """A `ScannedProbe`: layer n is probed by in_layer(per_layer[n]), sites outside the stack by itself."""
+  config = tiny_config('gpt', depth=3)
+  config.model.scan_layers = scan_layers
+  model = _build(config, TEXT_INFO)
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  offsets = jnp.asarray([1.0, 10.0, 100.0])
+
+  def in_layer(offset):
+    return lambda site, x, layer: x + offset if site == 'ffn_residual' else x
+
+  def outside(site, x, layer):
+    assert site == 'embedding'
+    return x
+
+  probed = model(tokens, probe=transformer.ScannedProbe(outside, offsets, in_layer))
+  # The same offsets added by layer index with a plain probe.
+  plain = model(tokens, probe=lambda site, x, layer: x + offsets[layer] if site == 'ffn_residual' else x)
+  np.testing.assert_allclose(probed, plain, rtol=1e-6)
+  assert not np.allclose(probed, model(tokens))
 
 
 def test_residual_scales_are_applied():
