@@ -15,10 +15,11 @@ tiles where a device picks cuBLAS or other tiles. The kernels around them are fu
 
 For each `--instrument` mode ('off', 'return': per-layer statistics on whole tensors, 'sampled': on
 `instrument.sample_rows` rows per site) it prints every kernel kind's count and memory traffic
-(`hlo_traffic.py`: each operand read once, slices counted as slices, each output written once) and the
-traffic's time at the device's memory bandwidth; for the memory-bound kernels (XLA's other fusions and
-Pallas kernels) also by phase (forward, backward, the update) and the `--top` kernel groups, named as a
-profile names them (XLA's deduplicated fusion names), so that they can be set beside a measured profile.
+(`hlo_traffic.py`: each operand read once, slices counted as slices, each output written once), the
+traffic's time at the device's memory bandwidth and the device memory the step needs (XLA's memory
+analysis); for the memory-bound kernels (XLA's other fusions and Pallas kernels) also by phase
+(forward, backward, the update) and the `--top` kernel groups, named as a profile names them (XLA's
+deduplicated fusion names), so that they can be set beside a measured profile.
 The matmuls' and attention's traffic is listed but is no time: they are compute-bound. `--hlo=DIR`
 writes each compiled step's HLO as DIR/<mode>.hlo.txt; `--json=FILE` everything printed. Nothing runs:
 what this gives is a lower bound on the memory-bound kernels' time and, between two versions of the
@@ -129,9 +130,14 @@ def parse_args():
   return parser, args, config, modes
 
 
-def print_summary(mode: str, summary: dict, target: dict, compile_s: float) -> None:
+def print_summary(mode: str, summary: dict, target: dict, compile_s: float, memory: dict) -> None:
   bandwidth = target['memory_bandwidth'] / 1e12
   print(f'{mode}: compiled for {target["name"]} in {compile_s:.0f} s; traffic at {bandwidth:.2f} TB/s')
+  if memory:
+    print(
+      f'  device memory {memory["total_gib"]:.2f} GiB (arguments {memory["arguments_gib"]:.2f}, '
+      f'temporaries {memory["temporaries_gib"]:.2f})'
+    )
   for kind, row in summary['by_kind'].items():
     note = '  (compute-bound: no time)' if kind in ('matmul', 'attention') else ''
     traffic = f'{row["gb"]:8.2f} GB {row["ms_at_bandwidth"]:7.2f} ms'
@@ -175,8 +181,9 @@ def main():
       if args.hlo:
         pathlib.Path(args.hlo, f'{mode}.hlo.txt').write_text(hlo_text)
       summary = hlo_traffic.summarize(hlo_traffic.kernels(hlo_text), target['memory_bandwidth'], args.top)
-      results['modes'][mode] = {'compile_s': compile_s, **summary}
-      print_summary(mode, summary, target, compile_s)
+      memory = bench.memory_of(compiled)
+      results['modes'][mode] = {'compile_s': compile_s, 'memory': memory, **summary}
+      print_summary(mode, summary, target, compile_s, memory)
   paired.write_json(args.json, results)
 
 

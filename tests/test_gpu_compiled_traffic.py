@@ -171,5 +171,6 @@ def test_tiny_gpt_compiled_for_an_h100(tmp_path):
     assert kinds['attention']['kernels'] == 2 * 2  # cuDNN's forward and backward kernels, per layer
     assert kinds['pallas']['kernels'] > 0 and kinds['matmul']['kernels'] > 0
     assert (tmp_path / f'{mode}.hlo.txt').exists()
+    assert results['modes'][mode]['memory']['total_gib'] > 0
   # The statistics add traffic to the step.
   assert results['modes']['return']['memory_bound']['gb'] > results['modes']['off']['memory_bound']['gb']
