@@ -289,10 +289,31 @@ def _flat_chunks(leaves: list[jax.Array]) -> list[jax.Array]:
   return chunks
 
 
-def _total_sum(x: jax.Array) -> jax.Array:
-  """Σ x in float32, in two stages for a tensor with a leading axis (layers), for rounding's sake."""
-  x = x.astype(jnp.float32)
-  return x.reshape(x.shape[0], -1).sum(1).sum() if x.ndim >= 2 else x.sum()
+def _layer_power_sums(leaf: jax.Array) -> dict[str, jax.Array]:
+  """Per layer (the leading axis; a leaf without one is one layer) Σg, Σg², Σg³, Σg⁴ and max |g|, in
+  float32. Everything `distribution_stats` needs but the histogram, and the per-layer norms, from one
+  pass over the leaf: on a GPU one (variadic) reduction, where the centred moments took a pass each and
+  every pass two kernels. Per-layer sums first, then their total: float32 rounding of sums of one
+  layer's entries and of `depth` partial sums."""
+  g_NM = leaf.astype(jnp.float32)
+  g_NM = g_NM.reshape(g_NM.shape[0], -1) if g_NM.ndim >= 2 else g_NM[None]
+  names = ('s1', 's2', 's3', 's4', 'max_abs')
+
+  def operands(g):
+    g2 = g * g
+    return g, g2, g2 * g, g2 * g2, jnp.abs(g)
+
+  def variadic(g):
+    def combine(a, b):
+      return tuple(x + y for x, y in zip(a[:4], b[:4])) + (jax.lax.max(a[4], b[4]),)
+
+    return jax.lax.reduce(operands(g), (0.0,) * 5, combine, (1,))
+
+  def separate(g):  # XLA's CPU backend runs the variadic reduction slower (`_sum_and_sum_sq`)
+    *powers, abs_g = operands(g)
+    return tuple(p.sum(1) for p in powers) + (abs_g.max(1),)
+
+  return dict(zip(names, jax.lax.platform_dependent(g_NM, cuda=variadic, rocm=variadic, default=separate)))
 
 
 def _bin_counts(index: jax.Array, copies: int) -> jax.Array:
@@ -305,12 +326,16 @@ def _bin_counts(index: jax.Array, copies: int) -> jax.Array:
   return jnp.bincount(copy * length + index, length=copies * length).reshape(copies, length).sum(0)
 
 
-def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) -> jax.Array:
+def abs_quantiles(
+  g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...], top: jax.Array | None = None
+) -> jax.Array:
   """Approximate quantiles of |g| at `probs`, over all entries of `g` (an array, or a list of arrays
-  taken together without concatenating them), from a log-binned histogram."""
+  taken together without concatenating them), from a log-binned histogram below `top`, max |g| (taken
+  here if not given)."""
   leaves = [jnp.abs(leaf.astype(jnp.float32)) for leaf in _leaves(g)]
   num_bins = _BINS_PER_OCTAVE * _OCTAVES
-  top = functools.reduce(jnp.maximum, [leaf.max() for leaf in leaves])
+  if top is None:
+    top = functools.reduce(jnp.maximum, [leaf.max() for leaf in leaves])
   safe_top = jnp.where(top > 0, top, 1.0)
   counts_ascending = jnp.zeros(num_bins + 1, jnp.float32)  # index 0 = underflow
   for abs_g in _flat_chunks(leaves):
@@ -336,19 +361,25 @@ def abs_quantiles(g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...]) 
   return jnp.where(k > 0, safe_top * jnp.exp2(log2_value), 0.0) * (top > 0)
 
 
-def distribution_stats(g: jax.Array | Sequence[jax.Array]) -> dict[str, jax.Array]:
+def distribution_stats(
+  g: jax.Array | Sequence[jax.Array], power_sums: Sequence[dict[str, jax.Array]] | None = None
+) -> dict[str, jax.Array]:
   """Heavy-tail summary of one weight type's gradient entries (DNT, Qi et al. 2025, Fig. 1).
 
   Quantiles of |g| (`abs_quantiles`), the kurtosis E[(g−μ)⁴]/σ⁴ (3 for a Gaussian, not the excess)
   and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian). `g`: an array or a list of
-  arrays (all entries pooled; nothing is concatenated).
+  arrays (all entries pooled; nothing is concatenated); `power_sums`: their `_layer_power_sums`, if
+  already taken. The central moments come from the raw ones, μ₄ = E g⁴ − 4μ·E g³ + 6μ²·E g² − 3μ⁴,
+  which in float32 loses ~(μ/σ)⁴·1e-7 of the kurtosis: nothing for gradients, whose |μ| ≲ σ.
   """
-  leaves = [leaf.astype(jnp.float32) for leaf in _leaves(g)]
+  leaves = _leaves(g)
+  sums = power_sums if power_sums is not None else [_layer_power_sums(leaf) for leaf in leaves]
   n = float(sum(leaf.size for leaf in leaves))  # a float: it passes 2^31 for large models
-  mean = sum(_total_sum(leaf) for leaf in leaves) / n
-  var = sum(_total_sum(jnp.square(leaf - mean)) for leaf in leaves) / n
-  fourth = sum(_total_sum(jnp.square(jnp.square(leaf - mean))) for leaf in leaves) / n
-  qs = abs_quantiles(leaves, tuple(GRAD_QUANTILES.values()))
+  e1, e2, e3, e4 = (sum(s[k].sum() for s in sums) / n for k in ('s1', 's2', 's3', 's4'))
+  var = jnp.maximum(e2 - e1 * e1, 0.0)
+  fourth = jnp.maximum(e4 - 4.0 * e1 * e3 + 6.0 * e1 * e1 * e2 - 3.0 * e1**4, 0.0)
+  top = functools.reduce(jnp.maximum, [s['max_abs'].max() for s in sums])
+  qs = abs_quantiles(leaves, tuple(GRAD_QUANTILES.values()), top)
   out = {f'grad_abs_{name}': q for name, q in zip(GRAD_QUANTILES, qs)}
   out['grad_kurtosis'] = _safe_ratio(fourth, var * var)
   out['grad_tail_ratio'] = _safe_ratio(out['grad_abs_p99.9'], out['grad_abs_p50'])
@@ -385,13 +416,13 @@ def weight_grad_stats(
   rows_per_layer = max(1, sample_rows // num_layers) if sample_rows else 0
   out = {}
   for kind in groups[0]:
+    # One pass over each leaf for its per-layer norms and, unsampled, its distribution statistics.
+    sums = [[_layer_power_sums(leaf) for leaf in g[kind]] for g in groups]
+    sq_norm_N = jnp.concatenate([sum(s['s2'] for s in group_sums) for group_sums in sums])
     leaves = [leaf for g in groups for leaf in g[kind]]
-    sq_norm_N = jnp.concatenate(
-      [
-        sum(jnp.square(leaf.astype(jnp.float32)).reshape(leaf.shape[0], -1).sum(1) for leaf in g[kind])
-        for g in groups
-      ]
-    )
-    sampled = [take_layer_rows(leaf, rows_per_layer) for leaf in leaves]
-    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution_stats(sampled)}
+    if rows_per_layer:
+      distribution = distribution_stats([take_layer_rows(leaf, rows_per_layer) for leaf in leaves])
+    else:
+      distribution = distribution_stats(leaves, [s for group_sums in sums for s in group_sums])
+    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution}
   return out

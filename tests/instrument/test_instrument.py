@@ -110,6 +110,21 @@ def test_distribution_stats_of_a_gaussian():
   assert float(stats_lib.abs_quantiles(jnp.zeros(10), (0.5,))[0]) == 0.0
 
 
+@pytest.mark.parametrize('offset', [0.0, 0.5, 2.0])
+def test_kurtosis_from_raw_moments_matches_the_centred_one(offset):
+  """The kurtosis comes from one pass of raw power sums; for means up to 2σ it is the centred
+  E[(g−μ)⁴]/σ⁴ that numpy computes in float64, over leaves of per-layer sums pooled."""
+  leaves = [
+    jax.random.laplace(jax.random.key(7), (3, 64, 96)) + offset,
+    jax.random.normal(jax.random.key(8), (3, 96)) * 2 + offset,
+  ]
+  g = np.concatenate([np.asarray(leaf, np.float64).ravel() for leaf in leaves])
+  c = g - g.mean()
+  expected = (c**4).mean() / (c**2).mean() ** 2
+  got = jax.jit(stats_lib.distribution_stats)(leaves)['grad_kurtosis']
+  np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
 # Shapes whose element counts pass int32: GPT-small at batch 16 × 1024 (B·L·D·(L−1) ≈ 1.3e10 ordered
 # token pairs), a tensor of 2^32 elements, and one weight type of 3·2^30 gradient entries. Lowering
 # traces with these shapes without allocating anything.
