@@ -45,15 +45,16 @@ Why returning is the default, with the evidence for each choice, is in README.md
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.sharding import PartitionSpec as P
 
 from dsjax.instrument import stats as stats_lib
 from dsjax.models.config import one_of
+from dsjax.models.partitioning import with_logical_layout
 from dsjax.models.transformer import Probe, ScannedProbe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
@@ -151,11 +152,12 @@ def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer, sample_rows):
 def _stats_tap_bwd(site_index, sink_shape, sample_rows, residuals, g_BLD):
   forward, layer = residuals
   row = _site_row(forward, g_BLD, sample_rows)
-  # One-hot products rather than a scatter at a traced index: plain elementwise ops, cheap at this
-  # size and easy for the SPMD partitioner inside the transposed layer scan.
-  at_layer = jax.nn.one_hot(layer + 1, sink_shape[0], dtype=jnp.float32)
-  at_site = jax.nn.one_hot(site_index, sink_shape[1], dtype=jnp.float32)
-  sink_cotangent = at_layer[:, None, None] * at_site[None, :, None] * row[None, None, :]
+  # A select rather than a scatter at a traced index: plain elementwise ops, cheap at this size and
+  # easy for the SPMD partitioner inside the transposed layer scan (and, unlike a one-hot product,
+  # a NaN stays in its own entry).
+  at_layer = jnp.arange(sink_shape[0]) == layer + 1
+  at_site = jnp.arange(sink_shape[1]) == site_index
+  sink_cotangent = jnp.where((at_layer[:, None] & at_site[None, :])[:, :, None], row[None, None, :], 0.0)
   return g_BLD, sink_cotangent, None  # layer is an integer: no cotangent.
 
 
@@ -186,29 +188,32 @@ def _sink_probe(sink: jax.Array, sample_rows: int) -> Probe:
 
 
 # Inside a stacked model's layer scan the layer sites tap a sink of their layer instead (its entry of a
-# `ScannedProbe`'s per-layer array, (sites, size)): the cotangent of a site's row is the site's partial
-# sums in that layer (`stats.forward_sums` and `stats.grad_sums` of its gradient, flattened), which
-# leaves the backward scan as that layer's output, and the statistics of all layers and sites are
+# `ScannedProbe`'s per-layer array, (sites, B, size)): the cotangent of a site's row is the site's
+# partial sums in that layer, packed per example ((B, size): the forward sums, then the gradient's),
+# which leave the backward scan as that layer's output; the statistics of all layers and sites are then
 # finished from them at once after the loop (`stats.forward_stats_of_sums`, `grad_stats_of_sums`).
+# Every partial sum has the batch as its first axis, and the rows keep it: on a mesh they stay split
+# over the devices as the batch is.
 
 
-def _flat(sums: dict[str, jax.Array]) -> jax.Array:
-  return jnp.concatenate([sums[name].reshape(-1) for name in sorted(sums)])
+def _pack(sums: dict[str, jax.Array]) -> jax.Array:
+  """Partial sums (each (B, n)) side by side, (B, Σn), in the order of their names."""
+  return jnp.concatenate([sums[name] for name in sorted(sums)], axis=-1)
 
 
-def _unflat(flat: jax.Array, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-  """`_flat` undone on the last axis of `flat` (..., size), leading axes kept."""
+def _unpack(packed: jax.Array, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+  """`_pack` undone on the last axis of `packed` (..., B, Σn), leading axes kept."""
   out, start = {}, 0
   for name in sorted(like):
-    size = math.prod(like[name].shape)
-    out[name] = flat[..., start : start + size].reshape(flat.shape[:-1] + like[name].shape)
-    start += size
+    width = like[name].shape[-1]
+    out[name] = packed[..., start : start + width]
+    start += width
   return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sums_tap(site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: jax.Array) -> jax.Array:
-  """Identity on x; d(loss)/d(layer_sink)[site_index] receives the partial sums of x and of its
+  """Identity on x; d(loss)/d(layer_sink)[site_index] receives the packed partial sums of x and of its
   gradient (site_index: in LAYER_SITES)."""
   del site_index, sample_rows, layer_sink
   return x_BLD
@@ -216,15 +221,17 @@ def _sums_tap(site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: j
 
 def _sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink):
   del site_index, layer_sink
-  return x_BLD, _flat(stats_lib.forward_sums(x_BLD, sample_rows))
+  return x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))
 
 
-def _sums_tap_bwd(site_index, sample_rows, forward_sums, g_BLD):
-  row = jnp.concatenate([forward_sums, _flat(stats_lib.grad_sums(g_BLD, sample_rows))])
+def _sums_tap_bwd(site_index, sample_rows, forward_sums_BF, g_BLD):
+  row_BF = jnp.concatenate([forward_sums_BF, _pack(stats_lib.grad_sums(g_BLD, sample_rows))], axis=-1)
   # One sink per layer for its four sites, rather than one each: XLA writes their rows into the
-  # scan's output in one kernel, not four.
-  at_site = jax.nn.one_hot(site_index, len(LAYER_SITES), dtype=jnp.float32)
-  return g_BLD, at_site[:, None] * row[None, :]
+  # scan's output in one kernel, not four. A select, not a one-hot product, so that a NaN stays in
+  # its own site's row.
+  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
+  layer_sink_ct = jnp.where(at_site, with_logical_layout(row_BF, ('batch', P.UNCONSTRAINED))[None], 0.0)
+  return g_BLD, layer_sink_ct
 
 
 _sums_tap.defvjp(_sums_tap_fwd, _sums_tap_bwd)
@@ -257,20 +264,22 @@ def _scanned_sink_probe(sink: jax.Array, layer_sink: jax.Array, sample_rows: int
   """The probe of a stacked model: the embedding into `sink`, layer n's sites into `layer_sink[n]`."""
 
   def in_layer(layer_sink_n: jax.Array) -> Probe:
-    return _probe_with(
-      lambda site_index, x_BLD, layer: _sums_tap(site_index - 1, sample_rows, x_BLD, layer_sink_n)
-    )
+    def tap(site_index, x_BLD, layer):
+      return _sums_tap(LAYER_SITES.index(SITES[site_index]), sample_rows, x_BLD, layer_sink_n)
+
+    return _probe_with(tap)
 
   return ScannedProbe(outside=_sink_probe(sink, sample_rows), per_layer=layer_sink, in_layer=in_layer)
 
 
-def _layer_table(sums_NSF: jax.Array, like: tuple[dict, dict], tokens: int) -> jax.Array:
-  """(depth, LAYER_SITES, ACTIVATION_STATS) statistics from the partial sums (depth, LAYER_SITES, size)
-  the layer sink received; `tokens`: the tokens per example the sums are over."""
+def _layer_table(sums_NSBF: jax.Array, like: tuple[dict, dict], tokens: int) -> jax.Array:
+  """(depth, LAYER_SITES, ACTIVATION_STATS) statistics from the packed partial sums (depth, LAYER_SITES,
+  B, size) the layer sink received (`_sums_tap_bwd`: the forward ones, then the gradient's); `tokens`:
+  the tokens per example the sums are over."""
   forward_like, grad_like = like
-  forward_size = sum(math.prod(s.shape) for s in forward_like.values())
-  forward = stats_lib.forward_stats_of_sums(_unflat(sums_NSF[..., :forward_size], forward_like))
-  grad = stats_lib.grad_stats_of_sums(_unflat(sums_NSF[..., forward_size:], grad_like), tokens)
+  forward_size = sum(s.shape[-1] for s in forward_like.values())
+  forward = stats_lib.forward_stats_of_sums(_unpack(sums_NSBF[..., :forward_size], forward_like))
+  grad = stats_lib.grad_stats_of_sums(_unpack(sums_NSBF[..., forward_size:], grad_like), tokens)
   both = {**forward, **grad}
   return jnp.stack([both[name] for name in ACTIVATION_STATS], axis=-1)
 
@@ -288,14 +297,14 @@ def _sink_value_and_grad(loss_fn, params, sample_rows: int) -> tuple[jax.Array, 
     )(params, sink)
     return loss, grads, table
   like = _sums_like(shape, sample_rows)
-  size = sum(math.prod(s.shape) for sums in like for s in sums.values())
-  layer_sink = jnp.zeros((depth, len(LAYER_SITES), size), jnp.float32)
-  loss, (grads, table, sums_NSF) = jax.value_and_grad(
+  size = sum(s.shape[-1] for sums in like for s in sums.values())
+  layer_sink = jnp.zeros((depth, len(LAYER_SITES), shape[0], size), jnp.float32)
+  loss, (grads, table, sums_NSBF) = jax.value_and_grad(
     lambda params, sink, layer_sink: loss_fn(params, _scanned_sink_probe(sink, layer_sink, sample_rows)),
     argnums=(0, 1, 2),
   )(params, sink, layer_sink)
   tokens = stats_lib.sample_positions_per_example(shape[0], shape[1], sample_rows)
-  return loss, grads, table.at[1:, 1:].add(_layer_table(sums_NSF, like, tokens))
+  return loss, grads, table.at[1:, 1:].add(_layer_table(sums_NSBF, like, tokens))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -370,7 +370,8 @@ def distribution_stats(
   and the tail ratio p99.9(|g|) / median(|g|) (≈ 4.9 for a Gaussian). `g`: an array or a list of
   arrays (all entries pooled; nothing is concatenated); `power_sums`: their `_layer_power_sums`, if
   already taken. The central moments come from the raw ones, μ₄ = E g⁴ − 4μ·E g³ + 6μ²·E g² − 3μ⁴,
-  which in float32 loses ~(μ/σ)⁴·1e-7 of the kurtosis: nothing for gradients, whose |μ| ≲ σ.
+  whose cancellation in float32 costs a relative error of order 1e-7·(1 + μ²/σ²)² in the kurtosis:
+  nothing for gradients, whose |μ| ≲ σ.
   """
   leaves = _leaves(g)
   sums = power_sums if power_sums is not None else [_layer_power_sums(leaf) for leaf in leaves]
@@ -417,7 +418,7 @@ def weight_grad_stats(
   out = {}
   for kind in groups[0]:
     # One pass over each leaf for its per-layer norms and, unsampled, its distribution statistics.
-    sums = [[_layer_power_sums(leaf) for leaf in g[kind]] for g in groups]
+    sums = [[_layer_power_sums(leaf.reshape(leaf.shape[0], -1)) for leaf in g[kind]] for g in groups]
     sq_norm_N = jnp.concatenate([sum(s['s2'] for s in group_sums) for group_sums in sums])
     leaves = [leaf for g in groups for leaf in g[kind]]
     if rows_per_layer:
