@@ -526,12 +526,14 @@ def test_statistics_match_a_direct_computation():
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
 
 
-@pytest.mark.parametrize('sample_rows', [0, 24])
-def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_rows):
-  """A stacked model's layer sites return partial sums from the layer scan, finished after the loop;
-  the same model probed by a plain function (which the stack cannot give per-layer sinks) returns each
-  site's finished statistics into the table: every entry of the two tables agrees."""
+@pytest.mark.parametrize('sample_rows,scan_layers', [(0, True), (24, False)])
+def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_rows, scan_layers):
+  """A stacked model's layer sites return partial sums from the layer scan (or its unrolled loop),
+  finished after the loop; the same model probed by a plain function (which the stack cannot give
+  per-layer sinks) returns each site's finished statistics into the table: every entry of the two
+  tables agrees."""
   config = tiny_config('gpt', depth=DEPTH, remat='full')
+  config.model.scan_layers = scan_layers
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
