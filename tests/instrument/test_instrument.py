@@ -526,7 +526,12 @@ def test_statistics_match_a_direct_computation():
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
 
 
-@pytest.mark.parametrize('sample_rows,scan_layers', [(0, True), (24, False)])
+# Slow (~10 s): by default the sampled table of the partial-sum path is checked against the whole
+# tensors' in tests/instrument/test_stats.py, and the unrolled stack's per-layer entries in
+# tests/models/test_models.py (test_a_scanned_probe_gets_each_layers_entry).
+@pytest.mark.parametrize(
+  'sample_rows,scan_layers', [(0, True), pytest.param(24, False, marks=pytest.mark.slow)]
+)
 def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_rows, scan_layers):
   """A stacked model's layer sites return partial sums from the layer scan (or its unrolled loop),
   finished after the loop; the same model probed by a plain function (which the stack cannot give
