@@ -50,11 +50,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import PartitionSpec as P
 
 from dsjax.instrument import stats as stats_lib
 from dsjax.models.config import one_of
-from dsjax.models.partitioning import with_logical_layout
+from dsjax.models.partitioning import constrain_batch
 from dsjax.models.transformer import Probe, ScannedProbe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
@@ -230,7 +229,7 @@ def _sums_tap_bwd(site_index, sample_rows, forward_sums_BF, g_BLD):
   # scan's output in one kernel, not four. A select, not a one-hot product, so that a NaN stays in
   # its own site's row.
   at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
-  layer_sink_ct = jnp.where(at_site, with_logical_layout(row_BF, ('batch', P.UNCONSTRAINED))[None], 0.0)
+  layer_sink_ct = jnp.where(at_site, constrain_batch(row_BF)[None], 0.0)
   return g_BLD, layer_sink_ct
 
 
