@@ -18,14 +18,14 @@ the loss w.r.t. the sink is therefore a table of all statistics of all layers: e
 exactly once by construction, whatever scan, remat or sharding do, with no change to the model beyond
 its probe hook. Two sinks:
 
-  * a stacked model's layer sites tap a sink of their own layer, (sites, size), entry n of a
-    (depth, sites, size) array that the layer scan carries in with the layer parameters (a
+  * a stacked model's layer sites tap a sink of their own layer, (sites, B, size), entry n of a
+    (depth, sites, B, size) array that the layer scan carries in with the layer parameters (a
     `ScannedProbe`). What a site returns there are the partial sums its statistics come from
-    (`stats.forward_sums`, `stats.grad_sums`: sums over tokens and over hidden units), which leave the
-    backward scan as that layer's output; after the loop all layers' and sites' statistics are
-    finished from them at once. Why: on a GPU every small reduction to a scalar is a kernel launch of
-    its own, per site and layer (benchmarks/README.md, "Compiled for a GPU on the CPU"). The sums'
-    shapes come from one more trace of the model, without compute;
+    (`stats.forward_sums`, `stats.grad_sums`: sums over tokens and over hidden units, per example),
+    which leave the backward scan as that layer's output; after the loop all layers' and sites'
+    statistics are finished from them at once. Why: on a GPU every small reduction to a scalar is a
+    kernel launch of its own, per site and layer (benchmarks/README.md, "Compiled for a GPU on the
+    CPU"). The sums' shapes come from one more trace of the model, without compute;
   * the embedding (outside the stack), and the layers of a model that does not stack them
     (`models.concat`), tap the (depth + 1, sites, statistics) table itself: a site returns its
     finished statistics at [layer + 1, site], zero elsewhere.
