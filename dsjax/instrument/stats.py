@@ -49,19 +49,31 @@ DISTRIBUTION_STATS = tuple(f'grad_abs_{q}' for q in GRAD_QUANTILES) + ('grad_kur
 # float32 rounding at the level of sums of L and of B·D terms rather than of B·L·D.
 
 
+def _reduce_together(operands: tuple[jax.Array, ...], maxima: int, axis: int) -> tuple[jax.Array, ...]:
+  """Sums over `axis` of each of `operands`, the last `maxima` of them maxima instead. On a GPU in one
+  (variadic) reduction: one read of the input and one kernel, where XLA does not always fuse several
+  reductions of the same tensor (benchmarks/README.md, "Compiled for a GPU on the CPU"). Elsewhere as
+  separate reductions: XLA's CPU backend runs the variadic one ~2× slower than two plain ones (Σx and
+  Σx²: 0.55 against 0.27 ms for 32×128×128 float32 on 2 cores)."""
+  num_sums = len(operands) - maxima
+
+  def variadic(*xs):
+    def combine(a, b):
+      return tuple(x + y for x, y in zip(a[:num_sums], b[:num_sums])) + tuple(
+        jax.lax.max(x, y) for x, y in zip(a[num_sums:], b[num_sums:])
+      )
+
+    return jax.lax.reduce(xs, (0.0,) * len(xs), combine, (axis,))
+
+  def separate(*xs):
+    return tuple(x.sum(axis) for x in xs[:num_sums]) + tuple(x.max(axis) for x in xs[num_sums:])
+
+  return jax.lax.platform_dependent(*operands, cuda=variadic, rocm=variadic, default=separate)
+
+
 def _sum_and_sum_sq(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """Σx and Σx² over `axis`. On a GPU in one (variadic) reduction: one read of x and one kernel, where
-  XLA does not always fuse two reductions of the same tensor (benchmarks/README.md, "Compiled for a GPU
-  on the CPU"). Elsewhere as two reductions: XLA's CPU backend runs the variadic one ~2× slower than
-  both (0.55 against 0.27 ms for 32×128×128 float32 on 2 cores)."""
-
-  def variadic(x):
-    return jax.lax.reduce((x, x * x), (0.0, 0.0), lambda a, b: (a[0] + b[0], a[1] + b[1]), (axis,))
-
-  def separate(x):
-    return x.sum(axis), (x * x).sum(axis)
-
-  return jax.lax.platform_dependent(x, cuda=variadic, rocm=variadic, default=separate)
+  """Σx and Σx² over `axis`, together (`_reduce_together`)."""
+  return _reduce_together((x, x * x), 0, axis)
 
 
 def forward_sums(x_BLD: jax.Array, sample_rows: int = 0) -> dict[str, jax.Array]:
@@ -297,23 +309,10 @@ def _layer_power_sums(leaf: jax.Array) -> dict[str, jax.Array]:
   layer's entries and of `depth` partial sums."""
   g_NM = leaf.astype(jnp.float32)
   g_NM = g_NM.reshape(g_NM.shape[0], -1) if g_NM.ndim >= 2 else g_NM[None]
+  g2_NM = g_NM * g_NM
+  operands = (g_NM, g2_NM, g2_NM * g_NM, g2_NM * g2_NM, jnp.abs(g_NM))
   names = ('s1', 's2', 's3', 's4', 'max_abs')
-
-  def operands(g):
-    g2 = g * g
-    return g, g2, g2 * g, g2 * g2, jnp.abs(g)
-
-  def variadic(g):
-    def combine(a, b):
-      return tuple(x + y for x, y in zip(a[:4], b[:4])) + (jax.lax.max(a[4], b[4]),)
-
-    return jax.lax.reduce(operands(g), (0.0,) * 5, combine, (1,))
-
-  def separate(g):  # XLA's CPU backend runs the variadic reduction slower (`_sum_and_sum_sq`)
-    *powers, abs_g = operands(g)
-    return tuple(p.sum(1) for p in powers) + (abs_g.max(1),)
-
-  return dict(zip(names, jax.lax.platform_dependent(g_NM, cuda=variadic, rocm=variadic, default=separate)))
+  return dict(zip(names, _reduce_together(operands, 1, 1)))
 
 
 def _bin_counts(index: jax.Array, copies: int) -> jax.Array:
