@@ -50,10 +50,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.sharding import PartitionSpec as P
 
 from dsjax.instrument import stats as stats_lib
 from dsjax.models.config import one_of
-from dsjax.models.partitioning import constrain_batch
+from dsjax.models.partitioning import constrain_batch, with_logical_layout
 from dsjax.models.transformer import Probe, ScannedProbe
 
 # Where the stacked block parameters live in the params tree of both GPT and ViT.
@@ -236,18 +237,93 @@ def _sums_tap_bwd(site_index, sample_rows, forward_sums_BF, g_BLD):
 _sums_tap.defvjp(_sums_tap_fwd, _sums_tap_bwd)
 
 
-def _layer_site_shape(loss_fn, params) -> tuple[int, ...] | None:
-  """The shape of the tensors at the layer sites of `loss_fn`'s model (all alike in a stacked model,
-  whatever their dtypes), from a trace without compute; None if they differ."""
-  seen = set()
+# When a layer calls each of its sites once, in an order known beforehand (`_layer_site_order`), the
+# forward sums of its sites leave the forward pass together: every site but the layer's last taps only
+# its gradient (`_grad_sums_tap`), and the last one keeps the forward sums of all of them, stacked
+# (sites, B, size), as the residual of its tap (`_layer_sums_tap`), whose backward rule writes all the
+# forward rows. Why: each residual of the layer scan is written into its own stacked buffer, a kernel per
+# residual and layer on a GPU; one residual per layer instead of four (benchmarks/README.md, "Compiled
+# for a GPU on the CPU").
+
+
+def _site_row_ct(site_index: int, forward_BF: jax.Array, grad_BF: jax.Array) -> jax.Array:
+  """The layer sink's cotangent with one site's row (forward sums, then the gradient's) and zeros."""
+  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
+  return jnp.where(at_site, constrain_batch(jnp.concatenate([forward_BF, grad_BF], axis=-1))[None], 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grad_sums_tap(
+  site_index: int, sample_rows: int, forward_size: int, x_BLD: jax.Array, layer_sink: jax.Array
+) -> jax.Array:
+  """Identity on x; d(loss)/d(layer_sink)[site_index] receives the packed partial sums of x's gradient
+  (after `forward_size` zeros, where the layer's last site writes x's own)."""
+  del site_index, sample_rows, forward_size, layer_sink
+  return x_BLD
+
+
+def _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink):
+  del site_index, sample_rows, forward_size, layer_sink
+  return x_BLD, None
+
+
+def _grad_sums_tap_bwd(site_index, sample_rows, forward_size, residuals, g_BLD):
+  del residuals
+  grad_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
+  zeros_BF = jnp.zeros((grad_BF.shape[0], forward_size), grad_BF.dtype)
+  return g_BLD, _site_row_ct(site_index, zeros_BF, grad_BF)
+
+
+_grad_sums_tap.defvjp(_grad_sums_tap_fwd, _grad_sums_tap_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _layer_sums_tap(
+  site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: jax.Array, forward_SBF: jax.Array
+) -> jax.Array:
+  """Identity on x, the layer's last site; d(loss)/d(layer_sink) receives the forward sums of every site
+  of the layer (`forward_SBF`, zeros where a site was not probed) and x's gradient's sums at
+  site_index. `forward_SBF` gets no cotangent (it is computed from stopped gradients)."""
+  del site_index, sample_rows, layer_sink, forward_SBF
+  return x_BLD
+
+
+def _layer_sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink, forward_SBF):
+  del site_index, sample_rows, layer_sink
+  return x_BLD, forward_SBF
+
+
+def _layer_sums_tap_bwd(site_index, sample_rows, forward_SBF, g_BLD):
+  grad_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
+  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
+  grad_SBF = jnp.where(at_site, grad_BF[None], 0.0)
+  layer_sink_ct = with_logical_layout(
+    jnp.concatenate([forward_SBF, grad_SBF], axis=-1), (P.UNCONSTRAINED, 'batch', P.UNCONSTRAINED)
+  )
+  return g_BLD, layer_sink_ct, None
+
+
+_layer_sums_tap.defvjp(_layer_sums_tap_fwd, _layer_sums_tap_bwd)
+
+
+def _layer_sites(loss_fn, params) -> tuple[tuple[int, ...] | None, int | None]:
+  """From a trace of `loss_fn`'s model without compute: the shape of the tensors at its layer sites (all
+  alike in a stacked model, whatever their dtypes; None if they differ), and the index in LAYER_SITES
+  of a layer's last site if every layer probes each of its sites once in one order (None otherwise)."""
+  shapes, order = set(), []
 
   def record(site, x_BLD, layer):
     if site != EMBEDDING_SITE:
-      seen.add(x_BLD.shape)
+      shapes.add(x_BLD.shape)
+      order.append(LAYER_SITES.index(site) if site in LAYER_SITES else -1)
     return x_BLD
 
   jax.eval_shape(lambda params: loss_fn(params, record), params)
-  return next(iter(seen)) if len(seen) == 1 else None
+  shape = next(iter(shapes)) if len(shapes) == 1 else None
+  # A scanned stack traces its layer once; an unrolled one repeats the layer's order per layer.
+  per_layer = order[: len(set(order))]
+  repeated = per_layer and order == per_layer * (len(order) // len(per_layer)) and -1 not in per_layer
+  return shape, (per_layer[-1] if repeated else None)
 
 
 def _sums_like(shape: tuple[int, ...], sample_rows: int) -> tuple[dict, dict]:
@@ -259,12 +335,27 @@ def _sums_like(shape: tuple[int, ...], sample_rows: int) -> tuple[dict, dict]:
   )
 
 
-def _scanned_sink_probe(sink: jax.Array, layer_sink: jax.Array, sample_rows: int) -> ScannedProbe:
-  """The probe of a stacked model: the embedding into `sink`, layer n's sites into `layer_sink[n]`."""
+def _scanned_sink_probe(
+  sink: jax.Array, layer_sink: jax.Array, sample_rows: int, last_site: int | None, forward_size: int
+) -> ScannedProbe:
+  """The probe of a stacked model: the embedding into `sink`, layer n's sites into `layer_sink[n]`;
+  with `last_site` (in LAYER_SITES) the forward sums of a layer's sites leave with its last site's tap,
+  otherwise with each site's own."""
 
   def in_layer(layer_sink_n: jax.Array) -> Probe:
+    forward_sums = {}  # this layer's sites probed so far: LAYER_SITES index -> packed sums (B, size)
+
     def tap(site_index, x_BLD, layer):
-      return _sums_tap(LAYER_SITES.index(SITES[site_index]), sample_rows, x_BLD, layer_sink_n)
+      site = LAYER_SITES.index(SITES[site_index])
+      if last_site is None:
+        return _sums_tap(site, sample_rows, x_BLD, layer_sink_n)
+      sums = stats_lib.forward_sums(jax.lax.stop_gradient(x_BLD), sample_rows)
+      forward_sums[site] = constrain_batch(_pack(sums))
+      if site != last_site:
+        return _grad_sums_tap(site, sample_rows, forward_size, x_BLD, layer_sink_n)
+      zeros_BF = jnp.zeros_like(forward_sums[site])
+      forward_SBF = jnp.stack([forward_sums.get(n, zeros_BF) for n in range(len(LAYER_SITES))])
+      return _layer_sums_tap(site, sample_rows, x_BLD, layer_sink_n, forward_SBF)
 
     return _probe_with(tap)
 
@@ -289,17 +380,20 @@ def _sink_value_and_grad(loss_fn, params, sample_rows: int) -> tuple[jax.Array, 
   whose layers are not stacked, in the sink of scalars."""
   depth = stack_depth(params)
   sink = jnp.zeros((depth + 1, len(SITES), len(ACTIVATION_STATS)), jnp.float32)
-  shape = _layer_site_shape(loss_fn, params) if layer_trees(params)[1] else None
+  shape, last_site = _layer_sites(loss_fn, params) if layer_trees(params)[1] else (None, None)
   if shape is None:
     loss, (grads, table) = jax.value_and_grad(
       lambda params, sink: loss_fn(params, _sink_probe(sink, sample_rows)), argnums=(0, 1)
     )(params, sink)
     return loss, grads, table
   like = _sums_like(shape, sample_rows)
-  size = sum(s.shape[-1] for sums in like for s in sums.values())
-  layer_sink = jnp.zeros((depth, len(LAYER_SITES), shape[0], size), jnp.float32)
+  forward_size, grad_size = (sum(s.shape[-1] for s in sums.values()) for sums in like)
+  layer_sink = jnp.zeros((depth, len(LAYER_SITES), shape[0], forward_size + grad_size), jnp.float32)
+  probe = functools.partial(
+    _scanned_sink_probe, sample_rows=sample_rows, last_site=last_site, forward_size=forward_size
+  )
   loss, (grads, table, sums_NSBF) = jax.value_and_grad(
-    lambda params, sink, layer_sink: loss_fn(params, _scanned_sink_probe(sink, layer_sink, sample_rows)),
+    lambda params, sink, layer_sink: loss_fn(params, probe(sink, layer_sink)),
     argnums=(0, 1, 2),
   )(params, sink, layer_sink)
   tokens = stats_lib.sample_positions_per_example(shape[0], shape[1], sample_rows)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
+from dsjax.instrument import probe as probe_lib
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
 from dsjax.train import sharding as sharding_lib
@@ -235,8 +236,6 @@ def test_probe_keeps_the_cotangent_dtype_and_reports_float32():
   """The probe is an identity in the probed dtype: bf16 in, bf16 out, bf16 cotangent back, while the
   statistics it reports (sink table, callbacks) are float32 — for both deliveries."""
   import chex
-
-  from dsjax.instrument import probe as probe_lib
 
   x32, x16 = _bf16_pair(jax.random.key(12), (2, 16, 32), 1.0)
   g32, g16 = _bf16_pair(jax.random.key(13), (2, 16, 32), 1e-3)
@@ -527,17 +526,21 @@ def test_statistics_match_a_direct_computation():
 
 
 # Slow (~10 s): by default the sampled table of the partial-sum path is checked against the whole
-# tensors' in tests/instrument/test_stats.py, and the unrolled stack's per-layer entries in
-# tests/models/test_models.py (test_a_scanned_probe_gets_each_layers_entry).
+# tensors' in tests/instrument/test_stats.py, the unrolled stack's per-layer entries in
+# tests/models/test_models.py (test_a_scanned_probe_gets_each_layers_entry), and remat's recomputed
+# taps in test_statistics_do_not_depend_on_mesh_or_remat.
 @pytest.mark.parametrize(
-  'sample_rows,scan_layers', [(0, True), pytest.param(24, False, marks=pytest.mark.slow)]
+  'sample_rows,scan_layers,remat',
+  [(0, True, 'none'), pytest.param(24, False, 'full', marks=pytest.mark.slow)],
 )
-def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_rows, scan_layers):
+def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(
+  sample_rows, scan_layers, remat, monkeypatch
+):
   """A stacked model's layer sites return partial sums from the layer scan (or its unrolled loop),
   finished after the loop; the same model probed by a plain function (which the stack cannot give
   per-layer sinks) returns each site's finished statistics into the table: every entry of the two
-  tables agrees."""
-  config = tiny_config('gpt', depth=DEPTH, remat='full')
+  tables agrees, whether a layer's forward sums leave with its last site's tap or each with its own."""
+  config = tiny_config('gpt', depth=DEPTH, remat=remat)
   config.model.scan_layers = scan_layers
   model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -552,11 +555,33 @@ def test_layer_statistics_from_partial_sums_are_the_per_site_statistics(sample_r
   def table(loss_fn):
     return instrument_lib.value_and_grad(loss_fn, params, weights=False, sample_rows=sample_rows)[2]
 
+  shape, last_site = probe_lib._layer_sites(loss_fn, params)
+  assert shape == (4, 16, config.model.width) and probe_lib.LAYER_SITES[last_site] == 'ffn_residual'
   from_sums = jax.jit(lambda: table(loss_fn)['activations'])()
   per_site = jax.jit(lambda: table(per_site_loss_fn)['activations'])()
   chex.assert_type(from_sums, jnp.float32)
   assert np.all(np.asarray(per_site[1:, 1:]) != 0)  # every layer site measured by its own tap
   np.testing.assert_allclose(from_sums, per_site, rtol=1e-4, atol=1e-6)
+  monkeypatch.setattr(probe_lib, '_layer_sites', lambda loss_fn, params: (shape, None))
+  each_site_sums = jax.jit(lambda: table(loss_fn)['activations'])()
+  np.testing.assert_allclose(each_site_sums, per_site, rtol=1e-4, atol=1e-6)
+
+
+def test_a_layer_whose_sites_repeat_sends_each_sites_sums_with_its_own_tap():
+  """A layer that probes a site twice (a forked block, say) has no last site: each site's forward sums
+  then leave with its own tap."""
+  config = tiny_config('gpt', depth=DEPTH)
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
+
+  def twice(params, probe):
+    def probe_twice(site, x, layer):
+      return probe(site, probe(site, x, layer), layer) if site == 'attn_branch' else probe(site, x, layer)
+
+    return nnx.merge(graphdef, params, rest)(tokens, probe=probe_twice).mean()
+
+  assert probe_lib._layer_sites(twice, params) == ((4, 16, config.model.width), None)
 
 
 def test_what_per_site_callbacks_in_the_layer_scan_do(remat='full'):
