@@ -255,20 +255,22 @@ def _site_row_ct(site_index: int, forward_BF: jax.Array, grad_BF: jax.Array) -> 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _grad_sums_tap(
   site_index: int, sample_rows: int, forward_size: int, x_BLD: jax.Array, layer_sink: jax.Array
-) -> jax.Array:
-  """Identity on x; d(loss)/d(layer_sink)[site_index] receives the packed partial sums of x's gradient
-  (after `forward_size` zeros, where the layer's last site writes x's own)."""
-  del site_index, sample_rows, forward_size, layer_sink
-  return x_BLD
+) -> tuple[jax.Array, jax.Array]:
+  """(x, the packed forward sums of x); d(loss)/d(layer_sink)[site_index] receives the packed partial
+  sums of x's gradient (after `forward_size` zeros, where the layer's last site writes x's own). The
+  sums are an output of no derivative: the layer's last site keeps them."""
+  del site_index, forward_size, layer_sink
+  return x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))
 
 
 def _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink):
-  del site_index, sample_rows, forward_size, layer_sink
-  return x_BLD, None
+  del site_index, forward_size, layer_sink
+  return (x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))), None
 
 
-def _grad_sums_tap_bwd(site_index, sample_rows, forward_size, residuals, g_BLD):
+def _grad_sums_tap_bwd(site_index, sample_rows, forward_size, residuals, cotangents):
   del residuals
+  g_BLD, _ = cotangents  # the sums' cotangent is zero: they only reach the statistics
   grad_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
   zeros_BF = jnp.zeros((grad_BF.shape[0], forward_size), grad_BF.dtype)
   return g_BLD, _site_row_ct(site_index, zeros_BF, grad_BF)
@@ -279,18 +281,20 @@ _grad_sums_tap.defvjp(_grad_sums_tap_fwd, _grad_sums_tap_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _layer_sums_tap(
-  site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: jax.Array, forward_SBF: jax.Array
+  site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: jax.Array, earlier_SBF: jax.Array
 ) -> jax.Array:
   """Identity on x, the layer's last site; d(loss)/d(layer_sink) receives the forward sums of every site
-  of the layer (`forward_SBF`, zeros where a site was not probed) and x's gradient's sums at
-  site_index. `forward_SBF` gets no cotangent (it is computed from stopped gradients)."""
-  del site_index, sample_rows, layer_sink, forward_SBF
+  of the layer (`earlier_SBF` for the others, zeros where a site was not probed; x's own at
+  site_index) and x's gradient's sums at site_index. `earlier_SBF` gets no cotangent."""
+  del site_index, sample_rows, layer_sink, earlier_SBF
   return x_BLD
 
 
-def _layer_sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink, forward_SBF):
-  del site_index, sample_rows, layer_sink
-  return x_BLD, forward_SBF
+def _layer_sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink, earlier_SBF):
+  del layer_sink
+  own_BF = constrain_batch(_pack(stats_lib.forward_sums(x_BLD, sample_rows)))
+  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
+  return x_BLD, jnp.where(at_site, own_BF[None], earlier_SBF)
 
 
 def _layer_sums_tap_bwd(site_index, sample_rows, forward_SBF, g_BLD):
@@ -349,13 +353,13 @@ def _scanned_sink_probe(
       site = LAYER_SITES.index(SITES[site_index])
       if last_site is None:
         return _sums_tap(site, sample_rows, x_BLD, layer_sink_n)
-      sums = stats_lib.forward_sums(jax.lax.stop_gradient(x_BLD), sample_rows)
-      forward_sums[site] = constrain_batch(_pack(sums))
       if site != last_site:
-        return _grad_sums_tap(site, sample_rows, forward_size, x_BLD, layer_sink_n)
-      zeros_BF = jnp.zeros_like(forward_sums[site])
-      forward_SBF = jnp.stack([forward_sums.get(n, zeros_BF) for n in range(len(LAYER_SITES))])
-      return _layer_sums_tap(site, sample_rows, x_BLD, layer_sink_n, forward_SBF)
+        x_BLD, sums_BF = _grad_sums_tap(site, sample_rows, forward_size, x_BLD, layer_sink_n)
+        forward_sums[site] = constrain_batch(sums_BF)
+        return x_BLD
+      zeros_BF = jnp.zeros((x_BLD.shape[0], forward_size), jnp.float32)
+      earlier_SBF = jnp.stack([forward_sums.get(n, zeros_BF) for n in range(len(LAYER_SITES))])
+      return _layer_sums_tap(site, sample_rows, x_BLD, layer_sink_n, earlier_SBF)
 
     return _probe_with(tap)
 
