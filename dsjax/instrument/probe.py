@@ -228,13 +228,23 @@ def _sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink):
 
 
 def _sums_tap_bwd(site_index, sample_rows, forward_sums_BF, g_BLD):
-  row_BF = jnp.concatenate([forward_sums_BF, _pack(stats_lib.grad_sums(g_BLD, sample_rows))], axis=-1)
-  # One sink per layer for its four sites, rather than one each: XLA writes their rows into the
-  # scan's output in one kernel, not four. A select, not a one-hot product, so that a NaN stays in
-  # its own site's row.
-  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
-  layer_sink_ct = jnp.where(at_site, constrain_batch(row_BF)[None], 0.0)
-  return g_BLD, layer_sink_ct
+  grad_sums_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
+  return g_BLD, _site_row_ct(site_index, forward_sums_BF, grad_sums_BF)
+
+
+def _at_site(site_index: int) -> jax.Array:
+  """(LAYER_SITES, 1, 1) mask of one site's entry in a layer sink."""
+  return (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
+
+
+def _site_row_ct(site_index: int, forward_BF: jax.Array, grad_BF: jax.Array) -> jax.Array:
+  """The layer sink's cotangent with one site's row (forward sums, then the gradient's) and zeros.
+
+  One sink per layer for its four sites, rather than one each: XLA writes their rows into the scan's
+  output in one kernel, not four. A select, not a one-hot product, so that a NaN stays in its own
+  site's row."""
+  row_BF = constrain_batch(jnp.concatenate([forward_BF, grad_BF], axis=-1))
+  return jnp.where(_at_site(site_index), row_BF[None], 0.0)
 
 
 _sums_tap.defvjp(_sums_tap_fwd, _sums_tap_bwd)
@@ -249,12 +259,6 @@ _sums_tap.defvjp(_sums_tap_fwd, _sums_tap_bwd)
 # (benchmarks/README.md, "Compiled for a GPU on the CPU": 3 kernels per layer fewer at 192 × 256).
 
 
-def _site_row_ct(site_index: int, forward_BF: jax.Array, grad_BF: jax.Array) -> jax.Array:
-  """The layer sink's cotangent with one site's row (forward sums, then the gradient's) and zeros."""
-  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
-  return jnp.where(at_site, constrain_batch(jnp.concatenate([forward_BF, grad_BF], axis=-1))[None], 0.0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _grad_sums_tap(
   site_index: int, sample_rows: int, forward_size: int, x_BLD: jax.Array, layer_sink: jax.Array
@@ -262,8 +266,7 @@ def _grad_sums_tap(
   """(x, the packed forward sums of x); d(loss)/d(layer_sink)[site_index] receives the packed partial
   sums of x's gradient (after `forward_size` zeros, where the layer's last site writes x's own). The
   sums are an output of no derivative: the layer's last site keeps them."""
-  del site_index, forward_size, layer_sink
-  return x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))
+  return _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink)[0]
 
 
 def _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink):
@@ -296,14 +299,12 @@ def _layer_sums_tap(
 def _layer_sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink, earlier_SBF):
   del layer_sink
   own_BF = constrain_batch(_pack(stats_lib.forward_sums(x_BLD, sample_rows)))
-  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
-  return x_BLD, jnp.where(at_site, own_BF[None], earlier_SBF)
+  return x_BLD, jnp.where(_at_site(site_index), own_BF[None], earlier_SBF)
 
 
 def _layer_sums_tap_bwd(site_index, sample_rows, forward_SBF, g_BLD):
   grad_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
-  at_site = (jnp.arange(len(LAYER_SITES)) == site_index)[:, None, None]
-  grad_SBF = jnp.where(at_site, grad_BF[None], 0.0)
+  grad_SBF = jnp.where(_at_site(site_index), grad_BF[None], 0.0)
   layer_sink_ct = with_logical_layout(
     jnp.concatenate([forward_SBF, grad_SBF], axis=-1), (P.UNCONSTRAINED, 'batch', P.UNCONSTRAINED)
   )
