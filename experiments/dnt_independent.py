@@ -3,28 +3,41 @@ r"""DNT against the Pre-LN transformer retrained by an independent loop: is the 
 With AdamW, DNT (setting S5) ends far below Pre-LN (S1) in both of this project's GPT comparisons:
 −0.184 nats per byte on the byte-level GPT of experiments/README.md §1, and −0.68 nats per token
 (≈ 0.20 per byte) on the GPU's 4×128 GPT (§11). The DNT paper's GPT-2 differences are 0.004–0.039 nats
-per token (Qi et al. 2025, arXiv:2507.17501, Table 1). This script retrains §1's members with none of
-dsjax's model, gradient or optimizer code on the path and compares:
+per token (Qi et al. 2025, arXiv:2507.17501, Table 1). This script retrains the sweeps' members with none
+of dsjax's model, gradient or optimizer code on the path and sets them beside the sweeps' own:
 
-  OUT=experiments/results/dnt_independent  # each run ~35 s on 2 CPU cores (18–27 s of training)
+  OUT=experiments/results/dnt_independent  # §1 (--study=bytes): each run ~35 s on 2 CPU cores
   python experiments/dnt_independent.py --arm=preln --seed=0 --out=$OUT/preln_s0.json
   python experiments/dnt_independent.py --arm=dnt --seed=0 --out=$OUT/dnt_s0.json
   python experiments/dnt_independent.py --summarize $OUT/*.json > $OUT/summary.md  # experiments/README.md §1
 
+  OUT=experiments/results/dnt_independent_stdlib  # §11 (--study=stdlib): ~15 min on 2 CPU cores
+  python experiments/dnt_independent.py --study=stdlib --arm=preln --lr=1e-2 --seed=0 --steps=300 \
+      --out=$OUT/preln_lr1e-2_s0.json  # the same for --arm=dnt; then --summarize as above (§11)
+
+`--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
+'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
+H200 (`experiments/configs/gpu_stdlib.py:dnt,adamw` with the tokenizer it trained, committed in
+results/gpu_decisive/tokenizer/; 'train', 'validation', 'test'), run there with bfloat16 branches and
+cuDNN's attention (jax 0.11.2), here in float32: a difference between the two is what the GPU's
+precision and kernels do. `--steps=K` trains the first K steps of the run (the same schedule, which
+still ends at the run's last step) and evaluates nothing: the sweep evaluates only at the end, so the
+logged training losses are what the two share then.
+
 The loop: the model is `experiments/plain_reference.py` (plain `jnp`, RMSNorm and DNT's norm placements
 written out; `jax.grad` alone, no custom derivative rule), started from dsjax's initial weights for the
-seed; the optimizer is optax written here from the paper's GPT settings as `experiments/configs/dnt.py`
-sets them (Tables 3 and 5: `clip_by_global_norm(1.0)`, then AdamW with betas (0.9, 0.95), eps 1e-8 and
-decoupled weight decay 0.1 on the weight matrices and the token table, the lr warmed up from 0 over the
-first 30 steps and decayed by a cosine to 0.1 of the peak at step 300); the batches are dsjax's
-(`dsjax.data.make_pipeline` with the seed), as are the sweep's splits (train on 'train', report on
-'validation[50%:]'). The run records its training loss averaged over each 50 steps, as the sweep logs
-it, and its loss on the report split, and sets them beside those of the sweep's member of the same arm,
-lr and seed (experiments/results/dnt_gpt_adamw/arms/).
+seed; the optimizer is optax written here from the paper's GPT settings as the configs set them
+(Tables 3 and 5: `clip_by_global_norm(1.0)`, then AdamW with betas (0.9, 0.95), eps 1e-8 and decoupled
+weight decay 0.1 on the weight matrices and the token table, the lr warmed up from 0 and decayed by a
+cosine to 0.1 of the peak at the run's last step); the batches are dsjax's (`dsjax.data.make_pipeline`
+with the seed), as are the sweep's splits. The run records its training loss averaged over each
+`log_every` steps, as the sweep logs it, and its loss on the report split, and sets them beside those of
+the sweep's member of the same arm, lr and seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +53,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
 import dnt as dnt_configs  # noqa: E402  (experiments/configs/dnt.py)
+import gpu_stdlib  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 
 from dsjax import data as data_lib  # noqa: E402
 from dsjax import schemes  # noqa: E402
@@ -48,16 +62,47 @@ from dsjax.train import config as config_lib  # noqa: E402
 from experiments import plain_reference as ref  # noqa: E402
 
 SETTINGS = {'preln': 'S1', 'dnt': 'S5'}  # DNT §4.4: S1 the standard Pre-Norm transformer, S5 DNT
-SPLITS = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}  # §1's sweep
-SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results/dnt_gpt_adamw')
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
 DECAYED = ('kernel', 'token_embed')  # the weight matrices and the token table
 
 
-def arm_config(arm: str, lr: float, seed: int):
-  """§1's AdamW member: `experiments/configs/dnt.py:gpt,adamw` with the arm's setting, lr and seed."""
-  c = dnt_configs.get_config('gpt,adamw')
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """One of the sweeps retrained: its base config, its splits and where its members' results are."""
+
+  get_config: object  # () -> the sweep's base config (arm S1)
+  splits: dict  # 'train', 'select', 'report' -> split
+  sweep: str  # the sweep's folder (its `arms/ARM/lr_LR.json`)
+
+
+def _stdlib_config():
+  c = gpu_stdlib.get_config('dnt,adamw')
+  c.data.tokenizer = os.path.join(RESULTS, 'gpu_decisive', 'tokenizer', 'tokenizer.json')
+  return c
+
+
+STUDIES = {
+  # §1: byte-level GPT on the embedded Python documentation, 4 × 64, 300 steps.
+  'bytes': Study(
+    lambda: dnt_configs.get_config('gpt,adamw'),
+    {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'},
+    os.path.join(RESULTS, 'dnt_gpt_adamw'),
+  ),
+  # §11: 4 × 128 GPT on the standard library with a 4,096-token BPE, 1,000 steps, on one H200.
+  'stdlib': Study(
+    _stdlib_config,
+    {'train': 'train', 'select': 'validation', 'report': 'test'},
+    os.path.join(RESULTS, 'gpu_decisive', 'dnt_adamw'),
+  ),
+}
+
+
+def arm_config(arm: str, lr: float, seed: int, study: str = 'bytes'):
+  """The study's AdamW member with the arm's setting, lr and seed, trained on its train split and
+  evaluated (by dsjax) on its selection split."""
+  c = STUDIES[study].get_config()
   c.model.dnt_setting, c.optimizer.lr, c.seed = SETTINGS[arm], lr, seed
-  c.data.train_split, c.data.eval_split = SPLITS['train'], SPLITS['select']
+  c.data.train_split, c.data.eval_split = STUDIES[study].splits['train'], STUDIES[study].splits['select']
   config_lib.validate_config(c, num_devices=1)
   return c
 
@@ -73,8 +118,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
 
 
-def report_loss(params, constants, spec, config) -> float:
-  """Mean next-token loss over the report split, padded rows masked out as dsjax's evaluation does."""
+def report_loss(params, constants, spec, config, split: str) -> float:
+  """Mean next-token loss over `split`, padded rows masked out as dsjax's evaluation does."""
 
   @jax.jit
   def sums(params, tokens_BL1, mask_B):
@@ -85,7 +130,7 @@ def report_loss(params, constants, spec, config) -> float:
 
   pipeline = data_lib.make_pipeline(
     config.data,
-    split=SPLITS['report'],
+    split=split,
     global_batch_size=config.eval_batch_size,
     seed=0,
     process_index=0,
@@ -101,9 +146,11 @@ def report_loss(params, constants, spec, config) -> float:
   return total / count
 
 
-def train(config) -> dict:
+def train(config, report_split: str = 'validation[50%:]', steps: int | None = None) -> dict:
   """A member trained by the loop: its training loss averaged over each `config.log_every` steps, its
-  report loss and how many steps were clipped."""
+  loss on `report_split` and how many steps were clipped. With `steps`, the first `steps` steps of the
+  run only, and no report loss (None)."""
+  steps = config.total_steps if steps is None else steps
   seed = config.seed
   info = data_lib.dataset_info(config.data)
   model = schemes.build_model(config, info, nnx.Rngs(params=seed))
@@ -125,7 +172,7 @@ def train(config) -> dict:
     config.data, global_batch_size=config.batch_size, seed=seed, process_index=0, process_count=1
   )
   logged, window, clipped, start = [], [], 0, time.time()
-  for step, batch in zip(range(1, config.total_steps + 1), pipeline):
+  for step, batch in zip(range(1, steps + 1), pipeline):
     params, opt_state, value, norm = update(params, opt_state, jnp.asarray(batch['tokens']))
     window.append(float(value))
     clipped += int(float(norm) > config.optimizer.clip_norm)
@@ -133,44 +180,66 @@ def train(config) -> dict:
       logged.append([step, float(np.mean(window))])
       window = []
       print(f'seed {seed}: step {step}, train loss {logged[-1][1]:.4f} ({time.time() - start:.0f} s)')
+  seconds = time.time() - start
+  finished = steps == config.total_steps
   return {
     'train_loss': logged,
-    'report_loss': report_loss(params, constants, spec, config),
+    'steps': steps,
+    'total_steps': config.total_steps,
+    'report_loss': report_loss(params, constants, spec, config, report_split) if finished else None,
     'clipped_steps': clipped,
-    'seconds': time.time() - start,
+    'seconds': seconds,
   }
 
 
-def sweep_member(arm: str, lr: float, seed: int) -> dict | None:
+def sweep_member(arm: str, lr: float, seed: int, study: str = 'bytes') -> dict | None:
   """The sweep's member of the same arm, lr and seed: its logged training losses and report loss."""
-  path = os.path.join(SWEEP, 'arms', arm, f'lr_{lr:e}.json')
+  path = os.path.join(STUDIES[study].sweep, 'arms', arm, f'lr_{lr:e}.json')
   if not os.path.exists(path):
     return None
   with open(path) as f:
     members = json.load(f)['members']
   for m in members:
     if m['seed'] == seed:
+      path = os.path.relpath(path, os.path.dirname(RESULTS))
       return {'train_loss': m['train_loss'], 'report_loss': m['report']['eval/loss'], 'path': path}
   return None
 
 
+def _steps(run: dict) -> tuple[int, int]:
+  """Steps trained and the run's length (runs recorded before `--steps` trained the whole run)."""
+  last = run['train_loss'][-1][0]
+  return run.get('steps', last), run.get('total_steps', last)
+
+
+def _report(value: float | None) -> str:
+  return '–' if value is None else f'{value:.4f}'
+
+
 def summary(paths: list[str]) -> str:
   """Markdown: per run, the largest difference of the logged training losses from the sweep's member
-  and both report losses; then DNT − Pre-LN on the report split with its 95% interval, from each loop."""
+  and both report losses; per lr and seed with both arms, their logged training losses side by side;
+  then DNT − Pre-LN on the report split with its 95% interval, from each loop."""
   runs = []
   for path in paths:
     with open(path) as f:
       runs.append(json.load(f))
   lines = [
-    '| arm | lr | seed | report loss, independent loop | report loss, dsjax sweep '
-    '| largest train-loss difference (of 6 logged) |',
-    '|---|---|---|---|---|---|',
+    '| arm | lr | seed | steps trained | report loss, independent loop | report loss, dsjax sweep '
+    '| largest train-loss difference (logged losses compared) |',
+    '|---|---|---|---|---|---|---|',
   ]
   for r in sorted(runs, key=lambda r: (r['arm'], r['lr'], r['seed'])):
     m = r['sweep_member']
-    gap = max(abs(a[1] - b[1]) for a, b in zip(r['train_loss'], m['train_loss'])) if m else float('nan')
-    sweep = f'{m["report_loss"]:.4f}' if m else '–'
-    lines.append(f'| {r["arm"]} | {r["lr"]:g} | {r["seed"]} | {r["report_loss"]:.4f} | {sweep} | {gap:.2e} |')
+    gaps = [abs(a[1] - b[1]) for a, b in zip(r['train_loss'], m['train_loss'])] if m else []
+    gap = f'{max(gaps):.2e} ({len(gaps)})' if gaps else '–'
+    trained, total = _steps(r)
+    sweep = _report(m['report_loss']) if m else '–'
+    lines.append(
+      f'| {r["arm"]} | {r["lr"]:g} | {r["seed"]} | {trained} of {total} | {_report(r["report_loss"])} '
+      f'| {sweep} | {gap} |'
+    )
+  lines += _side_by_side(runs)
   for lr in sorted({r['lr'] for r in runs}):
     by_arm = {arm: [r for r in runs if r['lr'] == lr and r['arm'] == arm] for arm in SETTINGS}
     for source, value in (
@@ -178,6 +247,8 @@ def summary(paths: list[str]) -> str:
       ('dsjax sweep', lambda r: r['sweep_member']['report_loss']),
     ):
       groups = [[value(r) for r in by_arm['dnt']], [value(r) for r in by_arm['preln']]]
+      if any(v is None for g in groups for v in g):
+        continue
       interval = protocol.contrast_interval(groups, [1, -1])
       if interval:
         lines.append(
@@ -185,6 +256,27 @@ def summary(paths: list[str]) -> str:
           f'[{interval["low"]:+.4f}, {interval["high"]:+.4f}] ({len(groups[0])} and {len(groups[1])} seeds)'
         )
   return '\n'.join(lines)
+
+
+def _side_by_side(runs: list[dict]) -> list[str]:
+  """Per lr and seed retrained in both arms: each logged training loss of both loops, and DNT − Pre-LN."""
+  lines = []
+  for lr, seed in sorted({(r['lr'], r['seed']) for r in runs}):
+    pair = {r['arm']: r for r in runs if (r['lr'], r['seed']) == (lr, seed)}
+    if set(pair) != set(SETTINGS) or not all(r['sweep_member'] for r in pair.values()):
+      continue
+    lines += [
+      f'\nTraining loss (mean of each {pair["dnt"]["train_loss"][0][0]} steps), lr {lr:g}, seed {seed}:\n',
+      '| step | Pre-LN, independent | Pre-LN, sweep | DNT, independent | DNT, sweep '
+      '| DNT − Pre-LN, independent | DNT − Pre-LN, sweep |',
+      '|---|---|---|---|---|---|---|',
+    ]
+    own = {arm: dict(map(tuple, r['train_loss'])) for arm, r in pair.items()}
+    sweep = {arm: dict(map(tuple, r['sweep_member']['train_loss'])) for arm, r in pair.items()}
+    for step in sorted(set(own['preln']) & set(own['dnt'])):
+      p, d, sp, sd = own['preln'][step], own['dnt'][step], sweep['preln'][step], sweep['dnt'][step]
+      lines.append(f'| {step} | {p:.4f} | {sp:.4f} | {d:.4f} | {sd:.4f} | {d - p:+.4f} | {sd - sp:+.4f} |')
+  return lines
 
 
 def main(argv):
@@ -196,26 +288,34 @@ def main(argv):
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
   if not args.lr > 0:
     raise ValueError(f'--lr must be > 0, got {args.lr}')
-  config = arm_config(args.arm, args.lr, args.seed)
+  config = arm_config(args.arm, args.lr, args.seed, args.study)
+  steps = args.steps or config.total_steps
+  if not 0 < steps <= config.total_steps:
+    raise ValueError(f"--steps must be between 1 and the run's {config.total_steps} steps, got {args.steps}")
   cli.create_output_file('--out', args.out)  # A bad path now, not after the training.
   result = {
+    'study': args.study,
     'arm': args.arm,
     'setting': SETTINGS[args.arm],
     'lr': args.lr,
     'seed': args.seed,
-    **train(config),
-    'sweep_member': sweep_member(args.arm, args.lr, args.seed),
+    **train(config, STUDIES[args.study].splits['report'], steps),
+    'sweep_member': sweep_member(args.arm, args.lr, args.seed, args.study),
+    'device': jax.devices()[0].device_kind,
+    'dtype': 'float32',
     'jax': jax.__version__,
   }
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1)
-  print(f'wrote {args.out}: report loss {result["report_loss"]:.4f}')
+  print(f'wrote {args.out}: report loss {_report(result["report_loss"])}')
 
 
 if __name__ == '__main__':
+  flags.DEFINE_enum('study', 'bytes', list(STUDIES), "The sweep retrained: 'bytes' (§1) or 'stdlib' (§11).")
   flags.DEFINE_enum('arm', 'dnt', list(SETTINGS), "'preln' (S1) or 'dnt' (S5).")
   flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms: 1e-2).")
   flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
+  flags.DEFINE_integer('steps', 0, "Train the run's first this many steps only (0: all); no report loss.")
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
   cli.run(main)  # user errors as one line, without a traceback

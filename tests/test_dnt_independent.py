@@ -44,6 +44,30 @@ def test_the_summary_sets_the_loops_side_by_side(tmp_path):
       with open(paths[-1], 'w') as f:
         json.dump(run, f)
   table = dnt_independent.summary(paths)
-  assert '| dnt | 0.01 | 2 | 1.8200 | 1.8000 | 1.00e-04 |' in table
+  assert '| dnt | 0.01 | 2 | 100 of 100 | 1.8200 | 1.8000 | 1.00e-04 (2) |' in table
+  assert '| 100 | 2.5000 | 2.5001 | 2.3000 | 2.3001 | -0.2000 | -0.2000 |' in table
   assert 'DNT − Pre-LN at lr 0.01, independent loop: -0.2000' in table
   assert 'DNT − Pre-LN at lr 0.01, dsjax sweep: -0.2000 [-0.2000, -0.2000]' in table
+
+
+def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
+  """`--steps`: the sweep's member trained on; the logged losses both have are compared, no report loss."""
+  paths = []
+  for arm, base in (('preln', 3.0), ('dnt', 2.5)):
+    run = {
+      'arm': arm,
+      'lr': 0.01,
+      'seed': 0,
+      'train_loss': [[50, base + 1.0]],
+      'steps': 50,
+      'total_steps': 1000,
+      'report_loss': None,
+      'sweep_member': {'train_loss': [[50, base + 1.02], [100, base]], 'report_loss': base - 0.5},
+    }
+    paths.append(str(tmp_path / f'{arm}.json'))
+    with open(paths[-1], 'w') as f:
+      json.dump(run, f)
+  table = dnt_independent.summary(paths)
+  assert '| preln | 0.01 | 0 | 50 of 1000 | – | 2.5000 | 2.00e-02 (1) |' in table
+  assert '| 50 | 4.0000 | 4.0200 | 3.5000 | 3.5200 | -0.5000 | -0.5000 |' in table
+  assert 'DNT − Pre-LN at lr' not in table  # no report losses to compare
