@@ -17,12 +17,12 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
 'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
-H200 (`experiments/configs/gpu_stdlib.py:dnt,adamw` with the tokenizer it trained, committed in
+H200 (`experiments/configs/gpu_stdlib.py:dnt,adamw` with the tokenizer it used, committed in
 results/gpu_decisive/tokenizer/; 'train', 'validation', 'test'), run there with bfloat16 branches and
-cuDNN's attention (jax 0.11.2), here in float32: a difference between the two is what the GPU's
-precision and kernels do. `--steps=K` trains the first K steps of the run (the same schedule, which
-still ends at the run's last step) and evaluates nothing: the sweep evaluates only at the end, so the
-logged training losses are what the two share then.
+cuDNN's attention (jax 0.11.2), here in float32 (jax 0.10.2): a difference between the two is what
+the GPU's precision, kernels and jax version do. `--steps=K` trains the first K steps of the run (the
+same schedule, which still ends at the run's last step) and evaluates nothing: the sweep evaluates only
+at the end, so the logged training losses are what the two share then.
 
 The loop: the model is `experiments/plain_reference.py` (plain `jnp`, RMSNorm and DNT's norm placements
 written out; `jax.grad` alone, no custom derivative rule), started from dsjax's initial weights for the
@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,14 +71,25 @@ DECAYED = ('kernel', 'token_embed')  # the weight matrices and the token table
 class Study:
   """One of the sweeps retrained: its base config, its splits and where its members' results are."""
 
-  get_config: object  # () -> the sweep's base config (arm S1)
+  get_config: Callable  # () -> the sweep's base config (arm S1)
   splits: dict  # 'train', 'select', 'report' -> split
   sweep: str  # the sweep's folder (its `arms/ARM/lr_LR.json`)
 
 
 def _stdlib_config():
+  """§11's config with the tokenizer the GPU sweep used, refused where this Python's standard library is
+  not the text it was trained on (the GPU machine read this machine's library, packed)."""
   c = gpu_stdlib.get_config('dnt,adamw')
-  c.data.tokenizer = os.path.join(RESULTS, 'gpu_decisive', 'tokenizer', 'tokenizer.json')
+  tokenizer_dir = os.path.join(RESULTS, 'gpu_decisive', 'tokenizer')
+  c.data.tokenizer = os.path.join(tokenizer_dir, 'tokenizer.json')
+  with open(os.path.join(tokenizer_dir, 'tokenizer_info.json')) as f:
+    trained_on = json.load(f)['corpus_sha256']
+  here = data_lib.dataset_info(c.data).corpus_sha256
+  if here != trained_on:
+    raise ValueError(
+      f"--study=stdlib: this Python's standard library (corpus {here[:16]}) is not the one the GPU sweep "
+      f'read ({trained_on[:16]}, Python 3.11.7)'
+    )
   return c
 
 
@@ -208,8 +220,9 @@ def sweep_member(arm: str, lr: float, seed: int, study: str = 'bytes') -> dict |
 
 def _steps(run: dict) -> tuple[int, int]:
   """Steps trained and the run's length (runs recorded before `--steps` trained the whole run)."""
-  last = run['train_loss'][-1][0]
-  return run.get('steps', last), run.get('total_steps', last)
+  if 'steps' in run:
+    return run['steps'], run['total_steps']
+  return run['train_loss'][-1][0], run['train_loss'][-1][0]
 
 
 def _report(value: float | None) -> str:
@@ -218,12 +231,15 @@ def _report(value: float | None) -> str:
 
 def summary(paths: list[str]) -> str:
   """Markdown: per run, the largest difference of the logged training losses from the sweep's member
-  and both report losses; per lr and seed with both arms, their logged training losses side by side;
+  and both report losses; per seed, each Pre-LN run's logged training losses beside each DNT run's;
   then DNT − Pre-LN on the report split with its 95% interval, from each loop."""
   runs = []
   for path in paths:
     with open(path) as f:
       runs.append(json.load(f))
+  studies = {r.get('study', 'bytes') for r in runs}  # runs recorded before --study retrained §1
+  if len(studies) > 1:
+    raise ValueError(f'--summarize: the JSONs are of different studies ({", ".join(sorted(studies))})')
   lines = [
     '| arm | lr | seed | steps trained | report loss, independent loop | report loss, dsjax sweep '
     '| largest train-loss difference (logged losses compared) |',
@@ -231,7 +247,7 @@ def summary(paths: list[str]) -> str:
   ]
   for r in sorted(runs, key=lambda r: (r['arm'], r['lr'], r['seed'])):
     m = r['sweep_member']
-    gaps = [abs(a[1] - b[1]) for a, b in zip(r['train_loss'], m['train_loss'])] if m else []
+    gaps = [abs(a - m_loss) for a, m_loss in _by_step(r, m).values()] if m else []
     gap = f'{max(gaps):.2e} ({len(gaps)})' if gaps else '–'
     trained, total = _steps(r)
     sweep = _report(m['report_loss']) if m else '–'
@@ -244,7 +260,7 @@ def summary(paths: list[str]) -> str:
     by_arm = {arm: [r for r in runs if r['lr'] == lr and r['arm'] == arm] for arm in SETTINGS}
     for source, value in (
       ('independent loop', lambda r: r['report_loss']),
-      ('dsjax sweep', lambda r: r['sweep_member']['report_loss']),
+      ('dsjax sweep', lambda r: r['sweep_member'] and r['sweep_member']['report_loss']),
     ):
       groups = [[value(r) for r in by_arm['dnt']], [value(r) for r in by_arm['preln']]]
       if any(v is None for g in groups for v in g):
@@ -259,24 +275,45 @@ def summary(paths: list[str]) -> str:
 
 
 def _side_by_side(runs: list[dict]) -> list[str]:
-  """Per lr and seed retrained in both arms: each logged training loss of both loops, and DNT − Pre-LN."""
+  """Per seed, each Pre-LN run against each DNT run (at its own lr or another): every logged training
+  loss of both loops, and DNT − Pre-LN."""
   lines = []
-  for lr, seed in sorted({(r['lr'], r['seed']) for r in runs}):
-    pair = {r['arm']: r for r in runs if (r['lr'], r['seed']) == (lr, seed)}
-    if set(pair) != set(SETTINGS) or not all(r['sweep_member'] for r in pair.values()):
-      continue
-    lines += [
-      f'\nTraining loss (mean of each {pair["dnt"]["train_loss"][0][0]} steps), lr {lr:g}, seed {seed}:\n',
-      '| step | Pre-LN, independent | Pre-LN, sweep | DNT, independent | DNT, sweep '
-      '| DNT − Pre-LN, independent | DNT − Pre-LN, sweep |',
-      '|---|---|---|---|---|---|---|',
-    ]
-    own = {arm: dict(map(tuple, r['train_loss'])) for arm, r in pair.items()}
-    sweep = {arm: dict(map(tuple, r['sweep_member']['train_loss'])) for arm, r in pair.items()}
-    for step in sorted(set(own['preln']) & set(own['dnt'])):
-      p, d, sp, sd = own['preln'][step], own['dnt'][step], sweep['preln'][step], sweep['dnt'][step]
-      lines.append(f'| {step} | {p:.4f} | {sp:.4f} | {d:.4f} | {sd:.4f} | {d - p:+.4f} | {sd - sp:+.4f} |')
+  with_member = [r for r in runs if r['sweep_member']]
+  for seed in sorted({r['seed'] for r in with_member}):
+    arms = {
+      arm: sorted((r for r in with_member if (r['arm'], r['seed']) == (arm, seed)), key=lambda r: r['lr'])
+      for arm in SETTINGS
+    }
+    for preln in arms['preln']:
+      for dnt in arms['dnt']:
+        lines += _pair_table(preln, dnt)
   return lines
+
+
+def _by_step(run: dict, member: dict) -> dict[int, tuple[float, float]]:
+  """The logged training losses of a run and of its sweep member, at the steps both logged."""
+  member_losses = dict(map(tuple, member['train_loss']))
+  return {step: (loss, member_losses[step]) for step, loss in run['train_loss'] if step in member_losses}
+
+
+def _pair_table(preln: dict, dnt: dict) -> list[str]:
+  """Both runs' and both sweep members' logged training losses, at the steps all four logged."""
+  p_losses, d_losses = _by_step(preln, preln['sweep_member']), _by_step(dnt, dnt['sweep_member'])
+  lines = [
+    f'\nTraining loss (mean of each {_log_every(dnt)} steps), seed {dnt["seed"]}, '
+    f'Pre-LN at lr {preln["lr"]:g}, DNT at lr {dnt["lr"]:g}:\n',
+    '| step | Pre-LN, independent | Pre-LN, sweep | DNT, independent | DNT, sweep '
+    '| DNT − Pre-LN, independent | DNT − Pre-LN, sweep |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for step in sorted(set(p_losses) & set(d_losses)):
+    (p, sp), (d, sd) = p_losses[step], d_losses[step]
+    lines.append(f'| {step} | {p:.4f} | {sp:.4f} | {d:.4f} | {sd:.4f} | {d - p:+.4f} | {sd - sp:+.4f} |')
+  return lines
+
+
+def _log_every(run: dict) -> int | str:
+  return run['train_loss'][0][0] if run['train_loss'] else '?'
 
 
 def main(argv):
@@ -290,8 +327,11 @@ def main(argv):
     raise ValueError(f'--lr must be > 0, got {args.lr}')
   config = arm_config(args.arm, args.lr, args.seed, args.study)
   steps = args.steps or config.total_steps
-  if not 0 < steps <= config.total_steps:
-    raise ValueError(f"--steps must be between 1 and the run's {config.total_steps} steps, got {args.steps}")
+  if not 0 < steps <= config.total_steps or steps % config.log_every:
+    raise ValueError(
+      f"--steps must be a multiple of the run's {config.log_every} steps between logged losses, at most "
+      f'its {config.total_steps} steps; got {args.steps}'
+    )
   cli.create_output_file('--out', args.out)  # A bad path now, not after the training.
   result = {
     'study': args.study,
@@ -313,7 +353,7 @@ def main(argv):
 if __name__ == '__main__':
   flags.DEFINE_enum('study', 'bytes', list(STUDIES), "The sweep retrained: 'bytes' (§1) or 'stdlib' (§11).")
   flags.DEFINE_enum('arm', 'dnt', list(SETTINGS), "'preln' (S1) or 'dnt' (S5).")
-  flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms: 1e-2).")
+  flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms, §11's for Pre-LN).")
   flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
   flags.DEFINE_integer('steps', 0, "Train the run's first this many steps only (0: all); no report loss.")
   flags.DEFINE_string('out', None, 'The JSON to write.')

@@ -26,6 +26,10 @@ def test_the_loop_trains_as_dsjax(tmp_path, setting):
   ours = dnt_independent.train(c)
   np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
   assert np.isfinite(ours['report_loss'])
+  # The first steps of the same run (the schedule still the whole run's), and no report loss.
+  first = dnt_independent.train(c, steps=3)
+  np.testing.assert_allclose([loss for _, loss in first['train_loss']], logged[:3], rtol=1e-5)
+  assert (first['steps'], first['total_steps'], first['report_loss']) == (3, 6, None)
 
 
 def test_the_summary_sets_the_loops_side_by_side(tmp_path):
@@ -51,23 +55,34 @@ def test_the_summary_sets_the_loops_side_by_side(tmp_path):
 
 
 def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
-  """`--steps`: the sweep's member trained on; the logged losses both have are compared, no report loss."""
+  """`--steps`: the sweep's member trained on; the logged losses both have are compared, and only the
+  sweep's report losses give a contrast. JSONs of two studies are not summarised together."""
   paths = []
   for arm, base in (('preln', 3.0), ('dnt', 2.5)):
-    run = {
-      'arm': arm,
-      'lr': 0.01,
-      'seed': 0,
-      'train_loss': [[50, base + 1.0]],
-      'steps': 50,
-      'total_steps': 1000,
-      'report_loss': None,
-      'sweep_member': {'train_loss': [[50, base + 1.02], [100, base]], 'report_loss': base - 0.5},
-    }
-    paths.append(str(tmp_path / f'{arm}.json'))
-    with open(paths[-1], 'w') as f:
-      json.dump(run, f)
+    for seed in range(2):
+      run = {
+        'study': 'stdlib',
+        'arm': arm,
+        'lr': 0.01,
+        'seed': seed,
+        'train_loss': [[50, base + 1.0]],
+        'steps': 50,
+        'total_steps': 1000,
+        'report_loss': None,
+        'sweep_member': {
+          'train_loss': [[50, base + 1.02], [100, base]],
+          'report_loss': base - 0.5 + 0.1 * seed,
+        },
+      }
+      paths.append(str(tmp_path / f'{arm}_{seed}.json'))
+      with open(paths[-1], 'w') as f:
+        json.dump(run, f)
   table = dnt_independent.summary(paths)
   assert '| preln | 0.01 | 0 | 50 of 1000 | – | 2.5000 | 2.00e-02 (1) |' in table
   assert '| 50 | 4.0000 | 4.0200 | 3.5000 | 3.5200 | -0.5000 | -0.5000 |' in table
-  assert 'DNT − Pre-LN at lr' not in table  # no report losses to compare
+  assert 'DNT − Pre-LN at lr 0.01, dsjax sweep: -0.5000' in table
+  assert 'independent loop:' not in table  # no report losses of its own
+  with open(tmp_path / 'bytes.json', 'w') as f:
+    json.dump({**run, 'study': 'bytes'}, f)
+  with pytest.raises(ValueError, match='different studies'):
+    dnt_independent.summary([*paths, str(tmp_path / 'bytes.json')])
