@@ -32,22 +32,31 @@ def test_the_loop_trains_as_dsjax(tmp_path, setting):
   assert (first['steps'], first['total_steps'], first['report_loss']) == (3, 6, None)
 
 
-def test_the_summary_sets_the_loops_side_by_side(tmp_path):
+def _write_runs(tmp_path, runs: list[dict]) -> list[str]:
+  """Each run as a JSON, as the script writes it: their paths."""
   paths = []
-  for arm, base in (('preln', 2.0), ('dnt', 1.8)):
-    for seed in range(3):
-      run = {
-        'arm': arm,
-        'lr': 0.01,
-        'seed': seed,
-        'train_loss': [[50, base + 1.0], [100, base + 0.5]],
-        'report_loss': base + 0.01 * seed,
-        'sweep_member': {'train_loss': [[50, base + 1.0], [100, base + 0.5 + 1e-4]], 'report_loss': base},
-      }
-      paths.append(str(tmp_path / f'{arm}_{seed}.json'))
-      with open(paths[-1], 'w') as f:
-        json.dump(run, f)
-  table = dnt_independent.summary(paths)
+  for run in runs:
+    paths.append(str(tmp_path / f'{run["study"]}_{run["arm"]}_{run["seed"]}.json'))
+    with open(paths[-1], 'w') as f:
+      json.dump(run, f)
+  return paths
+
+
+def test_the_summary_sets_the_loops_side_by_side(tmp_path):
+  runs = [
+    {
+      'study': 'bytes',
+      'arm': arm,
+      'lr': 0.01,
+      'seed': seed,
+      'train_loss': [[50, base + 1.0], [100, base + 0.5]],
+      'report_loss': base + 0.01 * seed,
+      'sweep_member': {'train_loss': [[50, base + 1.0], [100, base + 0.5 + 1e-4]], 'report_loss': base},
+    }
+    for arm, base in (('preln', 2.0), ('dnt', 1.8))
+    for seed in range(3)
+  ]
+  table = dnt_independent.summary(_write_runs(tmp_path, runs))
   assert '| dnt | 0.01 | 2 | 100 of 100 | 1.8200 | 1.8000 | 1.00e-04 (2) |' in table
   assert '| 100 | 2.5000 | 2.5001 | 2.3000 | 2.3001 | -0.2000 | -0.2000 |' in table
   assert 'DNT − Pre-LN at lr 0.01, independent loop: -0.2000' in table
@@ -57,32 +66,29 @@ def test_the_summary_sets_the_loops_side_by_side(tmp_path):
 def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
   """`--steps`: the sweep's member trained on; the logged losses both have are compared, and only the
   sweep's report losses give a contrast. JSONs of two studies are not summarised together."""
-  paths = []
-  for arm, base in (('preln', 3.0), ('dnt', 2.5)):
-    for seed in range(2):
-      run = {
-        'study': 'stdlib',
-        'arm': arm,
-        'lr': 0.01,
-        'seed': seed,
-        'train_loss': [[50, base + 1.0]],
-        'steps': 50,
-        'total_steps': 1000,
-        'report_loss': None,
-        'sweep_member': {
-          'train_loss': [[50, base + 1.02], [100, base]],
-          'report_loss': base - 0.5 + 0.1 * seed,
-        },
-      }
-      paths.append(str(tmp_path / f'{arm}_{seed}.json'))
-      with open(paths[-1], 'w') as f:
-        json.dump(run, f)
+  runs = [
+    {
+      'study': 'stdlib',
+      'arm': arm,
+      'lr': 0.01,
+      'seed': seed,
+      'train_loss': [[50, base + 1.0]],
+      'steps': 50,
+      'total_steps': 1000,
+      'report_loss': None,
+      'sweep_member': {
+        'train_loss': [[50, base + 1.02], [100, base]],
+        'report_loss': base - 0.5 + 0.1 * seed,
+      },
+    }
+    for arm, base in (('preln', 3.0), ('dnt', 2.5))
+    for seed in range(2)
+  ]
+  paths = _write_runs(tmp_path, runs)
   table = dnt_independent.summary(paths)
   assert '| preln | 0.01 | 0 | 50 of 1000 | – | 2.5000 | 2.00e-02 (1) |' in table
   assert '| 50 | 4.0000 | 4.0200 | 3.5000 | 3.5200 | -0.5000 | -0.5000 |' in table
   assert 'DNT − Pre-LN at lr 0.01, dsjax sweep: -0.5000' in table
   assert 'independent loop:' not in table  # no report losses of its own
-  with open(tmp_path / 'bytes.json', 'w') as f:
-    json.dump({**run, 'study': 'bytes'}, f)
   with pytest.raises(ValueError, match='different studies'):
-    dnt_independent.summary([*paths, str(tmp_path / 'bytes.json')])
+    dnt_independent.summary([*paths, *_write_runs(tmp_path, [{**runs[0], 'study': 'bytes'}])])
