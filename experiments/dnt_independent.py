@@ -158,7 +158,7 @@ def report_loss(params, constants, spec, config, split: str) -> float:
   return total / count
 
 
-def train(config, report_split: str = 'validation[50%:]', steps: int | None = None) -> dict:
+def train(config, report_split: str = STUDIES['bytes'].splits['report'], steps: int | None = None) -> dict:
   """A member trained by the loop: its training loss averaged over each `config.log_every` steps, its
   loss on `report_split` and how many steps were clipped. With `steps`, the first `steps` steps of the
   run only, and no report loss (None)."""
@@ -299,21 +299,20 @@ def _by_step(run: dict, member: dict) -> dict[int, tuple[float, float]]:
 def _pair_table(preln: dict, dnt: dict) -> list[str]:
   """Both runs' and both sweep members' logged training losses, at the steps all four logged."""
   p_losses, d_losses = _by_step(preln, preln['sweep_member']), _by_step(dnt, dnt['sweep_member'])
+  steps = sorted(set(p_losses) & set(d_losses))
+  if not steps:
+    return []
   lines = [
-    f'\nTraining loss (mean of each {_log_every(dnt)} steps), seed {dnt["seed"]}, '
+    f'\nTraining loss (mean of each {steps[0]} steps), seed {dnt["seed"]}, '
     f'Pre-LN at lr {preln["lr"]:g}, DNT at lr {dnt["lr"]:g}:\n',
     '| step | Pre-LN, independent | Pre-LN, sweep | DNT, independent | DNT, sweep '
     '| DNT − Pre-LN, independent | DNT − Pre-LN, sweep |',
     '|---|---|---|---|---|---|---|',
   ]
-  for step in sorted(set(p_losses) & set(d_losses)):
+  for step in steps:
     (p, sp), (d, sd) = p_losses[step], d_losses[step]
     lines.append(f'| {step} | {p:.4f} | {sp:.4f} | {d:.4f} | {sd:.4f} | {d - p:+.4f} | {sd - sp:+.4f} |')
   return lines
-
-
-def _log_every(run: dict) -> int | str:
-  return run['train_loss'][0][0] if run['train_loss'] else '?'
 
 
 def main(argv):
