@@ -297,7 +297,8 @@ def _by_step(run: dict, member: dict) -> dict[int, tuple[float, float]]:
 
 
 def _pair_table(preln: dict, dnt: dict) -> list[str]:
-  """Both runs' and both sweep members' logged training losses, at the steps all four logged."""
+  """Both runs' and both sweep members' logged training losses, at the steps all four logged, and the
+  difference of the report losses when both runs trained to the end."""
   p_losses, d_losses = _by_step(preln, preln['sweep_member']), _by_step(dnt, dnt['sweep_member'])
   steps = sorted(set(p_losses) & set(d_losses))
   if not steps:
@@ -312,6 +313,12 @@ def _pair_table(preln: dict, dnt: dict) -> list[str]:
   for step in steps:
     (p, sp), (d, sd) = p_losses[step], d_losses[step]
     lines.append(f'| {step} | {p:.4f} | {sp:.4f} | {d:.4f} | {sd:.4f} | {d - p:+.4f} | {sd - sp:+.4f} |')
+  if preln['report_loss'] is not None and dnt['report_loss'] is not None:
+    loop_gap = dnt['report_loss'] - preln['report_loss']
+    sweep_gap = dnt['sweep_member']['report_loss'] - preln['sweep_member']['report_loss']
+    lines.append(
+      f'\nReport loss, DNT − Pre-LN: {loop_gap:+.4f} independent loop, {sweep_gap:+.4f} dsjax sweep'
+    )
   return lines
 
 

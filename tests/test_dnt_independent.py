@@ -61,6 +61,7 @@ def test_the_summary_sets_the_loops_side_by_side(tmp_path):
   assert '| 100 | 2.5000 | 2.5001 | 2.3000 | 2.3001 | -0.2000 | -0.2000 |' in table
   assert 'DNT − Pre-LN at lr 0.01, independent loop: -0.2000' in table
   assert 'DNT − Pre-LN at lr 0.01, dsjax sweep: -0.2000 [-0.2000, -0.2000]' in table
+  assert 'Report loss, DNT − Pre-LN: -0.2000 independent loop, -0.2000 dsjax sweep' in table
 
 
 def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
@@ -90,5 +91,6 @@ def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
   assert '| 50 | 4.0000 | 4.0200 | 3.5000 | 3.5200 | -0.5000 | -0.5000 |' in table
   assert 'DNT − Pre-LN at lr 0.01, dsjax sweep: -0.5000' in table
   assert 'independent loop:' not in table  # no report losses of its own
+  assert 'Report loss, DNT − Pre-LN' not in table
   with pytest.raises(ValueError, match='different studies'):
     dnt_independent.summary([*paths, *_write_runs(tmp_path, [{**runs[0], 'study': 'bytes'}])])
