@@ -11,9 +11,11 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
   python experiments/dnt_independent.py --arm=dnt --seed=0 --out=$OUT/dnt_s0.json
   python experiments/dnt_independent.py --summarize $OUT/*.json > $OUT/summary.md  # experiments/README.md §1
 
-  OUT=experiments/results/dnt_independent_stdlib  # §11 (--study=stdlib): ~15 min on 2 CPU cores
-  python experiments/dnt_independent.py --study=stdlib --arm=preln --lr=1e-2 --seed=0 --steps=300 \
-      --out=$OUT/preln_lr1e-2_s0.json  # the same for --arm=dnt; then --summarize as above (§11)
+  OUT=experiments/results/dnt_independent_stdlib  # §11 (--study=stdlib): ~45 min on 2 CPU cores
+  python experiments/dnt_independent.py --study=stdlib --arm=preln --lr=1e-2 --seed=0 \
+      --out=$OUT/preln_lr1e-2_s0.json  # the same for --arm=dnt --lr=9e-2; then --summarize as above
+  python experiments/dnt_independent.py --study=stdlib --arm=dnt --lr=1e-2 --seed=0 --steps=300 \
+      --out=$OUT/dnt_lr1e-2_s0.json  # the first 300 steps only: ~15 min
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
 'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
