@@ -12,7 +12,7 @@ share (their mean over the batch's positions) move all the same, away from flat 
 the same run as `dslm_stall_bias.py --optimizer=msgdw --logit_grad=centred` (the same loop and update: its
 losses are that run's bit for bit) and, at every update, on that update's batch and dropout masks:
 - the loss the shared logits alone give the batch's targets (`dslm_stall_bias.logit_parts`), before the
-  update and after it: its change;
+  update and after it: its change (the losses in float64 from the float32 logits);
 - that change split by where the update came from, two ways: `alone`, the change with only one part of
   the update applied (exact, but the parts need not add up to the change), and `first_order`,
   ∇L_shared · Δθ_part (they add up to the change to first order). Δθ is the update the optimizer made, and
@@ -40,7 +40,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import scipy.special
 from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
@@ -53,15 +55,27 @@ PARTS = ('head', 'input', 'decay', 'trunk', 'other')
 
 def make_shared_loss(spec, constants):
   """The cross-entropy the shared logits (the logits' mean over the batch's positions) give the batch's
-  targets, as a function of (params, tokens_BL1, masks); its gradient is the true one (not centred)."""
+  targets, as a function of (params, tokens_BL1, masks); its gradient is the true one (not centred). Also
+  returns the shared logits alone, as a function of the same arguments."""
   logits = dslm_stall_bias.make_logits(spec, constants, 'full')
 
+  def shared_logits(params, tokens_BL1, masks):
+    return logits(params, tokens_BL1, masks).mean(axis=(0, 1))
+
   def shared_loss(params, tokens_BL1, masks):
-    shared_V = logits(params, tokens_BL1, masks).mean(axis=(0, 1))
-    log_p_V = jax.nn.log_softmax(shared_V)
+    log_p_V = jax.nn.log_softmax(shared_logits(params, tokens_BL1, masks))
     return -log_p_V[tokens_BL1[:, 1:]].mean()
 
-  return shared_loss
+  return shared_loss, shared_logits
+
+
+def shared_loss_float64(shared_V, tokens_BL1) -> float:
+  """`shared_loss` from the shared logits, in float64 on the host. The losses (~5.5 nats) of a small lr's
+  update differ by 1e-6–1e-4, a few float32 steps (4.8e-7 at 5.5): in float32 their differences would
+  be the rounding of the means, here they are the logits'."""
+  z_V = np.asarray(shared_V, np.float64)
+  log_p_V = z_V - scipy.special.logsumexp(z_V)
+  return float(-log_p_V[np.asarray(tokens_BL1)[:, 1:]].mean())
 
 
 def make_head_grad(spec, constants, logit_grad: str):
@@ -116,7 +130,7 @@ def train(config, updates: int, logit_grad: str = 'centred') -> dict:
   _, model, spec = dslm_stall_bias.arm_model(config)
   params, constants = ref.split_model(model)
   loss = dslm_stall_bias.make_loss(spec, constants, logit_grad)
-  shared_loss = make_shared_loss(spec, constants)
+  shared_loss, shared_logits = make_shared_loss(spec, constants)
   head_grad = make_head_grad(spec, constants, logit_grad)
   tx = dslm_stall_bias.make_optimizer(config)
   schedule = dslm_stall_bias.make_schedule(config)
@@ -132,8 +146,7 @@ def train(config, updates: int, logit_grad: str = 'centred') -> dict:
 
   @jax.jit
   def attribute(params, new_params, grads, deltas, table_state, count, tokens_BL1, masks):
-    before, shared_grads = jax.value_and_grad(shared_loss)(params, tokens_BL1, masks)
-    after = shared_loss(new_params, tokens_BL1, masks)
+    shared_grads = jax.grad(shared_loss)(params, tokens_BL1, masks)
     head_g = head_grad(params, tokens_BL1, masks)
     norm = optax.tree.norm(grads)
     clip_factor = jnp.minimum(1.0, clip / norm)  # optax.clip_by_global_norm's factor
@@ -154,30 +167,37 @@ def train(config, updates: int, logit_grad: str = 'centred') -> dict:
     applied = {name: {**params, 'token_embed': params['token_embed'] + parts[name]} for name in parts}
     applied['trunk'] = {**params, 'trunk': new_params['trunk']}
     applied['other'] = {**params, **{k: new_params[k] for k in others}}
-    alone = {name: shared_loss(p, tokens_BL1, masks) - before for name, p in applied.items()}
-    return before, after, first_order, alone, split_error, norm, table_state
+    # The shared logits of the model before, after, and with each part alone applied: their losses are
+    # taken in float64 (`shared_loss_float64`).
+    shared_V = {name: shared_logits(p, tokens_BL1, masks) for name, p in applied.items()}
+    shared_V['before'], shared_V['after'] = (
+      shared_logits(p, tokens_BL1, masks) for p in (params, new_params)
+    )
+    return shared_V, first_order, split_error, norm, table_state
 
   losses, norms, rows, start = [], [], [], time.time()
   for done, (tokens_BL1, masks) in zip(range(updates), dslm_stall_bias.batches(config, spec)):
     new_params, opt_state, value, grads, deltas = update(params, opt_state, tokens_BL1, masks)
-    before, after, first_order, alone, split_error, norm, table_state = attribute(
+    shared_V, first_order, split_error, norm, table_state = attribute(
       params, new_params, grads, deltas, table_state, done, tokens_BL1, masks
     )
+    shared = {name: shared_loss_float64(z_V, tokens_BL1) for name, z_V in shared_V.items()}
+    before, after = shared.pop('before'), shared.pop('after')
     params = new_params
     losses.append(float(value))
     norms.append(float(norm))
     rows.append(
       {
         'update': done + 1,
-        'shared_loss_before': float(before),
-        'shared_loss_after': float(after),
+        'shared_loss_before': before,
+        'shared_loss_after': after,
         'first_order': {k: float(v) for k, v in first_order.items()},
-        'alone': {k: float(v) for k, v in alone.items()},
+        'alone': {name: loss - before for name, loss in shared.items()},
         'table_split_error': float(split_error),
       }
     )
     print(
-      f'update {done + 1}: loss {losses[-1]:.4f}, shared {float(before):.3f} -> {float(after):.3f} '
+      f'update {done + 1}: loss {losses[-1]:.4f}, shared {before:.3f} -> {after:.3f} '
       f'({time.time() - start:.0f} s)',
       flush=True,
     )

@@ -216,7 +216,10 @@ def test_sampled_statistics_of_a_tiny_model():
     scale = std if name == 'mean' else 1.0
     assert np.all(np.abs(table[..., k[name]] - table_full[..., k[name]]) <= tolerance * scale), name
   for kind, kind_stats in few_rows['weights'].items():
-    chex.assert_trees_all_equal(kind_stats['grad_norm'], full['weights'][kind]['grad_norm'])  # exact
+    # The whole gradient's norm, not a sample's: equal up to the rounding of two compiled programs.
+    chex.assert_trees_all_close(
+      kind_stats['grad_norm'], full['weights'][kind]['grad_norm'], rtol=1e-6, atol=0
+    )
     for name in stats_lib.DISTRIBUTION_STATS:
       np.testing.assert_allclose(kind_stats[name], full['weights'][kind][name], rtol=0.5, err_msg=kind)
 

@@ -114,9 +114,9 @@ def test_mup_zero_readout_and_bad_configs():
 
 
 def test_mup_lr_scaling_reaches_the_optimizer():
-  """One AdamW update from the train setup of a width-2×base model: every hidden kernel moves by exactly
-  half of what the same optimizer without multipliers moves it (its decoupled decay included);
-  embeddings, biases, norms and the head move by exactly the same."""
+  """One AdamW update from the train setup of a width-2×base model: every hidden kernel moves by half of
+  what the same optimizer without multipliers moves it (its decoupled decay included; to float32
+  rounding); embeddings, biases, norms and the head move by exactly the same."""
   config = _mup_config(width=32, base=16, depth=2)
   config.optimizer.warmup_steps = 0  # the first update uses the full learning rate
   assert config.optimizer.weight_decay > 0
@@ -139,7 +139,10 @@ def test_mup_lr_scaling_reaches_the_optimizer():
     assert scales['trunk']['stack']['layers'][group][name]['kernel'] == 0.5
     plain = np.asarray(plain_layers[group][name]['kernel'])
     assert np.abs(plain).min() > 0
-    np.testing.assert_array_equal(np.asarray(layers_[group][name]['kernel']), 0.5 * plain, err_msg=name)
+    # Half, up to float32 rounding: the two updates are differently compiled programs.
+    np.testing.assert_allclose(
+      np.asarray(layers_[group][name]['kernel']), 0.5 * plain, rtol=1e-6, err_msg=name
+    )
     np.testing.assert_array_equal(layers_[group][name]['bias'], plain_layers[group][name]['bias'])
   unscaled = [
     ('token_embed',),
