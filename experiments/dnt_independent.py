@@ -16,6 +16,7 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
       --out=$OUT/preln_lr1e-2_s0.json  # the same for --arm=dnt --lr=9e-2; then --summarize as above
   python experiments/dnt_independent.py --study=stdlib --arm=dnt --lr=1e-2 --seed=0 --steps=300 \
       --out=$OUT/dnt_lr1e-2_s0.json  # the first 300 steps only: ~15 min
+  python experiments/dnt_independent.py --summarize_dsjax $OUT/dsjax_float32_cpu/*  # dsjax.main workdirs
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
 'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
@@ -50,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scipy.stats
 from absl import flags
 from flax import nnx
 
@@ -324,10 +326,82 @@ def _pair_table(preln: dict, dnt: dict) -> list[str]:
   return lines
 
 
+def dsjax_run(workdir: str, study: str = 'stdlib') -> dict:
+  """A `dsjax.main` run of a sweep's member (its workdir's config.json and metrics.jsonl, logged every
+  step) as this script's runs are recorded: arm, lr, seed, the training loss averaged over each of the
+  sweep member's logging windows, the report loss and the sweep member."""
+  with open(os.path.join(workdir, 'config.json')) as f:
+    config = json.load(f)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  report_split = STUDIES[study].splits['report']
+  if config['data']['eval_split'] != report_split:
+    raise ValueError(f'{workdir}: evaluated on {config["data"]["eval_split"]!r}, not {report_split!r}')
+  arm = 'dnt' if config['model'].get('dnt_setting') == SETTINGS['dnt'] else 'preln'
+  lr, seed = config['optimizer']['lr'], config['seed']
+  member = sweep_member(arm, lr, seed, study)
+  losses = {r['step']: r['train/loss'] for r in records}
+  window = member['train_loss'][0][0]
+  logged = [
+    [step, float(np.mean([losses[s] for s in range(step - window + 1, step + 1)]))]
+    for step, _ in member['train_loss']
+    if all(s in losses for s in range(step - window + 1, step + 1))
+  ]
+  finals = [r['eval/loss'] for r in records if r['step'] == config['total_steps'] and 'eval/loss' in r]
+  return {
+    'arm': arm,
+    'lr': lr,
+    'seed': seed,
+    'train_loss': logged,
+    'report_loss': finals[-1] if finals else None,
+    'sweep_member': member,
+  }
+
+
+def dsjax_summary(workdirs: list[str]) -> str:
+  """Markdown: each `dsjax.main` run beside the sweep's member of the same arm, lr and seed (on one
+  machine and precision against the sweep's): the largest difference of the logged training losses, the
+  difference at a few steps and of the report losses; then, per arm and lr, the report losses' mean
+  difference over seeds with its 95% interval (paired by seed, t with seeds − 1 degrees of freedom)."""
+  runs = sorted((dsjax_run(w) for w in workdirs), key=lambda r: (r['arm'], r['lr'], r['seed']))
+  lines = [
+    '| arm | lr | seed | largest train-loss difference (steps) | run − sweep at step 300 / 550 / 1,000 '
+    '| report loss, run | report loss, sweep | run − sweep |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for r in runs:
+    by_step = _by_step(r, r['sweep_member'])
+    largest = max(by_step.values(), key=lambda pair: abs(pair[0] - pair[1]))
+    at = ' / '.join(
+      f'{a - b:+.4f}' for a, b in (by_step[step] for step in (300, 550, 1000) if step in by_step)
+    )
+    sweep_report = r['sweep_member']['report_loss']
+    lines.append(
+      f'| {r["arm"]} | {r["lr"]:g} | {r["seed"]} | {largest[0] - largest[1]:+.4f} ({len(by_step)}) | {at} '
+      f'| {_report(r["report_loss"])} | {sweep_report:.4f} | {r["report_loss"] - sweep_report:+.4f} |'
+    )
+  for arm, lr in sorted({(r['arm'], r['lr']) for r in runs}):
+    diffs = [
+      r['report_loss'] - r['sweep_member']['report_loss'] for r in runs if (r['arm'], r['lr']) == (arm, lr)
+    ]
+    if len(diffs) > 1:
+      mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
+      half = float(scipy.stats.t.ppf(0.975, len(diffs) - 1)) * sd / np.sqrt(len(diffs))
+      lines.append(
+        f'\n{arm} at lr {lr:g}, report loss, run − sweep over {len(diffs)} seeds: '
+        f'{mean:+.4f} ± {sd:.4f} (sd), '
+        f'95% interval [{mean - half:+.4f}, {mean + half:+.4f}], range [{min(diffs):+.4f}, {max(diffs):+.4f}]'
+      )
+  return '\n'.join(lines)
+
+
 def main(argv):
   args = flags.FLAGS
   if args.summarize:
     print(summary(argv[1:]))
+    return
+  if args.summarize_dsjax:
+    print(dsjax_summary(argv[1:]))
     return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
@@ -366,4 +440,7 @@ if __name__ == '__main__':
   flags.DEFINE_integer('steps', 0, "Train the run's first this many steps only (0: all); no report loss.")
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
+  flags.DEFINE_bool(
+    'summarize_dsjax', False, 'Print the table of the dsjax.main workdirs named as arguments; train nothing.'
+  )
   cli.run(main)  # user errors as one line, without a traceback

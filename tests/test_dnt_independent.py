@@ -94,3 +94,50 @@ def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
   assert 'Report loss, DNT − Pre-LN' not in table
   with pytest.raises(ValueError, match='different studies'):
     dnt_independent.summary([*paths, *_write_runs(tmp_path, [{**runs[0], 'study': 'bytes'}])])
+
+
+def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path):
+  """`--summarize_dsjax`: a dsjax.main workdir logged every step, averaged over the sweep member's
+  windows; per seed the differences from the member, and over seeds the paired interval."""
+  member_losses = [[50, 4.0], [100, 3.0]]
+  members = [
+    {'seed': seed, 'train_loss': member_losses, 'report': {'eval/loss': 2.5 + 0.1 * seed}} for seed in (0, 1)
+  ]
+  sweep = tmp_path / 'sweep'
+  (sweep / 'arms' / 'dnt').mkdir(parents=True)
+  (sweep / 'arms' / 'dnt' / f'lr_{0.09:e}.json').write_text(json.dumps({'members': members}))
+  study = dnt_independent.STUDIES['stdlib']
+  workdirs = []
+  for seed, shift in ((0, -0.01), (1, -0.03)):
+    workdir = tmp_path / f'run{seed}'
+    workdir.mkdir()
+    config = {
+      'seed': seed,
+      'total_steps': 100,
+      'model': {'dnt_setting': 'S5'},
+      'optimizer': {'lr': 0.09},
+      'data': {'eval_split': 'test'},
+    }
+    (workdir / 'config.json').write_text(json.dumps(config))
+    records = [
+      {'step': s, 'train/loss': (4.0 if s <= 50 else 3.0) + (0.02 if s % 2 else -0.02)} for s in range(1, 101)
+    ]
+    records[-1]['eval/loss'] = 2.5 + 0.1 * seed + shift
+    (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    workdirs.append(str(workdir))
+  original = dnt_independent.STUDIES['stdlib']
+  dnt_independent.STUDIES['stdlib'] = dnt_independent.Study(original.get_config, original.splits, str(sweep))
+  try:
+    table = dnt_independent.dsjax_summary(workdirs)
+    (workdir / 'config.json').write_text(json.dumps({**config, 'data': {'eval_split': 'validation'}}))
+    with pytest.raises(ValueError, match="evaluated on 'validation', not 'test'"):
+      dnt_independent.dsjax_summary(workdirs)
+  finally:
+    dnt_independent.STUDIES['stdlib'] = original
+  assert study.splits['report'] == 'test'
+  assert '| dnt | 0.09 | 0 | +0.0000 (2) |  | 2.4900 | 2.5000 | -0.0100 |' in table
+  assert '| dnt | 0.09 | 1 | +0.0000 (2) |  | 2.5700 | 2.6000 | -0.0300 |' in table
+  # Paired: mean −0.02, sd 0.0141, t(0.975, 1) = 12.706, half-width 12.706 · 0.0141 / √2 = 0.1271.
+  assert (
+    'over 2 seeds: -0.0200 ± 0.0141 (sd), 95% interval [-0.1471, +0.1071], range [-0.0300, -0.0100]' in table
+  )
