@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import scipy.stats
 from absl import flags
 from flax import nnx
 
@@ -384,13 +383,15 @@ def dsjax_summary(workdirs: list[str]) -> str:
     diffs = [
       r['report_loss'] - r['sweep_member']['report_loss'] for r in runs if (r['arm'], r['lr']) == (arm, lr)
     ]
-    if len(diffs) > 1:
-      mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
-      half = float(scipy.stats.t.ppf(0.975, len(diffs) - 1)) * sd / np.sqrt(len(diffs))
+    # One group of paired differences: its contrast interval is the one-sample t interval (seeds − 1 df).
+    interval = protocol.contrast_interval([diffs], [1])
+    if interval:
+      d = protocol.spread(diffs)
       lines.append(
-        f'\n{arm} at lr {lr:g}, report loss, run − sweep over {len(diffs)} seeds: '
-        f'{mean:+.4f} ± {sd:.4f} (sd), '
-        f'95% interval [{mean - half:+.4f}, {mean + half:+.4f}], range [{min(diffs):+.4f}, {max(diffs):+.4f}]'
+        f'\n{arm} at lr {lr:g}, report loss, run − sweep over {d["n"]} seeds: '
+        f'{d["mean"]:+.4f} ± {d["sd"]:.4f} (sd), '
+        f'95% interval [{interval["low"]:+.4f}, {interval["high"]:+.4f}], '
+        f'range [{d["min"]:+.4f}, {d["max"]:+.4f}]'
       )
   return '\n'.join(lines)
 

@@ -1,6 +1,7 @@
 """experiments/dnt_independent.py: its independent loop (the plain reference, `jax.grad`, optax) trains a
 DNT model as `dsjax.main` does, update for update, and its summary reads the runs."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -96,7 +97,7 @@ def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
     dnt_independent.summary([*paths, *_write_runs(tmp_path, [{**runs[0], 'study': 'bytes'}])])
 
 
-def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path):
+def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path, monkeypatch):
   """`--summarize_dsjax`: a dsjax.main workdir logged every step, averaged over the sweep member's
   windows; per seed the differences from the member, and over seeds the paired interval."""
   member_losses = [[50, 4.0], [100, 3.0]]
@@ -125,15 +126,11 @@ def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path):
     records[-1]['eval/loss'] = 2.5 + 0.1 * seed + shift
     (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
     workdirs.append(str(workdir))
-  original = dnt_independent.STUDIES['stdlib']
-  dnt_independent.STUDIES['stdlib'] = dnt_independent.Study(original.get_config, original.splits, str(sweep))
-  try:
-    table = dnt_independent.dsjax_summary(workdirs)
-    (workdir / 'config.json').write_text(json.dumps({**config, 'data': {'eval_split': 'validation'}}))
-    with pytest.raises(ValueError, match="evaluated on 'validation', not 'test'"):
-      dnt_independent.dsjax_summary(workdirs)
-  finally:
-    dnt_independent.STUDIES['stdlib'] = original
+  monkeypatch.setitem(dnt_independent.STUDIES, 'stdlib', dataclasses.replace(study, sweep=str(sweep)))
+  table = dnt_independent.dsjax_summary(workdirs)
+  (workdir / 'config.json').write_text(json.dumps({**config, 'data': {'eval_split': 'validation'}}))
+  with pytest.raises(ValueError, match="evaluated on 'validation', not 'test'"):
+    dnt_independent.dsjax_summary(workdirs)
   assert study.splits['report'] == 'test'
   assert '| dnt | 0.09 | 0 | +0.0000 (2) |  | 2.4900 | 2.5000 | -0.0100 |' in table
   assert '| dnt | 0.09 | 1 | +0.0000 (2) |  | 2.5700 | 2.6000 | -0.0300 |' in table
