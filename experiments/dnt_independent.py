@@ -393,7 +393,32 @@ def dsjax_summary(workdirs: list[str]) -> str:
         f'95% interval [{interval["low"]:+.4f}, {interval["high"]:+.4f}], '
         f'range [{d["min"]:+.4f}, {d["max"]:+.4f}]'
       )
+  lines.extend(_gap_lines(runs))
   return '\n'.join(lines)
+
+
+def _gap_lines(runs: list[dict]) -> list[str]:
+  """DNT − Pre-LN in report loss over the seeds run, by these runs and by the sweep's members of the same
+  seeds, each with the 95% interval the sweep's claim uses (Welch's, the arms as independent groups).
+  Only when each arm ran at one lr and at least two seeds."""
+  by_arm = {arm: [r for r in runs if r['arm'] == arm] for arm in ('dnt', 'preln')}
+  if any(len(arm_runs) < 2 or len({r['lr'] for r in arm_runs}) > 1 for arm_runs in by_arm.values()):
+    return []
+  dnt, preln = by_arm['dnt'], by_arm['preln']
+  seeds = ', '.join(str(r['seed']) for r in dnt), ', '.join(str(r['seed']) for r in preln)
+  lines = [
+    f'\nDNT at lr {dnt[0]["lr"]:g} (seeds {seeds[0]}) − Pre-LN at lr {preln[0]["lr"]:g} (seeds {seeds[1]}), '
+    'report loss, 95% interval (Welch):'
+  ]
+  for label, value in (
+    ('run', lambda r: r['report_loss']),
+    ('sweep', lambda r: r['sweep_member']['report_loss']),
+  ):
+    interval = protocol.welch_interval([value(r) for r in dnt], [value(r) for r in preln])
+    lines.append(
+      f'- {label}: {interval["difference"]:+.4f} [{interval["low"]:+.4f}, {interval["high"]:+.4f}]'
+    )
+  return lines
 
 
 def main(argv):

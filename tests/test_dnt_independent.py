@@ -138,3 +138,50 @@ def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path, monkeypa
   assert (
     'over 2 seeds: -0.0200 ± 0.0141 (sd), 95% interval [-0.1471, +0.1071], range [-0.0300, -0.0100]' in table
   )
+
+
+def _sweep_member_and_run(tmp_path, arm: str, lr: float, seeds_and_losses) -> list[str]:
+  """The sweep's arm at lr (report loss per seed) and a dsjax.main workdir per seed (its report loss)."""
+  arm_dir = tmp_path / 'sweep' / 'arms' / arm
+  arm_dir.mkdir(parents=True, exist_ok=True)
+  members = [
+    {'seed': seed, 'train_loss': [[100, 3.0]], 'report': {'eval/loss': sweep}}
+    for seed, sweep, _ in seeds_and_losses
+  ]
+  (arm_dir / f'lr_{lr:e}.json').write_text(json.dumps({'members': members}))
+  workdirs = []
+  for seed, _, run in seeds_and_losses:
+    workdir = tmp_path / f'{arm}{seed}'
+    workdir.mkdir()
+    config = {
+      'seed': seed,
+      'total_steps': 100,
+      'model': {'dnt_setting': dnt_independent.SETTINGS[arm]},
+      'optimizer': {'lr': lr},
+      'data': {'eval_split': 'test'},
+    }
+    (workdir / 'config.json').write_text(json.dumps(config))
+    records = [{'step': s, 'train/loss': 3.0} for s in range(1, 101)]
+    records[-1]['eval/loss'] = run
+    (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    workdirs.append(str(workdir))
+  return workdirs
+
+
+def test_the_dsjax_summary_gives_dnt_minus_preln_by_the_runs_and_by_the_sweep(tmp_path, monkeypatch):
+  """With both arms at two or more seeds, the gap's Welch interval, by the runs and by the sweep."""
+  dnt = _sweep_member_and_run(tmp_path, 'dnt', 0.09, [(0, 2.5, 2.4), (1, 2.6, 2.5)])
+  preln = _sweep_member_and_run(tmp_path, 'preln', 0.01, [(0, 3.2, 3.1), (1, 3.4, 3.3)])
+  study = dnt_independent.STUDIES['stdlib']
+  monkeypatch.setitem(
+    dnt_independent.STUDIES, 'stdlib', dataclasses.replace(study, sweep=str(tmp_path / 'sweep'))
+  )
+  table = dnt_independent.dsjax_summary(dnt + preln)
+  # Runs: means 2.45 and 3.2, variances 0.005 and 0.02, se² = 0.0025 + 0.01; df by Welch-Satterthwaite.
+  expected = dnt_independent.protocol.welch_interval([2.4, 2.5], [3.1, 3.3])
+  assert expected['difference'] == pytest.approx(-0.75)
+  assert f'- run: -0.7500 [{expected["low"]:+.4f}, {expected["high"]:+.4f}]' in table
+  sweep = dnt_independent.protocol.welch_interval([2.5, 2.6], [3.2, 3.4])
+  assert f'- sweep: -0.7500 [{sweep["low"]:+.4f}, {sweep["high"]:+.4f}]' in table
+  assert 'DNT at lr 0.09 (seeds 0, 1) − Pre-LN at lr 0.01 (seeds 0, 1)' in table
+  assert 'Welch' not in dnt_independent.dsjax_summary(dnt + preln[:1])
