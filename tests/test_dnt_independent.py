@@ -97,55 +97,15 @@ def test_a_run_cut_short_is_compared_on_its_logged_losses_only(tmp_path):
     dnt_independent.summary([*paths, *_write_runs(tmp_path, [{**runs[0], 'study': 'bytes'}])])
 
 
-def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path, monkeypatch):
-  """`--summarize_dsjax`: a dsjax.main workdir logged every step, averaged over the sweep member's
-  windows; per seed the differences from the member, and over seeds the paired interval."""
-  member_losses = [[50, 4.0], [100, 3.0]]
-  members = [
-    {'seed': seed, 'train_loss': member_losses, 'report': {'eval/loss': 2.5 + 0.1 * seed}} for seed in (0, 1)
-  ]
-  sweep = tmp_path / 'sweep'
-  (sweep / 'arms' / 'dnt').mkdir(parents=True)
-  (sweep / 'arms' / 'dnt' / f'lr_{0.09:e}.json').write_text(json.dumps({'members': members}))
-  study = dnt_independent.STUDIES['stdlib']
-  workdirs = []
-  for seed, shift in ((0, -0.01), (1, -0.03)):
-    workdir = tmp_path / f'run{seed}'
-    workdir.mkdir()
-    config = {
-      'seed': seed,
-      'total_steps': 100,
-      'model': {'dnt_setting': 'S5'},
-      'optimizer': {'lr': 0.09},
-      'data': {'eval_split': 'test'},
-    }
-    (workdir / 'config.json').write_text(json.dumps(config))
-    records = [
-      {'step': s, 'train/loss': (4.0 if s <= 50 else 3.0) + (0.02 if s % 2 else -0.02)} for s in range(1, 101)
-    ]
-    records[-1]['eval/loss'] = 2.5 + 0.1 * seed + shift
-    (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    workdirs.append(str(workdir))
-  monkeypatch.setitem(dnt_independent.STUDIES, 'stdlib', dataclasses.replace(study, sweep=str(sweep)))
-  table = dnt_independent.dsjax_summary(workdirs)
-  (workdir / 'config.json').write_text(json.dumps({**config, 'data': {'eval_split': 'validation'}}))
-  with pytest.raises(ValueError, match="evaluated on 'validation', not 'test'"):
-    dnt_independent.dsjax_summary(workdirs)
-  assert study.splits['report'] == 'test'
-  assert '| dnt | 0.09 | 0 | +0.0000 (2) |  | 2.4900 | 2.5000 | -0.0100 |' in table
-  assert '| dnt | 0.09 | 1 | +0.0000 (2) |  | 2.5700 | 2.6000 | -0.0300 |' in table
-  # Paired: mean −0.02, sd 0.0141, t(0.975, 1) = 12.706, half-width 12.706 · 0.0141 / √2 = 0.1271.
-  assert (
-    'over 2 seeds: -0.0200 ± 0.0141 (sd), 95% interval [-0.1471, +0.1071], range [-0.0300, -0.0100]' in table
-  )
-
-
-def _sweep_member_and_run(tmp_path, arm: str, lr: float, seeds_and_losses) -> list[str]:
-  """The sweep's arm at lr (report loss per seed) and a dsjax.main workdir per seed (its report loss)."""
+def _sweep_member_and_run(
+  tmp_path, arm: str, lr: float, seeds_and_losses, member_losses=((100, 3.0),), train_loss=lambda step: 3.0
+) -> list[str]:
+  """The sweep's arm at lr (its logged training losses; report loss per seed) and a dsjax.main workdir per
+  seed (training loss per step; its report loss)."""
   arm_dir = tmp_path / 'sweep' / 'arms' / arm
   arm_dir.mkdir(parents=True, exist_ok=True)
   members = [
-    {'seed': seed, 'train_loss': [[100, 3.0]], 'report': {'eval/loss': sweep}}
+    {'seed': seed, 'train_loss': [list(m) for m in member_losses], 'report': {'eval/loss': sweep}}
     for seed, sweep, _ in seeds_and_losses
   ]
   (arm_dir / f'lr_{lr:e}.json').write_text(json.dumps({'members': members}))
@@ -161,11 +121,43 @@ def _sweep_member_and_run(tmp_path, arm: str, lr: float, seeds_and_losses) -> li
       'data': {'eval_split': 'test'},
     }
     (workdir / 'config.json').write_text(json.dumps(config))
-    records = [{'step': s, 'train/loss': 3.0} for s in range(1, 101)]
+    records = [{'step': s, 'train/loss': train_loss(s)} for s in range(1, 101)]
     records[-1]['eval/loss'] = run
     (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
     workdirs.append(str(workdir))
   return workdirs
+
+
+def test_the_dsjax_summary_sets_float32_runs_beside_the_sweep(tmp_path, monkeypatch):
+  """`--summarize_dsjax`: a dsjax.main workdir logged every step, averaged over the sweep member's
+  windows; per seed the differences from the member, and over seeds the paired interval."""
+  workdirs = _sweep_member_and_run(
+    tmp_path,
+    'dnt',
+    0.09,
+    [(seed, 2.5 + 0.1 * seed, 2.5 + 0.1 * seed + shift) for seed, shift in ((0, -0.01), (1, -0.03))],
+    member_losses=((50, 4.0), (100, 3.0)),
+    train_loss=lambda s: (4.0 if s <= 50 else 3.0) + (0.02 if s % 2 else -0.02),
+  )
+  study = dnt_independent.STUDIES['stdlib']
+  monkeypatch.setitem(
+    dnt_independent.STUDIES, 'stdlib', dataclasses.replace(study, sweep=str(tmp_path / 'sweep'))
+  )
+  table = dnt_independent.dsjax_summary(workdirs)
+  config_path = os.path.join(workdirs[-1], 'config.json')
+  with open(config_path) as f:
+    config = json.load(f)
+  with open(config_path, 'w') as f:
+    json.dump({**config, 'data': {'eval_split': 'validation'}}, f)
+  with pytest.raises(ValueError, match="evaluated on 'validation', not 'test'"):
+    dnt_independent.dsjax_summary(workdirs)
+  assert study.splits['report'] == 'test'
+  assert '| dnt | 0.09 | 0 | +0.0000 (2) |  | 2.4900 | 2.5000 | -0.0100 |' in table
+  assert '| dnt | 0.09 | 1 | +0.0000 (2) |  | 2.5700 | 2.6000 | -0.0300 |' in table
+  # Paired: mean −0.02, sd 0.0141, t(0.975, 1) = 12.706, half-width 12.706 · 0.0141 / √2 = 0.1271.
+  assert (
+    'over 2 seeds: -0.0200 ± 0.0141 (sd), 95% interval [-0.1471, +0.1071], range [-0.0300, -0.0100]' in table
+  )
 
 
 def test_the_dsjax_summary_gives_dnt_minus_preln_by_the_runs_and_by_the_sweep(tmp_path, monkeypatch):
