@@ -17,6 +17,10 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
   python experiments/dnt_independent.py --study=stdlib --arm=dnt --lr=1e-2 --seed=0 --steps=300 \
       --out=$OUT/dnt_lr1e-2_s0.json  # the first 300 steps only: ~15 min
   python experiments/dnt_independent.py --summarize_dsjax $OUT/dsjax_float32_cpu/*  # dsjax.main workdirs
+  python experiments/dnt_independent.py --study=stdlib --arm=preln --lr=1e-2 --seed=0 --steps=200 \
+      --log_every=1 --out=$OUT/step_by_step/preln_lr1e-2_s0.json  # every step's loss: ~6 min
+  python experiments/dnt_independent.py --step_by_step $OUT/step_by_step/preln_lr1e-2_s0.json \
+      $OUT/dsjax_float32_cpu/preln_lr1e-2_s0  # where the loop parts from dsjax.main, step by step
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
 'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -421,6 +426,49 @@ def _gap_lines(runs: list[dict]) -> list[str]:
   return lines
 
 
+def _every_step(path: str) -> tuple[tuple, dict[int, float], str]:
+  """(arm, lr, seed), the training loss at every step logged and a label: of this loop's JSON logged
+  every step (`--log_every=1`) or of a `dsjax.main` workdir (a folder; its metrics.jsonl)."""
+  if os.path.isdir(path):
+    with open(os.path.join(path, 'config.json')) as f:
+      config = json.load(f)
+    with open(os.path.join(path, 'metrics.jsonl')) as f:
+      losses = {r['step']: r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r}
+    arm = 'dnt' if config['model'].get('dnt_setting') == SETTINGS['dnt'] else 'preln'
+    return (arm, config['optimizer']['lr'], config['seed']), losses, 'dsjax.main'
+  with open(path) as f:
+    run = json.load(f)
+  if run['train_loss'][0][0] != 1:
+    every = run['train_loss'][0][0]
+    raise ValueError(f'{path}: logged every {every} steps, not every step (--log_every=1)')
+  return (run['arm'], run['lr'], run['seed']), dict(map(tuple, run['train_loss'])), 'the loop'
+
+
+def step_by_step(first: str, second: str, windows: int = 10) -> str:
+  """Markdown: where two runs of one member, each logged every step, part: the first step at which their
+  training losses differ, and the largest difference in each of `windows` equal spans of the steps both
+  logged. Each is this loop's JSON (`--log_every=1`) or a `dsjax.main` workdir. Two implementations of
+  one computation agree to the bit until their roundings first differ; how fast that difference then
+  grows is the training's own sensitivity to rounding."""
+  (member, losses, label), (other, other_losses, other_label) = _every_step(first), _every_step(second)
+  if member != other:
+    raise ValueError(f'{first} and {second}: not the same arm, lr and seed')
+  diffs = [(step, loss - other_losses[step]) for step, loss in sorted(losses.items()) if step in other_losses]
+  differs = next((step for step, d in diffs if d != 0), None)
+  arm, lr, seed = member
+  lines = [
+    f'{arm} at lr {lr:g}, seed {seed}: {label} − {other_label}, training loss at each of {len(diffs)} '
+    f'steps; first step that differs: {differs or "none"}\n',
+    '| steps | largest difference | at step |',
+    '|---|---|---|',
+  ]
+  span = max(1, math.ceil(len(diffs) / windows))
+  for i in range(0, len(diffs), span):
+    step, d = max(diffs[i : i + span], key=lambda sd: abs(sd[1]))
+    lines.append(f'| {diffs[i][0]}–{diffs[i : i + span][-1][0]} | {d:+.2e} | {step} |')
+  return '\n'.join(lines)
+
+
 def main(argv):
   args = flags.FLAGS
   if args.summarize:
@@ -429,11 +477,19 @@ def main(argv):
   if args.summarize_dsjax:
     print(dsjax_summary(argv[1:]))
     return
+  if args.step_by_step:
+    if len(argv) != 3:
+      raise ValueError('--step_by_step reads two runs: JSONs of this loop or dsjax.main workdirs')
+    print(step_by_step(*argv[1:]))
+    return
   if len(argv) > 1:
     raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
   if not args.lr > 0:
     raise ValueError(f'--lr must be > 0, got {args.lr}')
   config = arm_config(args.arm, args.lr, args.seed, args.study)
+  if args.log_every < 0:
+    raise ValueError(f"--log_every must be >= 0 (0: the sweep's {config.log_every}), got {args.log_every}")
+  config.log_every = args.log_every or config.log_every
   steps = args.steps or config.total_steps
   if not 0 < steps <= config.total_steps or steps % config.log_every:
     raise ValueError(
@@ -464,9 +520,15 @@ if __name__ == '__main__':
   flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms, §11's for Pre-LN).")
   flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
   flags.DEFINE_integer('steps', 0, "Train the run's first this many steps only (0: all); no report loss.")
+  flags.DEFINE_integer('log_every', 0, "Steps per logged mean training loss (0: the sweep's).")
   flags.DEFINE_string('out', None, 'The JSON to write.')
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
   flags.DEFINE_bool(
     'summarize_dsjax', False, 'Print the table of the dsjax.main workdirs named as arguments; train nothing.'
+  )
+  flags.DEFINE_bool(
+    'step_by_step',
+    False,
+    'Print where two runs logged every step (loop JSONs, dsjax.main workdirs) part; train nothing.',
   )
   cli.run(main)  # user errors as one line, without a traceback

@@ -177,3 +177,30 @@ def test_the_dsjax_summary_gives_dnt_minus_preln_by_the_runs_and_by_the_sweep(tm
   assert f'- sweep: -0.7500 [{sweep["low"]:+.4f}, {sweep["high"]:+.4f}]' in table
   assert 'DNT at lr 0.09 (seeds 0, 1) − Pre-LN at lr 0.01 (seeds 0, 1)' in table
   assert 'Welch' not in dnt_independent.dsjax_summary(dnt + preln[:1])
+
+
+def test_step_by_step_finds_where_two_runs_part(tmp_path):
+  """`--step_by_step`: two runs of one member logged every step (a loop's JSON, a dsjax.main workdir):
+  the first step that differs and the largest difference per span of steps; another member, or a loop
+  logged less often, is refused."""
+  workdir, other = (
+    _sweep_member_and_run(tmp_path / name, 'preln', 0.01, [(0, 3.2, 3.1)], train_loss=loss)[0]
+    for name, loss in (('a', lambda s: 3.0), ('b', lambda s: 3.0 + 1e-3 * (s > 90)))
+  )
+  # Equal for 40 steps, then 1e-6 growing tenfold every 20 steps.
+  losses = [[s, 3.0 + (0 if s <= 40 else 1e-6 * 10 ** ((s - 41) // 20))] for s in range(1, 101)]
+  run = {'arm': 'preln', 'lr': 0.01, 'seed': 0, 'train_loss': losses, 'study': 'stdlib'}
+  path = _write_runs(tmp_path, [run])[0]
+  table = dnt_independent.step_by_step(path, workdir, windows=5)
+  assert 'the loop − dsjax.main, training loss at each of 100 steps; first step that differs: 41' in table
+  assert '| 1–20 | +0.00e+00 | 1 |' in table
+  assert '| 41–60 | +1.00e-06 | 41 |' in table
+  assert '| 81–100 | +1.00e-04 | 81 |' in table
+  both = dnt_independent.step_by_step(other, workdir, windows=10)
+  assert 'dsjax.main − dsjax.main' in both and 'first step that differs: 91' in both
+  assert '| 91–100 | +1.00e-03 | 91 |' in both
+  with pytest.raises(ValueError, match='not the same arm'):
+    dnt_independent.step_by_step(_write_runs(tmp_path, [{**run, 'seed': 1, 'study': 'x'}])[0], workdir)
+  coarse = {**run, 'train_loss': losses[49::50], 'study': 'y'}
+  with pytest.raises(ValueError, match='not every step'):
+    dnt_independent.step_by_step(_write_runs(tmp_path, [coarse])[0], workdir)
