@@ -21,6 +21,8 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
       --log_every=1 --out=$OUT/step_by_step/preln_lr1e-2_s0.json  # every step's loss: ~6 min
   python experiments/dnt_independent.py --step_by_step $OUT/step_by_step/preln_lr1e-2_s0.json \
       $OUT/dsjax_float32_cpu/preln_lr1e-2_s0  # where the loop parts from dsjax.main, step by step
+  python experiments/dnt_independent.py --replicas $OUT/preln_lr1e-2_s0.json \
+      $OUT/dsjax_float32_cpu*/preln_lr1e-2_s0  # runs of one member that differ only in rounding
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
 'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
@@ -469,6 +471,52 @@ def step_by_step(first: str, second: str, windows: int = 10) -> str:
   return '\n'.join(lines)
 
 
+def _report_of(path: str) -> tuple[tuple, float | None]:
+  """(arm, lr, seed) and the report loss of this loop's JSON or of a `dsjax.main` workdir (its evaluation
+  at the last step); None for a run that did not train to the end."""
+  if os.path.isdir(path):
+    run = dsjax_run(path)
+    return (run['arm'], run['lr'], run['seed']), run['report_loss']
+  with open(path) as f:
+    run = json.load(f)
+  return (run['arm'], run['lr'], run['seed']), run['report_loss']
+
+
+def replicas(paths: list[str], study: str = 'stdlib') -> str:
+  """Markdown: runs of one member (arm, lr and seed) that differ only in how they round — this loop,
+  `dsjax.main` with other XLA flags or microbatches — each with its report loss, and their spread beside
+  the sweep's member of that seed and the sweep's spread over its seeds at that lr."""
+  by_member: dict[tuple, list[tuple[str, float]]] = {}
+  for path in paths:
+    member, loss = _report_of(path)
+    if loss is not None:
+      by_member.setdefault(member, []).append((os.path.normpath(path), loss))
+  lines = []
+  for (arm, lr, seed), runs in sorted(by_member.items()):
+    d = protocol.spread([loss for _, loss in runs])
+    lines += [
+      f'\n{arm} at lr {lr:g}, seed {seed}: report loss of {d["n"]} runs\n',
+      '| run | report loss |',
+      '|---|---|',
+    ]
+    lines += [f'| {path} | {loss:.4f} |' for path, loss in runs]
+    lines.append(f'\nthese runs: {_spread_text(d)}')
+    arm_file = os.path.join(STUDIES[study].sweep, 'arms', arm, f'lr_{lr:e}.json')
+    if os.path.exists(arm_file):
+      with open(arm_file) as f:
+        members = json.load(f)['members']
+      over_seeds = protocol.spread([m['report']['eval/loss'] for m in members])
+      this_seed = ''.join(
+        f'seed {seed} {m["report"]["eval/loss"]:.4f}; ' for m in members if m['seed'] == seed
+      )
+      lines.append(f'the sweep: {this_seed}its {over_seeds["n"]} seeds {_spread_text(over_seeds)}')
+  return '\n'.join(lines)
+
+
+def _spread_text(d: dict) -> str:
+  return f'{d["mean"]:.4f} ± {d["sd"]:.4f} (sd), range {d["min"]:.4f}–{d["max"]:.4f}'
+
+
 def main(argv):
   args = flags.FLAGS
   if args.summarize:
@@ -476,6 +524,9 @@ def main(argv):
     return
   if args.summarize_dsjax:
     print(dsjax_summary(argv[1:]))
+    return
+  if args.replicas:
+    print(replicas(argv[1:]))
     return
   if args.step_by_step:
     if len(argv) != 3:
@@ -525,6 +576,12 @@ if __name__ == '__main__':
   flags.DEFINE_bool('summarize', False, 'Print the table of the JSONs named as arguments; train nothing.')
   flags.DEFINE_bool(
     'summarize_dsjax', False, 'Print the table of the dsjax.main workdirs named as arguments; train nothing.'
+  )
+  flags.DEFINE_bool(
+    'replicas',
+    False,
+    'Print the report losses of runs of one member that differ only in rounding (loop JSONs, dsjax.main '
+    'workdirs) beside the sweep; train nothing.',
   )
   flags.DEFINE_bool(
     'step_by_step',

@@ -204,3 +204,26 @@ def test_step_by_step_finds_where_two_runs_part(tmp_path):
   coarse = {**run, 'train_loss': losses[49::50], 'study': 'y'}
   with pytest.raises(ValueError, match='not every step'):
     dnt_independent.step_by_step(_write_runs(tmp_path, [coarse])[0], workdir)
+
+
+def test_replicas_set_runs_of_one_member_beside_the_sweeps_seeds(tmp_path, monkeypatch):
+  """`--replicas`: runs of one member that differ only in rounding (a loop's JSON, dsjax.main workdirs),
+  their spread, and the sweep's member of that seed and its spread over seeds; a run cut short is left
+  out."""
+  workdirs = [
+    _sweep_member_and_run(tmp_path / name, 'preln', 0.01, [(0, 3.2, report)])[0]
+    for name, report in (('a', 3.1), ('b', 3.3))
+  ]
+  study = dnt_independent.STUDIES['stdlib']
+  monkeypatch.setitem(
+    dnt_independent.STUDIES, 'stdlib', dataclasses.replace(study, sweep=str(tmp_path / 'a' / 'sweep'))
+  )
+  loop_run = {'arm': 'preln', 'lr': 0.01, 'seed': 0, 'train_loss': [[100, 3.0]], 'report_loss': 3.2}
+  cut = {**loop_run, 'seed': 1, 'report_loss': None}
+  paths = _write_runs(tmp_path, [{**loop_run, 'study': 'stdlib'}, {**cut, 'study': 'x'}])
+  table = dnt_independent.replicas([*workdirs, *paths])
+  assert 'preln at lr 0.01, seed 0: report loss of 3 runs' in table
+  assert f'| {os.path.normpath(workdirs[1])} | 3.3000 |' in table
+  assert 'these runs: 3.2000 ± 0.1000 (sd), range 3.1000–3.3000' in table
+  assert 'the sweep: seed 0 3.2000; its 1 seeds 3.2000 ± 0.0000 (sd)' in table
+  assert 'seed 1' not in table
