@@ -332,19 +332,24 @@ def _pair_table(preln: dict, dnt: dict) -> list[str]:
   return lines
 
 
-def dsjax_run(workdir: str, study: str = 'stdlib') -> dict:
-  """A `dsjax.main` run of a sweep's member (its workdir's config.json and metrics.jsonl, logged every
-  step) as this script's runs are recorded: arm, lr, seed, the training loss averaged over each of the
-  sweep member's logging windows, the report loss and the sweep member."""
+def _read_workdir(workdir: str) -> tuple[tuple, dict, list[dict]]:
+  """(arm, lr, seed), the config and the logged records of a `dsjax.main` workdir."""
   with open(os.path.join(workdir, 'config.json')) as f:
     config = json.load(f)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     records = [json.loads(line) for line in f]
+  arm = 'dnt' if config['model'].get('dnt_setting') == SETTINGS['dnt'] else 'preln'
+  return (arm, config['optimizer']['lr'], config['seed']), config, records
+
+
+def dsjax_run(workdir: str, study: str = 'stdlib') -> dict:
+  """A `dsjax.main` run of a sweep's member (its workdir's config.json and metrics.jsonl, logged every
+  step) as this script's runs are recorded: arm, lr, seed, the training loss averaged over each of the
+  sweep member's logging windows, the report loss and the sweep member."""
+  (arm, lr, seed), config, records = _read_workdir(workdir)
   report_split = STUDIES[study].splits['report']
   if config['data']['eval_split'] != report_split:
     raise ValueError(f'{workdir}: evaluated on {config["data"]["eval_split"]!r}, not {report_split!r}')
-  arm = 'dnt' if config['model'].get('dnt_setting') == SETTINGS['dnt'] else 'preln'
-  lr, seed = config['optimizer']['lr'], config['seed']
   member = sweep_member(arm, lr, seed, study)
   losses = {r['step']: r['train/loss'] for r in records}
   window = member['train_loss'][0][0]
@@ -432,12 +437,8 @@ def _every_step(path: str) -> tuple[tuple, dict[int, float], str]:
   """(arm, lr, seed), the training loss at every step logged and a label: of this loop's JSON logged
   every step (`--log_every=1`) or of a `dsjax.main` workdir (a folder; its metrics.jsonl)."""
   if os.path.isdir(path):
-    with open(os.path.join(path, 'config.json')) as f:
-      config = json.load(f)
-    with open(os.path.join(path, 'metrics.jsonl')) as f:
-      losses = {r['step']: r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r}
-    arm = 'dnt' if config['model'].get('dnt_setting') == SETTINGS['dnt'] else 'preln'
-    return (arm, config['optimizer']['lr'], config['seed']), losses, 'dsjax.main'
+    member, _, records = _read_workdir(path)
+    return member, {r['step']: r['train/loss'] for r in records if 'train/loss' in r}, 'dsjax.main'
   with open(path) as f:
     run = json.load(f)
   if run['train_loss'][0][0] != 1:
@@ -534,7 +535,9 @@ def main(argv):
     print(step_by_step(*argv[1:]))
     return
   if len(argv) > 1:
-    raise ValueError(f'{argv[1]!r}: JSON paths are read with --summarize only')
+    raise ValueError(
+      f'{argv[1]!r}: paths are read with --summarize, --summarize_dsjax, --replicas, --step_by_step'
+    )
   if not args.lr > 0:
     raise ValueError(f'--lr must be > 0, got {args.lr}')
   config = arm_config(args.arm, args.lr, args.seed, args.study)
