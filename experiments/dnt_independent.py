@@ -214,9 +214,14 @@ def train(config, report_split: str = STUDIES['bytes'].splits['report'], steps: 
   }
 
 
+def _arm_file(arm: str, lr: float, study: str) -> str:
+  """The sweep's results of an arm at one lr (dsjax.sweep's `arms/ARM/lr_LR.json`)."""
+  return os.path.join(STUDIES[study].sweep, 'arms', arm, f'lr_{lr:e}.json')
+
+
 def sweep_member(arm: str, lr: float, seed: int, study: str = 'bytes') -> dict | None:
   """The sweep's member of the same arm, lr and seed: its logged training losses and report loss."""
-  path = os.path.join(STUDIES[study].sweep, 'arms', arm, f'lr_{lr:e}.json')
+  path = _arm_file(arm, lr, study)
   if not os.path.exists(path):
     return None
   with open(path) as f:
@@ -477,9 +482,9 @@ def _report_of(path: str) -> tuple[tuple, float | None]:
   at the last step); None for a run that did not train to the end."""
   if os.path.isdir(path):
     run = dsjax_run(path)
-    return (run['arm'], run['lr'], run['seed']), run['report_loss']
-  with open(path) as f:
-    run = json.load(f)
+  else:
+    with open(path) as f:
+      run = json.load(f)
   return (run['arm'], run['lr'], run['seed']), run['report_loss']
 
 
@@ -502,7 +507,7 @@ def replicas(paths: list[str], study: str = 'stdlib') -> str:
     ]
     lines += [f'| {path} | {loss:.4f} |' for path, loss in runs]
     lines.append(f'\nthese runs: {_spread_text(d)}')
-    arm_file = os.path.join(STUDIES[study].sweep, 'arms', arm, f'lr_{lr:e}.json')
+    arm_file = _arm_file(arm, lr, study)
     if os.path.exists(arm_file):
       with open(arm_file) as f:
         members = json.load(f)['members']
