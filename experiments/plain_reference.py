@@ -18,9 +18,9 @@ derivative rule), so a 192-layer backward pass keeps only each layer's input.
 What it covers: LayerNorm and RMSNorm; every norm placement of `dsjax.models.plan.NormLayout` — Pre-LN,
 Post-LN, and DNT's InputNorm, PreNorm, MidNorm and QKNorm (Qi et al. 2025, arXiv:2507.17501, §3), so
 the settings S1–S5 —; learned positions, ReLU / exact GeLU, dense layers with or without biases, dropout
-on the embedding and both branch outputs, untied or tied embeddings. `reference_spec` refuses a model
-with anything else (attention dropout, a warmed-up logit scale, identity-mixed attention, a
-concatenation trunk).
+on the embedding and both branch outputs, untied or tied embeddings, `model.matmul_cast` (in the forward
+pass). `reference_spec` refuses a model with anything else (attention dropout, a warmed-up logit scale,
+identity-mixed attention, a concatenation trunk).
 tests/test_plain_reference.py checks loss and every parameter gradient against dsjax's.
 """
 
@@ -57,6 +57,7 @@ class Spec:
   post_norm: bool  # Post-LN: a norm after each residual add
   final_norm: bool  # after the stack, before the head
   tied: bool  # the head is the token embedding's transpose
+  matmul_cast: str = 'none'  # every weight matmul's inputs rounded to this format first (`_rounded`)
 
 
 def reference_spec(model: nnx.Module) -> Spec:
@@ -93,6 +94,7 @@ def reference_spec(model: nnx.Module) -> Spec:
     post_norm=lay.post,
     final_norm=lay.final_norm,
     tied=model.head is None,
+    matmul_cast=cfg.matmul_cast,
   )
 
 
@@ -148,8 +150,13 @@ def _norm(x, p, spec: Spec):
   return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + spec.eps) * p['scale']
 
 
-def _dense(x, p):
-  y = jnp.einsum('...i,io->...o', x, p['kernel'], precision='highest')
+def _rounded(t, spec: Spec):
+  """t rounded to `spec.matmul_cast` and back, unscaled (forward only: no gradient rule)."""
+  return t if spec.matmul_cast == 'none' else t.astype(spec.matmul_cast).astype(t.dtype)
+
+
+def _dense(x, p, spec: Spec):
+  y = jnp.einsum('...i,io->...o', _rounded(x, spec), _rounded(p['kernel'], spec), precision='highest')
   return y + p['bias'] if 'bias' in p else y
 
 
@@ -163,14 +170,14 @@ def _softmax(z, mask):
 def _attention(x_BLD, p, spec: Spec):
   b, l, d = x_BLD.shape
   heads = lambda t: t.reshape(b, l, spec.num_heads, d // spec.num_heads)  # noqa: E731
-  q, k, v = heads(_dense(x_BLD, p['q'])), heads(_dense(x_BLD, p['k'])), heads(_dense(x_BLD, p['v']))
+  q, k, v = (heads(_dense(x_BLD, p[name], spec)) for name in ('q', 'k', 'v'))
   if spec.qk_norm:
     q, k = _norm(q, p['q_norm'], spec), _norm(k, p['k_norm'], spec)
   logits_BHQT = spec.logit_scale * jnp.einsum('bqhk,bthk->bhqt', q, k, precision='highest')
   mask_QT = jnp.tril(jnp.ones((l, l), bool)) if spec.causal else jnp.ones((l, l), bool)
   probs_BHQT = _softmax(logits_BHQT, mask_QT)
   out_BLHK = jnp.einsum('bhqt,bthk->bqhk', probs_BHQT, v, precision='highest')
-  return _dense(out_BLHK.reshape(b, l, d), p['o'])
+  return _dense(out_BLHK.reshape(b, l, d), p['o'], spec)
 
 
 def _activation(h, name):
@@ -202,7 +209,7 @@ def _block_with_terms(x_BLD, p, keep_2BLD, spec: Spec):
   attn_terms = (p['skip_attn'], x_BLD, p['branch_attn'], h)
   x_BLD = norm('post_attn_norm', _residual_sum(*attn_terms), spec.post_norm)
   ffn_in = norm('pre_ffn_norm', x_BLD, spec.pre_ffn)
-  h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1']), spec.activation), p['ffn']['ffn2'])
+  h = _dense(_activation(_dense(ffn_in, p['ffn']['ffn1'], spec), spec.activation), p['ffn']['ffn2'], spec)
   h = _dropout(norm('mid_ffn_norm', h, spec.mid_ffn), keep[1], spec.dropout)
   ffn_terms = (skip_ffn, x_BLD, branch_ffn, h)
   return norm('post_ffn_norm', _residual_sum(*ffn_terms), spec.post_norm), attn_terms, ffn_terms
@@ -249,7 +256,8 @@ SUM_PARTS = (
 
 def _embed(tree, tokens_BL, spec: Spec, masks):
   """Token and position embedding, its dropout, and the InputNorm where there is one."""
-  x_BLD = tree['token_embed'][tokens_BL] + tree['pos_embedding'][: tokens_BL.shape[1]]
+  token_VD, pos_LD = tree['token_embed'], tree['pos_embedding'][: tokens_BL.shape[1]]
+  x_BLD = _rounded(token_VD, spec)[tokens_BL] + _rounded(pos_LD, spec)
   x_BLD = _dropout(x_BLD, None if masks is None else masks['embedding'], spec.dropout)
   if spec.input_norm:
     x_BLD = _norm(x_BLD, tree['trunk']['input_norm'], spec)
@@ -274,7 +282,7 @@ def logits(tree, tokens_BL, spec: Spec, masks=None, deltas_NBLD=None):
     x_BLD = _norm(x_BLD, tree['trunk']['final_norm'], spec)
   x_BLD = x_BLD * tree['trunk']['output_scale']
   head_DV = tree['token_embed'].T if spec.tied else tree['head']['kernel']
-  return jnp.einsum('bld,dv->blv', x_BLD, head_DV, precision='highest')
+  return jnp.einsum('bld,dv->blv', _rounded(x_BLD, spec), _rounded(head_DV, spec), precision='highest')
 
 
 def layer_outputs(tree, tokens_BL, spec: Spec, masks=None) -> tuple[jax.Array, jax.Array]:

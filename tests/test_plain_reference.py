@@ -8,6 +8,7 @@ and token correlation, and the gradients with respect to them, equal those that 
 probe records.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -190,3 +191,24 @@ def test_the_residual_sums_of_a_pre_ln_layer_are_its_output():
   tokens = _batch()['tokens'][:, :-1]
   x_NBLD, sum_vars_N2 = ref.layer_outputs(ref.cast(ref.reference_tree(model), jnp.float32), tokens, spec)
   np.testing.assert_allclose(sum_vars_N2[:, 1], np.asarray(x_NBLD).var(-1).mean((1, 2)), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  'block,tied,fmt',
+  [('postln', True, 'float8_e4m3fn'), ('postln', False, 'float8_e5m2'), ('preln', True, 'float8_e5m2')],
+)
+def test_a_model_cast_to_fp8_computes_the_references_cast_loss(block, tied, fmt):
+  """`model.matmul_cast` rounds what the reference rounds: every dense layer's input and kernel, both
+  embedding tables and the head (the tied embedding's transpose or its own kernel)."""
+  _, model = _model(block, 'plain', 0.0, 'gelu', tied, matmul_cast=fmt)
+  batch = _batch()
+  loss, _ = _dsjax_loss_and_grads(model, batch, None)
+  spec = ref.reference_spec(model)
+  assert spec.matmul_cast == fmt
+  tree = ref.cast(ref.reference_tree(model), jnp.float32)
+  ref_loss = float(jax.jit(lambda t: ref.loss(t, batch['tokens'], spec))(tree))
+  uncast = float(
+    jax.jit(lambda t: ref.loss(t, batch['tokens'], dataclasses.replace(spec, matmul_cast='none')))(tree)
+  )
+  np.testing.assert_allclose(ref_loss, loss, rtol=1e-5)
+  assert abs(uncast - loss) > 10 * 1e-5 * abs(loss)  # the cast is seen: the check is not vacuous

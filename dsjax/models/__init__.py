@@ -76,6 +76,7 @@ def transformer_config(model_config, plan: InitPlan | None = None) -> Transforme
     dtype=compute_dtype(m),
     attention=attention_implementation(m, head_dim=head_dim),
     fused_ops=fused_ops_implementation(m),
+    matmul_cast=m.matmul_cast,
   )
   if plan is None:
     return cfg

@@ -93,6 +93,7 @@ class ConcatLayer(nnx.Module):
       lr_scale=lr_scale,
       out_width=g,
       fused_gelu=cfg.fused_ops == 'pallas',
+      matmul_cast=cfg.matmul_cast,
       rngs=rngs,
     )
 

@@ -16,7 +16,7 @@ from absl import logging
 from ml_collections import config_dict
 
 from dsjax.models.backend import compiling_for_another, target_backend
-from dsjax.models.layers import ACTIVATIONS, ATTENTION_IMPLEMENTATIONS
+from dsjax.models.layers import ACTIVATIONS, ATTENTION_IMPLEMENTATIONS, MATMUL_CASTS
 from dsjax.models.plan import BLOCKS, DNT_SETTINGS
 from dsjax.models.transformer import REMAT_POLICIES
 from dsjax.models.vit import POOLINGS, POS_EMBEDDINGS
@@ -48,6 +48,11 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'  # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
   m.attention = 'auto'  # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
   m.fused_ops = 'auto'  # 'auto' (= 'none' for now) | 'none' | 'pallas' (fused norm and GELU kernels)
+  # 'none' | 'float8_e4m3fn' | 'float8_e5m2': every weight matmul's inputs (activations and weights,
+  # the embedding tables too) rounded to this format unscaled, computed in `dtype` (layers.direct_cast):
+  # FP8 inference by direct casting (Kedia et al. 2024, §4.6, Table 12). Attention's own products,
+  # norms, biases and the residual stream stay unrounded.
+  m.matmul_cast = 'none'
   m.remat = 'none'  # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True  # False: a Python loop over the layers instead of jax.lax.scan
   m.scan_unroll = 1  # layers per scan iteration
@@ -70,6 +75,7 @@ RESUMABLE_KEYS = (
   'dtype',
   'attention',
   'fused_ops',
+  'matmul_cast',
   'scan_layers',
   'scan_unroll',
 )
@@ -149,6 +155,7 @@ def validate_model(m) -> None:
   attention_implementation(m)  # Checks that an explicit 'cudnn' or 'splash' can run here.
   one_of('model.fused_ops', m.fused_ops, FUSED_OPS)
   fused_ops_implementation(m)  # Warns where an explicit 'pallas' runs in the interpreter.
+  one_of('model.matmul_cast', m.matmul_cast, MATMUL_CASTS)
   one_of('model.remat', m.remat, REMAT_POLICIES)
   boolean('model.scan_layers', m.scan_layers)
   positive_int('model.scan_unroll', m.scan_unroll)

@@ -46,7 +46,7 @@ class GPT(nnx.Module):
       lr.get('pos', 1.0),
     )
     self.trunk = make_trunk(cfg, plan, rngs=rngs)
-    self.dtype = cfg.dtype
+    self.dtype, self.matmul_cast = cfg.dtype, cfg.matmul_cast
     self.head = (
       None
       if tie_embeddings
@@ -59,11 +59,16 @@ class GPT(nnx.Module):
         axes=('embed', 'vocab'),
         lr_scale=lr.get('head', 1.0),
         rngs=rngs,
+        input_cast=cfg.matmul_cast,
       )
     )
 
   def embed(self, tokens_BL: jax.Array) -> jax.Array:
-    return self.token_embed[...][tokens_BL] + self.pos_embedding[...][: tokens_BL.shape[1]]
+    """Token plus position embedding; with `model.matmul_cast` both tables are read as cast to it (the
+    lookup picks entries, so this is the table stored in that format)."""
+    token_VD = layers.direct_cast(self.token_embed[...], self.matmul_cast)
+    pos_LD = layers.direct_cast(self.pos_embedding[...][: tokens_BL.shape[1]], self.matmul_cast)
+    return token_VD[tokens_BL] + pos_LD
 
   def __call__(
     self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None, probe: Probe = no_probe
@@ -72,7 +77,8 @@ class GPT(nnx.Module):
     writes float32, so the loss's softmax sees logits that were never rounded to bfloat16."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      logits_BLV = layers.matmul_last_axis(x_BLD, self.token_embed[...].astype(self.dtype).T, jnp.float32)
+      embed_DV = layers.direct_cast(self.token_embed[...].astype(self.dtype).T, self.matmul_cast)
+      logits_BLV = layers.matmul_last_axis(layers.direct_cast(x_BLD, self.matmul_cast), embed_DV, jnp.float32)
     else:
       logits_BLV = self.head(x_BLD, out_dtype=jnp.float32)
     return constrain_batch(logits_BLV)

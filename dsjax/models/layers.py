@@ -98,11 +98,28 @@ def matmul_last_axis(x: jax.Array, kernel: jax.Array, out_dtype: Any = None) -> 
   return jnp.tensordot(x, kernel, axes=1, preferred_element_type=out_dtype)
 
 
+# `model.matmul_cast`: the number formats a weight matmul's inputs may be rounded to ('none': no cast).
+MATMUL_CASTS = ('none', 'float8_e4m3fn', 'float8_e5m2')
+
+
+def direct_cast(x: jax.Array, fmt: str) -> jax.Array:
+  """x rounded to the number format `fmt` and back to x's dtype, unscaled ("direct casting", Kedia et al.
+  2024, arXiv:2403.09635, §4.6, Table 12): values below the format's smallest subnormal become 0, values
+  beyond its largest finite become NaN (float8_e4m3fn has no infinity) or ±inf (float8_e5m2). The
+  gradient passes as if the cast were the identity (the straight-through estimator), so a model trained
+  with a cast still learns from unrounded gradients."""
+  if fmt == 'none':
+    return x
+  return x + jax.lax.stop_gradient(x.astype(fmt).astype(x.dtype) - x)
+
+
 class Dense(nnx.Module):
   """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`.
 
   `lr_scale` multiplies the kernel's learning rate only: a bias is a vector-like parameter, whose Adam
   learning rate μP leaves unscaled (Yang et al. 2021, Tensor Programs V, Table 3: "all biases").
+  `input_cast` (`model.matmul_cast`): the matmul's two inputs, x and the kernel, are `direct_cast` to that
+  format first (the bias stays unrounded).
   """
 
   def __init__(
@@ -116,14 +133,21 @@ class Dense(nnx.Module):
     axes: tuple[str | None, str | None],
     rngs: nnx.Rngs,
     lr_scale: float = 1.0,
+    input_cast: str = 'none',
   ):
     self.kernel = param(init_weight(rngs.params(), (d_in, d_out), std, distribution), axes, lr_scale)
     self.bias = param(jnp.zeros((d_out,)), axes[1:]) if use_bias else None
+    self.input_cast = input_cast
+
+  def matmul(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x @ kernel in x's dtype (the compute dtype the block casts its branch input to), whatever the
+    parameters are stored in, with the inputs cast as `input_cast` says; written in `out_dtype`."""
+    kernel = direct_cast(self.kernel[...].astype(x.dtype), self.input_cast)
+    return matmul_last_axis(direct_cast(x, self.input_cast), kernel, out_dtype)
 
   def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """The matmul runs in the input's dtype (the compute dtype the block casts its branch input to),
-    whatever the parameters are stored in; its output is in `out_dtype` (default the input's)."""
-    y = matmul_last_axis(x, self.kernel[...].astype(x.dtype), out_dtype)
+    """The matmul (`matmul`), then the bias; the output is in `out_dtype` (default the input's)."""
+    y = self.matmul(x, out_dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     return y
@@ -246,6 +270,7 @@ class Attention(nnx.Module):
     inner_width: int | None = None,
     out_width: int | None = None,
     implementation: str = 'xla',
+    matmul_cast: str = 'none',
   ):
     if implementation not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(
@@ -271,6 +296,7 @@ class Attention(nnx.Module):
         axes=axes,
         lr_scale=lr.get(name, 1.0),
         rngs=rngs,
+        input_cast=matmul_cast,
       )
 
     self.q, self.k = dense('q', d, inner, ('embed', 'heads')), dense('k', d, inner, ('embed', 'heads'))
@@ -293,10 +319,11 @@ class Attention(nnx.Module):
     middle axis (d, 3, inner): at the small widths the CPU trains, three matmuls of a third of the width
     (and their gradients) run well below the rate of one. On that axis each projection is a contiguous
     block of every row of the product (no strided copies in the backward pass), and kernels sharded over
-    'heads' give a stack sharded the same way. The parameters stay three `Dense` modules."""
-    denses = (self.q, self.k, self.v)
-    kernel_D3I = jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1)
-    qkv_N3I = matmul_last_axis(x_BLD.reshape(-1, x_BLD.shape[-1]), kernel_D3I)
+    'heads' give a stack sharded the same way. The parameters stay three `Dense` modules, and the inputs
+    are cast as theirs would be (`Dense.input_cast`)."""
+    denses, cast = (self.q, self.k, self.v), self.q.input_cast
+    kernel_D3I = direct_cast(jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1), cast)
+    qkv_N3I = matmul_last_axis(direct_cast(x_BLD.reshape(-1, x_BLD.shape[-1]), cast), kernel_D3I)
     if self.q.bias is not None:  # Added before (B, L) is restored: its gradient is a sum over one axis.
       qkv_N3I = qkv_N3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
     qkv_BL3I = qkv_N3I.reshape(*x_BLD.shape[:2], *qkv_N3I.shape[1:])
@@ -350,6 +377,7 @@ class FFN(nnx.Module):
     lr_scale: dict[str, float] | None = None,
     out_width: int | None = None,
     fused_gelu: bool = False,
+    matmul_cast: str = 'none',
   ):
     if activation not in ACTIVATIONS:
       raise ValueError(f'model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}')
@@ -365,6 +393,7 @@ class FFN(nnx.Module):
       axes=('embed', 'mlp'),
       lr_scale=lr.get('ffn1', 1.0),
       rngs=rngs,
+      input_cast=matmul_cast,
     )
     self.ffn2 = Dense(
       hidden,
@@ -375,11 +404,12 @@ class FFN(nnx.Module):
       axes=('mlp', 'embed'),
       lr_scale=lr.get('ffn2', 1.0),
       rngs=rngs,
+      input_cast=matmul_cast,
     )
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     if self.fused_gelu:  # ffn1's matmul, then its bias and the GELU in one pass
-      z_BLF = matmul_last_axis(x_BLD, self.ffn1.kernel[...].astype(x_BLD.dtype))
+      z_BLF = self.ffn1.matmul(x_BLD)
       bias_F = None if self.ffn1.bias is None else self.ffn1.bias[...]
       return self.ffn2(fused_ops.bias_gelu(z_BLF, bias_F))
     return self.ffn2(ACTIVATIONS[self.activation](self.ffn1(x_BLD)))

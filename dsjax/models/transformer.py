@@ -121,6 +121,7 @@ class TransformerConfig:
   dtype: str = 'float32'  # compute dtype of the branches (the residual stream stays float32)
   attention: str = 'xla'  # attention implementation: 'xla' | 'cudnn' | 'splash' (layers.Attention)
   fused_ops: str = 'none'  # 'none' | 'pallas' (`dsjax.models.fused_ops`; module docstring)
+  matmul_cast: str = 'none'  # every weight matmul's inputs rounded to this format (layers.direct_cast)
 
 
 def _residual_scale(value: Any, how: ResidualScale, width: int) -> nnx.Variable:
@@ -152,6 +153,7 @@ def attention(
     identity_mix=cfg.attn_identity,
     lr_scale=lr_scale,
     implementation=cfg.attention,
+    matmul_cast=cfg.matmul_cast,
     rngs=rngs,
     **widths,
   )
@@ -179,6 +181,7 @@ class Block(nnx.Module):
       use_bias=cfg.use_bias,
       lr_scale=lr_scale,
       fused_gelu=cfg.fused_ops == 'pallas',
+      matmul_cast=cfg.matmul_cast,
       rngs=rngs,
     )
     # λ (skip) and β (branch) of both adds; a shared scale is one variable used at both adds.

@@ -66,6 +66,7 @@ class ViT(nnx.Module):
       axes=('patch', 'embed'),
       lr_scale=lr.get('input', 1.0),
       rngs=rngs,
+      input_cast=cfg.matmul_cast,
     )
     if pos_embedding == 'learned':
       self.pos_embedding = layers.param(
@@ -86,6 +87,7 @@ class ViT(nnx.Module):
       axes=('embed', 'vocab'),
       lr_scale=lr.get('head', 1.0),
       rngs=rngs,
+      input_cast=cfg.matmul_cast,
     )
 
   def embed(self, images_BHWC: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from dsjax import data as data_lib
+from dsjax.models.config import RESUMABLE_KEYS
 from dsjax.train import config as config_lib
 from dsjax.train import state as state_lib
 from dsjax.train import step as step_lib
@@ -98,11 +99,15 @@ def train(
   verbose: bool = True,
   progress: Progress | None = None,
   final_variants: dict[str, Callable[[Any], Any]] | None = None,
+  model_variants: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """Trains every member for `config.total_steps` steps; evaluates all on the evaluation split
   (`data.eval_split`, else the dataset's) at `eval_steps` and at the end, and at the end also on
   `report_split` if given. `final_variants` {name: params → params} are also evaluated at the end, as
-  'final/<name>' (e.g. the trained weights cast to FP8 and back). `progress` is called every `log_every`
+  'final/<name>' (e.g. the trained weights cast to FP8 and back); `model_variants` {name: {model key:
+  value}} evaluate the final state in the model those keys build instead — keys that change how a step is
+  computed, not the parameters (`RESUMABLE_KEYS`, e.g. {'matmul_cast': 'float8_e4m3fn'}) — also as
+  'final/<name>'. `progress` is called every `log_every`
   steps and at the last (default: a printed line when `verbose`).
 
   Returns {'members': [{'lr', 'seed', 'diverged', 'nonfinite_steps', 'eval': {step: metrics},
@@ -114,17 +119,20 @@ def train(
   data_info = data_lib.dataset_info(data_config)
   config_lib.validate_against_data(config, data_info)
   seeds = sorted({m.seed for m in members})
+  for keys in (model_variants or {}).values():
+    if not set(keys) <= set(RESUMABLE_KEYS):
+      raise ValueError(f'model_variants: only {list(RESUMABLE_KEYS)} may change, got {sorted(keys)}')
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = step_lib.LOSSES[config.model.name]
   if progress is None and verbose:
     progress = _print_progress(config.total_steps)
 
   # Initial states, one per seed (each seed's method preparation runs on that seed's first batches).
-  setups, states = {}, {}
+  setups, states, prepared = {}, {}, {}
   for seed in seeds:
     c = _member_config(config, seed)
-    prepared = state_lib.method_preparation(c, data_info)
-    setups[seed] = state_lib.make_setup(c, data_info, prepared)
+    prepared[seed] = state_lib.method_preparation(c, data_info)
+    setups[seed] = state_lib.make_setup(c, data_info, prepared[seed])
     states[seed] = jax.jit(setups[seed].create_state)()
   setup = setups[seeds[0]]
   state_K = _stack([states[m.seed] for m in members])
@@ -144,12 +152,17 @@ def train(
     )
     return step_fn(state, batch)
 
+  def vmapped_eval_step(graphdef):
+    return jax.jit(jax.vmap(step_lib.make_eval_step(graphdef, loss_fn), in_axes=(0, None)))
+
   train_step = jax.jit(jax.vmap(member_step), donate_argnums=0)
-  eval_step = jax.jit(jax.vmap(step_lib.make_eval_step(setup.graphdef, loss_fn), in_axes=(0, None)))
+  eval_step = vmapped_eval_step(setup.graphdef)
   pipelines = {seed: state_lib.whole_train_batches(config, data_config, seed) for seed in seeds}
 
-  def evaluate(state_K, split: str | None = None) -> list[dict[str, float]]:
-    """Every member's metrics on `split` (default: the evaluation split), as `loop.evaluate` gives them."""
+  def evaluate(state_K, split: str | None = None, step_fn=None) -> list[dict[str, float]]:
+    """Every member's metrics on `split` (default: the evaluation split), as `loop.evaluate` gives them;
+    `step_fn`: another vmapped eval step than the run's (a model variant's)."""
+    step_fn = eval_step if step_fn is None else step_fn
     eval_data = data_lib.make_pipeline(
       data_config,
       split=split,
@@ -161,7 +174,7 @@ def train(
     )
     totals: dict[str, np.ndarray] = {}
     for batch in eval_data:
-      for k, v in jax.device_get(eval_step(state_K, batch)).items():
+      for k, v in jax.device_get(step_fn(state_K, batch)).items():
         totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
     num_bytes = getattr(eval_data, 'target_num_bytes', None)
     results = []
@@ -208,5 +221,11 @@ def train(
   for name, transform in (final_variants or {}).items():
     variant_K = dict(state_K, params=jax.jit(transform)(state_K['params']))
     for r, ev in zip(records, evaluate(variant_K)):
+      r[f'final/{name}'] = ev
+  for name, keys in (model_variants or {}).items():
+    variant = _member_config(config, seeds[0])
+    variant.model.update(keys)
+    graphdef = state_lib.make_setup(variant, data_info, prepared[seeds[0]]).graphdef
+    for r, ev in zip(records, evaluate(state_K, step_fn=vmapped_eval_step(graphdef))):
       r[f'final/{name}'] = ev
   return {'members': records, 'seconds': time.time() - t0, 'steps': config.total_steps, 'state': state_K}

@@ -56,3 +56,19 @@ def test_a_member_on_its_splits_is_the_loop_on_them(tmp_path):
   np.testing.assert_allclose(member['report']['eval/loss'], final['eval/loss'], atol=2e-5)
   assert member['final']['eval/loss'] != member['report']['eval/loss']  # two different splits
   assert member['clipped_steps'] == 3
+
+
+def test_model_variants_evaluate_the_final_state_in_another_model():
+  """A variant with the run's own key value is the run's evaluation; an FP8 cast moves the loss a little;
+  a key that changes the parameters is refused before anything trains."""
+  c = _tiny_gpt('adamw')
+  c.total_steps = c.eval_every = c.checkpoint_every = 3
+  variants = {'same': {'matmul_cast': 'none'}, 'e5m2': {'matmul_cast': 'float8_e5m2'}}
+  (member,) = population.train(c, population.grid([1e-3], [0]), model_variants=variants, verbose=False)[
+    'members'
+  ]
+  assert member['final/same'] == member['final']
+  loss, cast = member['final']['eval/loss'], member['final/e5m2']['eval/loss']
+  assert cast != loss and abs(cast - loss) < 0.1 * loss
+  with pytest.raises(ValueError, match=r"model_variants: only \[.*\] may change, got \['depth'\]"):
+    population.train(c, population.grid([1e-3], [0]), model_variants={'deeper': {'depth': 4}}, verbose=False)
