@@ -18,8 +18,8 @@ derivative rule), so a 192-layer backward pass keeps only each layer's input.
 What it covers: LayerNorm and RMSNorm; every norm placement of `dsjax.models.plan.NormLayout` — Pre-LN,
 Post-LN, and DNT's InputNorm, PreNorm, MidNorm and QKNorm (Qi et al. 2025, arXiv:2507.17501, §3), so
 the settings S1–S5 —; learned positions, ReLU / exact GeLU, dense layers with or without biases, dropout
-on the embedding and both branch outputs, untied or tied embeddings, `model.matmul_cast` (in the forward
-pass). `reference_spec` refuses a model with anything else (attention dropout, a warmed-up logit scale,
+on the embedding and both branch outputs, untied or tied embeddings, `model.matmul_cast`.
+`reference_spec` refuses a model with anything else (attention dropout, a warmed-up logit scale,
 identity-mixed attention, a concatenation trunk).
 tests/test_plain_reference.py checks loss and every parameter gradient against dsjax's.
 """
@@ -151,8 +151,11 @@ def _norm(x, p, spec: Spec):
 
 
 def _rounded(t, spec: Spec):
-  """t rounded to `spec.matmul_cast` and back, unscaled (forward only: no gradient rule)."""
-  return t if spec.matmul_cast == 'none' else t.astype(spec.matmul_cast).astype(t.dtype)
+  """t rounded to `spec.matmul_cast` and back, unscaled; the gradient passes unrounded, as if the cast
+  were the identity (written here as t + stop_gradient(rounded − t): no derivative rule)."""
+  if spec.matmul_cast == 'none':
+    return t
+  return t + jax.lax.stop_gradient(t.astype(spec.matmul_cast).astype(t.dtype) - t)
 
 
 def _dense(x, p, spec: Spec):

@@ -199,16 +199,18 @@ def test_the_residual_sums_of_a_pre_ln_layer_are_its_output():
 )
 def test_a_model_cast_to_fp8_computes_the_references_cast_loss(block, tied, fmt):
   """`model.matmul_cast` rounds what the reference rounds: every dense layer's input and kernel, both
-  embedding tables and the head (the tied embedding's transpose or its own kernel)."""
+  embedding tables and the head (the tied embedding's transpose or its own kernel); the gradients, passed
+  through the casts unrounded, agree too."""
   _, model = _model(block, 'plain', 0.0, 'gelu', tied, matmul_cast=fmt)
   batch = _batch()
-  loss, _ = _dsjax_loss_and_grads(model, batch, None)
+  loss, grads = _dsjax_loss_and_grads(model, batch, None)
   spec = ref.reference_spec(model)
   assert spec.matmul_cast == fmt
   tree = ref.cast(ref.reference_tree(model), jnp.float32)
-  ref_loss = float(jax.jit(lambda t: ref.loss(t, batch['tokens'], spec))(tree))
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda t: ref.loss(t, batch['tokens'], spec)))(tree)
+  _assert_grads_close(ref_grads, grads)
   uncast = float(
     jax.jit(lambda t: ref.loss(t, batch['tokens'], dataclasses.replace(spec, matmul_cast='none')))(tree)
   )
-  np.testing.assert_allclose(ref_loss, loss, rtol=1e-5)
+  np.testing.assert_allclose(float(ref_loss), loss, rtol=1e-5)
   assert abs(uncast - loss) > 10 * 1e-5 * abs(loss)  # the cast is seen: the check is not vacuous

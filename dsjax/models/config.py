@@ -48,10 +48,10 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'  # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
   m.attention = 'auto'  # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
   m.fused_ops = 'auto'  # 'auto' (= 'none' for now) | 'none' | 'pallas' (fused norm and GELU kernels)
-  # 'none' | 'float8_e4m3fn' | 'float8_e5m2': every weight matmul's inputs (activations and weights,
-  # the embedding tables too) rounded to this format unscaled, computed in `dtype` (layers.direct_cast):
-  # FP8 inference by direct casting (Kedia et al. 2024, §4.6, Table 12). Attention's own products,
-  # norms, biases and the residual stream stay unrounded.
+  # 'none' | 'float8_e4m3fn' | 'float8_e5m2': every weight matmul's inputs (activations and weights)
+  # and the embedding, position and class-token tables rounded to this format unscaled, computed in
+  # `dtype` (layers.direct_cast): FP8 inference by direct casting (Kedia et al. 2024, arXiv:2403.09635,
+  # §4.6, Table 12). Attention's own products, norms, biases and the residual stream stay unrounded.
   m.matmul_cast = 'none'
   m.remat = 'none'  # 'none' | 'full' | a jax.checkpoint_policies name ('dots_saveable': keep matmuls)
   m.scan_layers = True  # False: a Python loop over the layers instead of jax.lax.scan

@@ -103,11 +103,11 @@ MATMUL_CASTS = ('none', 'float8_e4m3fn', 'float8_e5m2')
 
 
 def direct_cast(x: jax.Array, fmt: str) -> jax.Array:
-  """x rounded to the number format `fmt` and back to x's dtype, unscaled ("direct casting", Kedia et al.
-  2024, arXiv:2403.09635, §4.6, Table 12): values below the format's smallest subnormal become 0, values
-  beyond its largest finite become NaN (float8_e4m3fn has no infinity) or ±inf (float8_e5m2). The
-  gradient passes as if the cast were the identity (the straight-through estimator), so a model trained
-  with a cast still learns from unrounded gradients."""
+  """x rounded to the number format `fmt` (to nearest) and back to x's dtype, unscaled ("direct casting",
+  Kedia et al. 2024, arXiv:2403.09635, §4.6, Table 12): values below half the format's smallest subnormal
+  become 0, values past its largest finite number's rounding range become NaN (float8_e4m3fn has no
+  infinity) or ±inf (float8_e5m2). The gradient passes as if the cast were the identity (the
+  straight-through estimator): the cotangent itself is not rounded."""
   if fmt == 'none':
     return x
   return x + jax.lax.stop_gradient(x.astype(fmt).astype(x.dtype) - x)

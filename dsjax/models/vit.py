@@ -54,6 +54,7 @@ class ViT(nnx.Module):
   ):
     h, w, c = image_shape
     self.patch_size, self.pooling, self.dtype = patch_size, pooling, cfg.dtype
+    self.matmul_cast = cfg.matmul_cast
     grid_h, grid_w = h // patch_size, w // patch_size
     d, head_width = embedding_and_head_widths(cfg, plan)
     lr = plan.lr_scale
@@ -92,9 +93,11 @@ class ViT(nnx.Module):
 
   def embed(self, images_BHWC: jax.Array) -> jax.Array:
     patches_BLP = patchify(images_BHWC, self.patch_size).astype(self.dtype)
-    x_BLD = self.patch_embed(patches_BLP) + self.pos_embedding[...]  # float32 from here (promotion)
+    pos_LD = layers.direct_cast(self.pos_embedding[...], self.matmul_cast)
+    x_BLD = self.patch_embed(patches_BLP) + pos_LD  # float32 from here (promotion)
     if self.cls_token is not None:
-      cls_B1D = jnp.broadcast_to(self.cls_token[...], (x_BLD.shape[0], 1, x_BLD.shape[2]))
+      cls_11D = layers.direct_cast(self.cls_token[...], self.matmul_cast)
+      cls_B1D = jnp.broadcast_to(cls_11D, (x_BLD.shape[0], 1, x_BLD.shape[2]))
       x_BLD = jnp.concatenate([cls_B1D, x_BLD], axis=1)
     return x_BLD
 

@@ -119,9 +119,15 @@ def train(
   data_info = data_lib.dataset_info(data_config)
   config_lib.validate_against_data(config, data_info)
   seeds = sorted({m.seed for m in members})
-  for keys in (model_variants or {}).values():
+  variant_configs = {}
+  for name, keys in (model_variants or {}).items():
     if not set(keys) <= set(RESUMABLE_KEYS):
       raise ValueError(f'model_variants: only {list(RESUMABLE_KEYS)} may change, got {sorted(keys)}')
+    if name in (final_variants or {}):
+      raise ValueError(f'model_variants: {name!r} is also a final_variants name')
+    variant_configs[name] = _member_config(config, seeds[0])
+    variant_configs[name].model.update(keys)
+    config_lib.validate_config(variant_configs[name], num_devices=1)  # checked before anything trains
   use_dropout = config.model.dropout > 0 or config.model.attn_dropout > 0
   loss_fn = step_lib.LOSSES[config.model.name]
   if progress is None and verbose:
@@ -222,9 +228,7 @@ def train(
     variant_K = dict(state_K, params=jax.jit(transform)(state_K['params']))
     for r, ev in zip(records, evaluate(variant_K)):
       r[f'final/{name}'] = ev
-  for name, keys in (model_variants or {}).items():
-    variant = _member_config(config, seeds[0])
-    variant.model.update(keys)
+  for name, variant in variant_configs.items():
     graphdef = state_lib.make_setup(variant, data_info, prepared[seeds[0]]).graphdef
     for r, ev in zip(records, evaluate(state_K, step_fn=vmapped_eval_step(graphdef))):
       r[f'final/{name}'] = ev

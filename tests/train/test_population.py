@@ -72,3 +72,7 @@ def test_model_variants_evaluate_the_final_state_in_another_model():
   assert cast != loss and abs(cast - loss) < 0.1 * loss
   with pytest.raises(ValueError, match=r"model_variants: only \[.*\] may change, got \['depth'\]"):
     population.train(c, population.grid([1e-3], [0]), model_variants={'deeper': {'depth': 4}}, verbose=False)
+  with pytest.raises(ValueError, match=r'model.matmul_cast must be one of'):
+    population.train(
+      c, population.grid([1e-3], [0]), model_variants={'e': {'matmul_cast': 'fp8'}}, verbose=False
+    )
