@@ -187,19 +187,15 @@ def tally(comparison: dict) -> str:
   return '\n'.join(lines)
 
 
-def loss_line(measured: dict) -> str:
-  """The trained models' eval loss: the 'trained' rows compare models at these losses."""
-  losses = {s: measured[s][2] for s in SETTINGS}
-  arms = ', '.join(
-    f'{s} {np.mean(v):.3f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.3f}' for s, v in losses.items()
-  )
-  interval = protocol.welch_interval(losses['S5'], losses['S1'])
-  d = (
-    ''
-    if interval is None
-    else f'; S5 − S1 {interval["difference"]:+.3f} [{interval["low"]:+.3f}, {interval["high"]:+.3f}]'
-  )
-  return f"- trained models' eval loss: {arms}{d}"
+def loss_line(eval_losses: dict[str, list[float]]) -> str:
+  """The trained models' eval loss ({setting: per seed}): the 'trained' rows compare models at these."""
+  spreads = {s: protocol.spread(v) for s, v in eval_losses.items()}
+  arms = ', '.join(f'{s} {v["mean"]:.3f} ± {v["sd"]:.3f}' for s, v in spreads.items())
+  interval = protocol.welch_interval(eval_losses['S5'], eval_losses['S1'])
+  if interval is None:
+    return f"- trained models' eval loss: {arms}"
+  d = f'{interval["difference"]:+.3f} [{interval["low"]:+.3f}, {interval["high"]:+.3f}]'
+  return f"- trained models' eval loss: {arms}; S5 − S1 {d}"
 
 
 def parse_lrs(text: str) -> dict[str, float]:
@@ -233,9 +229,9 @@ def main(argv=None):
   measured = {s: measure(s, lrs[s], args.steps, seeds, batches) for s in SETTINGS}
   stats = {s: measured[s][0] for s in SETTINGS}
   comparison = compare(stats)
-  eval_losses = {s: protocol.spread(measured[s][2]) for s in SETTINGS}
+  eval_losses = {s: measured[s][2] for s in SETTINGS}
   summary = {
-    'eval_loss': eval_losses,
+    'eval_loss': {s: protocol.spread(v) for s, v in eval_losses.items()},
     'adamw_lr': lrs,
     'steps': args.steps,
     'seeds': seeds,
@@ -253,7 +249,7 @@ def main(argv=None):
     + '\n\n'
     + tally(comparison)
     + '\n'
-    + loss_line(measured)
+    + loss_line(eval_losses)
     + '\n'
   )
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
