@@ -153,13 +153,12 @@ def compare(stats: dict) -> dict:
 
 def _cell(c: dict, log10: bool) -> str:
   """'mean ± sd' of the two arms and DNT's ratio (scale) or difference (shape) with its interval."""
+  i = c['dnt_minus_preln']
   if log10:
     arms = ' vs '.join(f'{10 ** c[s]["mean"]:.2g}' for s in SETTINGS)
-    i = c['dnt_minus_preln']
     d = '' if i is None else f' ×{10 ** i["difference"]:.2f} [{10 ** i["low"]:.2f}, {10 ** i["high"]:.2f}]'
   else:
     arms = ' vs '.join(f'{c[s]["mean"]:.3g} ± {c[s]["sd"]:.2g}' for s in SETTINGS)
-    i = c['dnt_minus_preln']
     d = '' if i is None else f' {i["difference"]:+.3g} [{i["low"]:+.3g}, {i["high"]:+.3g}]'
   return arms + d
 

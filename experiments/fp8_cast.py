@@ -21,7 +21,6 @@ Writes OUT/summary.json and OUT/summary.md.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -39,6 +38,8 @@ from experiments.configs import dslm_bert  # noqa: E402
 SHAPES = {'4x64': 'experiments/results/dslm_depth_4x64', '16x32': 'experiments/results/prior_methods'}
 ARMS = ('vanilla_postln', 'dslm_postln')
 FORMATS = ('float8_e4m3fn', 'float8_e5m2')
+# The parameters a weight matmul reads: every dense kernel and the embedding tables.
+MATMUL_WEIGHTS = ('kernel', 'token_embed', 'pos_embedding')
 
 
 def sweep_arms(results_dir: str) -> tuple[dict, list[int], dict[str, dict]]:
@@ -51,27 +52,23 @@ def sweep_arms(results_dir: str) -> tuple[dict, list[int], dict[str, dict]]:
 def arm_config(shape: str, record: dict, splits: dict):
   """The sweep's arm config, trained on its training split and evaluated on its report split."""
   spec = record['name'] + ':' + ','.join(f'{k}={v}' for k, v in record['changes'].items())
-  config = copy.deepcopy(sweep_lib.parse_arm(spec, dslm_bert.get_config(shape)).config)
+  config = sweep_lib.parse_arm(spec, dslm_bert.get_config(shape)).config  # a copy of the base
   config.data.train_split, config.data.eval_split = splits['train'], splits['report']
   return config
-
-
-# The parameters a weight matmul reads: every dense kernel and the embedding tables.
-MATMUL_WEIGHTS = ('kernel', 'token_embed', 'pos_embedding')
 
 
 def weight_range(state_K, fmt: str) -> dict[str, float]:
   """Share of the entries of the weight matrices (`MATMUL_WEIGHTS`, all members pooled) that `fmt` rounds
   to zero, and that it holds only as subnormals (below its smallest normal number)."""
-  info = np.finfo(getattr(jax.numpy, fmt))
+  dtype = getattr(jax.numpy, fmt)
   leaves = [
     np.abs(np.asarray(x)).ravel()
     for path, x in jax.tree_util.tree_leaves_with_path(state_K['params'])
     if str(getattr(path[-1], 'key', '')) in MATMUL_WEIGHTS
   ]
   w = np.concatenate(leaves)
-  zero = float(np.mean(w.astype(getattr(jax.numpy, fmt)).astype(np.float32) == 0))
-  return {'to_zero': zero, 'subnormal': float(np.mean(w < float(info.smallest_normal))) - zero}
+  zero = float(np.mean(w.astype(dtype).astype(np.float32) == 0))
+  return {'to_zero': zero, 'subnormal': float(np.mean(w < float(np.finfo(dtype).smallest_normal))) - zero}
 
 
 def run_arm(shape: str, record: dict, splits: dict, seeds: list[int]) -> dict:
