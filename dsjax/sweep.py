@@ -62,6 +62,12 @@ def _define_flags():
   flags.DEFINE_integer(
     'max_extend', 2, 'How many lrs an arm may add beyond each edge of the grid when its best lr lies there.'
   )
+  flags.DEFINE_integer(
+    'max_members',
+    0,
+    'At most this many members (lrs × seeds) trained together in one population, to bound memory; an '
+    "lr's seeds always train together. 0: each arm's whole grid at once.",
+  )
   flags.DEFINE_string('train_split', None, 'Split to train on (default: per dataset, docs/sweeps.md).')
   flags.DEFINE_string('select_split', None, 'Split the lr is chosen on (default: per dataset).')
   flags.DEFINE_string('report_split', None, 'Split the results are reported on (default: per dataset).')
@@ -354,7 +360,16 @@ def arm_finished(out: str, arm: str, lrs, max_extend: int) -> bool:
   return all(lr in done for lr in lrs) and lr_to_extend(lrs, done, max_extend) is None
 
 
-def run_arm(out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progress) -> dict[float, dict]:
+def lr_groups(lrs: list[float], num_seeds: int, max_members: int) -> list[list[float]]:
+  """`lrs` in groups that train together: all of them for `max_members` 0, else as many as fit
+  `max_members` members (at least one lr, whose seeds never split)."""
+  per_group = max(1, len(lrs) if max_members == 0 else max_members // num_seeds)
+  return [lrs[i : i + per_group] for i in range(0, len(lrs), per_group)]
+
+
+def run_arm(
+  out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progress, max_members: int = 0
+) -> dict[float, dict]:
   """The arm's records by lr once its grid is trained and extended as far as the protocol asks."""
   done = finished_lrs(out, arm.name)
   if done:
@@ -362,8 +377,8 @@ def run_arm(out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progr
     logging.info('arm %s: lr %s finished earlier, skipped (%s)', arm.name, _lrs(done), where)
     progress.planned -= sum(arm.config.total_steps * len(seeds) for lr in lrs if lr in done)
   todo = [lr for lr in lrs if lr not in done]
-  if todo:
-    train_lrs(out, base, arm, todo, seeds, splits, progress)
+  for group in lr_groups(todo, len(seeds), max_members):
+    train_lrs(out, base, arm, group, seeds, splits, progress)
   while True:
     done = finished_lrs(out, arm.name)
     beyond = lr_to_extend(lrs, done, max_extend)
@@ -536,6 +551,7 @@ class Plan:
   splits: dict[str, str]
   baseline: str
   max_extend: int
+  max_members: int
   out: str
   command: str
 
@@ -546,6 +562,11 @@ def check(args) -> Plan:
   lrs, seeds = parse_lrs(args.lrs), parse_seeds(args.seeds)
   if args.max_extend < 0:
     raise ValueError(f'--max_extend must be a non-negative integer, got {args.max_extend}')
+  if args.max_members != 0 and args.max_members < len(seeds):
+    raise ValueError(
+      f"--max_members must be 0 or at least the number of seeds ({len(seeds)}: an lr's seeds train "
+      f'together), got {args.max_members}'
+    )
   cli.check_output_dir('--out', out)
   history.check_not_a_run('--out', out)
   config_lib.validate_config(base, num_devices=1)
@@ -562,7 +583,7 @@ def check(args) -> Plan:
   for arm in arms:
     check_arm(arm)
   command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
-  return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, out, command)
+  return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, args.max_members, out, command)
 
 
 def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[dict] | None:
@@ -591,7 +612,9 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
     if stop_before is not None and stop_before(arm):
       logging.info('Stopped before arm %s; rerun the command to resume', arm.name)
       return None
-    records = run_arm(out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress)
+    records = run_arm(
+      out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress, plan.max_members
+    )
     r = arm_result(arm, records)
     results.append(r)
     logging.info(

@@ -388,6 +388,7 @@ def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
     baseline=plan.baseline,
     out=os.path.join(out, plan.name),
     max_extend=max_extend,
+    max_members=0,
     train_split=None,
     select_split=None,
     report_split=None,

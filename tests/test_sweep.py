@@ -25,6 +25,7 @@ def _args(out, **overrides):
     arm=['a:', 'b:model.depth=3'],
     baseline=None,
     max_extend=2,
+    max_members=0,
     train_split=None,
     select_split=None,
     report_split=None,
@@ -99,6 +100,19 @@ def test_an_lr_still_at_the_edge_after_max_extend_is_unsettled(tmp_path, trainer
   assert trainer.calls == [[1e-3, 3e-3], [pytest.approx(9e-3)]]
   assert results[0]['name'] == 'base' and not results[0]['settled']
   assert '| 0.009 UNSETTLED |' in (tmp_path / 'summary.md').read_text()
+
+
+def test_max_members_trains_the_grid_in_groups_of_whole_lrs(tmp_path, trainer):
+  args = _args(tmp_path, lrs='1e-3,3e-3,1e-2,3e-2', max_members=5, arm=[])
+  results = sweep.run(sweep.check(args))
+  # 2 seeds per lr: groups of 2 lrs (4 members); the best, 1e-2, is inside, so nothing is extended.
+  assert trainer.calls == [[1e-3, 3e-3], [1e-2, 3e-2]]
+  assert results[0]['selected_lr'] == 1e-2 and results[0]['settled']
+  assert sweep.lr_groups([1, 2, 3], num_seeds=2, max_members=0) == [[1, 2, 3]]
+  assert sweep.lr_groups([1, 2, 3], num_seeds=2, max_members=3) == [[1], [2], [3]]
+  with pytest.raises(ValueError, match=r'--max_members must be 0 or at least the number of seeds \(2'):
+    sweep.check(_args(tmp_path / 'other', max_members=1))
+  assert not (tmp_path / 'other').exists()
 
 
 def test_a_diverged_lr_is_never_selected(tmp_path, trainer):
