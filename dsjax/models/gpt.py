@@ -77,8 +77,8 @@ class GPT(nnx.Module):
     writes float32, so the loss's softmax sees logits that were never rounded to bfloat16."""
     x_BLD = self.trunk(self.embed(tokens_BL), dropout_key, probe).astype(self.dtype)
     if self.head is None:
-      embed_DV = layers.direct_cast(self.token_embed[...].astype(self.dtype).T, self.matmul_cast)
-      logits_BLV = layers.matmul_last_axis(layers.direct_cast(x_BLD, self.matmul_cast), embed_DV, jnp.float32)
+      embed_DV = self.token_embed[...].astype(self.dtype).T
+      logits_BLV = layers.cast_matmul(x_BLD, embed_DV, self.matmul_cast, jnp.float32)
     else:
       logits_BLV = self.head(x_BLD, out_dtype=jnp.float32)
     return constrain_batch(logits_BLV)

@@ -113,6 +113,11 @@ def direct_cast(x: jax.Array, fmt: str) -> jax.Array:
   return x + jax.lax.stop_gradient(x.astype(fmt).astype(x.dtype) - x)
 
 
+def cast_matmul(x: jax.Array, kernel: jax.Array, fmt: str, out_dtype: Any = None) -> jax.Array:
+  """`matmul_last_axis` of x and kernel, both `direct_cast` to `fmt` first (`model.matmul_cast`)."""
+  return matmul_last_axis(direct_cast(x, fmt), direct_cast(kernel, fmt), out_dtype)
+
+
 class Dense(nnx.Module):
   """y = x @ kernel (+ bias). kernel: (d_in, d_out) drawn with standard deviation `std`.
 
@@ -142,8 +147,7 @@ class Dense(nnx.Module):
   def matmul(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
     """x @ kernel in x's dtype (the compute dtype the block casts its branch input to), whatever the
     parameters are stored in, with the inputs cast as `input_cast` says; written in `out_dtype`."""
-    kernel = direct_cast(self.kernel[...].astype(x.dtype), self.input_cast)
-    return matmul_last_axis(direct_cast(x, self.input_cast), kernel, out_dtype)
+    return cast_matmul(x, self.kernel[...].astype(x.dtype), self.input_cast, out_dtype)
 
   def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
     """The matmul (`matmul`), then the bias; the output is in `out_dtype` (default the input's)."""
@@ -321,9 +325,9 @@ class Attention(nnx.Module):
     block of every row of the product (no strided copies in the backward pass), and kernels sharded over
     'heads' give a stack sharded the same way. The parameters stay three `Dense` modules, and the inputs
     are cast as theirs would be (`Dense.input_cast`)."""
-    denses, cast = (self.q, self.k, self.v), self.q.input_cast
-    kernel_D3I = direct_cast(jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1), cast)
-    qkv_N3I = matmul_last_axis(direct_cast(x_BLD.reshape(-1, x_BLD.shape[-1]), cast), kernel_D3I)
+    denses = (self.q, self.k, self.v)
+    kernel_D3I = jnp.stack([d.kernel[...].astype(x_BLD.dtype) for d in denses], axis=1)
+    qkv_N3I = cast_matmul(x_BLD.reshape(-1, x_BLD.shape[-1]), kernel_D3I, self.q.input_cast)
     if self.q.bias is not None:  # Added before (B, L) is restored: its gradient is a sum over one axis.
       qkv_N3I = qkv_N3I + jnp.stack([d.bias[...].astype(x_BLD.dtype) for d in denses], axis=0)
     qkv_BL3I = qkv_N3I.reshape(*x_BLD.shape[:2], *qkv_N3I.shape[1:])
