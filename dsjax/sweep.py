@@ -7,7 +7,8 @@ Every arm is the base config (with its `--config.` overrides) plus the arm's own
 an arm — every lr × seed — train together, stacked and vmapped through the project's own train step
 (`dsjax.train.population`): member k is the run `python -m dsjax.main --config.optimizer.lr=LR_k
 --config.seed=SEED_k` with the sweep's splits. Arms run one after another. The lr is chosen per arm on
-the selection split, extended past the grid's edge where the best lr lies on it, and the chosen lr's
+the selection split, extended past the grid's edge where the best lr lies on it (and, with
+--refine_ratio, narrowed around the best lr by training midpoints), and the chosen lr's
 seeds are reported on a split the choice never saw (`dsjax.train.protocol`). Each finished (arm, lr) is
 written under OUT at once, so rerunning the command resumes. Outputs: OUT/results.json, OUT/summary.md,
 OUT/lr_curves.png (docs/sweeps.md).
@@ -61,6 +62,13 @@ def _define_flags():
   flags.DEFINE_string('out', None, 'Directory of the results; rerunning the same command resumes there.')
   flags.DEFINE_integer(
     'max_extend', 2, 'How many lrs an arm may add beyond each edge of the grid when its best lr lies there.'
+  )
+  flags.DEFINE_float(
+    'refine_ratio',
+    0.0,
+    "After the grid and its extensions, train the geometric midpoint on each side of an arm's best lr "
+    'whose nearest trained lr is more than this ratio away, until none is (e.g. 1.8 halves the steps of a '
+    '×3.16 grid around the optimum). 0: off.',
   )
   flags.DEFINE_integer(
     'max_members',
@@ -252,7 +260,8 @@ def config_diff(base, config) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Training an arm: its grid together, then one lr at a time beyond an edge the best lr lies on.
+# Training an arm: its grid together, then one lr at a time beyond an edge the best lr lies on, then
+# the midpoints beside the best lr where its steps are wider than --refine_ratio.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -354,10 +363,20 @@ def lr_to_extend(lrs, done: dict[float, dict], max_extend: int) -> float | None:
   return protocol.next_lr(lrs, done, best, max_extend)
 
 
-def arm_finished(out: str, arm: str, lrs, max_extend: int) -> bool:
-  """Whether OUT holds every lr of the arm's grid and every extension the protocol asks for."""
+def lrs_to_refine(done: dict[float, dict], refine_ratio: float) -> list[float]:
+  """The midpoints the protocol trains next beside the best of the finished lrs `done` ([]: none)."""
+  return protocol.refine_lrs(protocol.lr_means(_scores(done)), refine_ratio)
+
+
+def arm_finished(out: str, arm: str, lrs, max_extend: int, refine_ratio: float = 0.0) -> bool:
+  """Whether OUT holds every lr of the arm's grid and every extension and refinement the protocol asks
+  for."""
   done = finished_lrs(out, arm)
-  return all(lr in done for lr in lrs) and lr_to_extend(lrs, done, max_extend) is None
+  return (
+    all(lr in done for lr in lrs)
+    and lr_to_extend(lrs, done, max_extend) is None
+    and not lrs_to_refine(done, refine_ratio)
+  )
 
 
 def lr_groups(lrs: list[float], num_seeds: int, max_members: int) -> list[list[float]]:
@@ -368,9 +387,19 @@ def lr_groups(lrs: list[float], num_seeds: int, max_members: int) -> list[list[f
 
 
 def run_arm(
-  out, base, arm: Arm, lrs, seeds, splits, max_extend, progress: Progress, max_members: int = 0
+  out,
+  base,
+  arm: Arm,
+  lrs,
+  seeds,
+  splits,
+  max_extend,
+  progress: Progress,
+  max_members: int = 0,
+  refine_ratio: float = 0.0,
 ) -> dict[float, dict]:
-  """The arm's records by lr once its grid is trained and extended as far as the protocol asks."""
+  """The arm's records by lr once its grid is trained, extended and refined as far as the protocol
+  asks."""
   done = finished_lrs(out, arm.name)
   if done:
     where = os.path.join(out, 'arms', arm.name)
@@ -381,15 +410,28 @@ def run_arm(
     train_lrs(out, base, arm, group, seeds, splits, progress)
   while True:
     done = finished_lrs(out, arm.name)
-    beyond = lr_to_extend(lrs, done, max_extend)
-    if beyond is None:
-      return done
     best = protocol.select(protocol.lr_means(_scores(done)))
-    logging.info(
-      'arm %s: best lr %.3g is at the edge of %s; training lr %.3g', arm.name, best, _lrs(done), beyond
-    )
-    progress.planned += arm.config.total_steps * len(seeds)
-    train_lrs(out, base, arm, [beyond], seeds, splits, progress)
+    beyond = lr_to_extend(lrs, done, max_extend)
+    if beyond is not None:
+      logging.info(
+        'arm %s: best lr %.3g is at the edge of %s; training lr %.3g', arm.name, best, _lrs(done), beyond
+      )
+      todo = [beyond]
+    else:
+      todo = lrs_to_refine(done, refine_ratio)  # Never moves the best lr to an edge: extensions are over.
+      if not todo:
+        return done
+      logging.info(
+        'arm %s: best lr %.3g has a step wider than ×%g beside it in %s; training lr %s',
+        arm.name,
+        best,
+        refine_ratio,
+        _lrs(done),
+        _lrs(todo),
+      )
+    progress.planned += arm.config.total_steps * len(seeds) * len(todo)
+    for group in lr_groups(todo, len(seeds), max_members):
+      train_lrs(out, base, arm, group, seeds, splits, progress)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -432,7 +474,15 @@ def _number(x: float) -> str:
   return f'{x:.4f}' if math.isfinite(x) else str(x)
 
 
-def summary(command: str, results: list[dict], baseline: str, splits, seeds, lrs, steps) -> str:
+def summary(
+  command: str, results: list[dict], baseline: str, splits, seeds, lrs, steps, refine_ratio: float = 0.0
+) -> str:
+  refined = (
+    " Each arm's grid is refined around its selected lr until the lrs beside it are within "
+    f'×{refine_ratio:g} of it.'
+    if refine_ratio
+    else ''
+  )
   lines = [
     '# Sweep',
     '',
@@ -442,7 +492,7 @@ def summary(command: str, results: list[dict], baseline: str, splits, seeds, lrs
     f'over seeds, a diverged seed counts as +inf); results are reported on `{splits["report"]}`, which the '
     'selection never saw.',
     f'Steps: {steps}. Grid: lr {_lrs(lrs)}, seeds {", ".join(map(str, seeds))} (each seed draws the '
-    'initialisation, the data order and the dropout masks).',
+    'initialisation, the data order and the dropout masks).' + refined,
     '',
     '## Arms',
     '',
@@ -517,7 +567,7 @@ def plot(path: str, results: list[dict], splits) -> None:
   plt.close(fig)
 
 
-def write_outputs(out, command, base, results, baseline, splits, seeds, lrs) -> None:
+def write_outputs(out, command, base, results, baseline, splits, seeds, lrs, refine_ratio=0.0) -> None:
   compare(results, baseline)
   steps = sorted(
     {m['config_diff'].get('total_steps', base.total_steps) for r in results for m in r['members']}
@@ -527,13 +577,14 @@ def write_outputs(out, command, base, results, baseline, splits, seeds, lrs) -> 
     'splits': splits,
     'lrs': lrs,
     'seeds': seeds,
+    'refine_ratio': refine_ratio,
     'baseline': baseline,
     'arms': results,
   }
   write_atomically(os.path.join(out, 'results.json'), json.dumps(document, indent=1, default=float))
   write_atomically(
     os.path.join(out, 'summary.md'),
-    summary(command, results, baseline, splits, seeds, lrs, ', '.join(map(str, steps))),
+    summary(command, results, baseline, splits, seeds, lrs, ', '.join(map(str, steps)), refine_ratio),
   )
 
 
@@ -554,6 +605,7 @@ class Plan:
   max_members: int
   out: str
   command: str
+  refine_ratio: float = 0.0
 
 
 def check(args) -> Plan:
@@ -562,6 +614,10 @@ def check(args) -> Plan:
   lrs, seeds = parse_lrs(args.lrs), parse_seeds(args.seeds)
   if args.max_extend < 0:
     raise ValueError(f'--max_extend must be a non-negative integer, got {args.max_extend}')
+  if args.refine_ratio != 0 and not args.refine_ratio >= protocol.MIN_REFINE_RATIO:
+    raise ValueError(
+      f'--refine_ratio must be 0 (off) or at least {protocol.MIN_REFINE_RATIO}, got {args.refine_ratio}'
+    )
   if args.max_members != 0 and args.max_members < len(seeds):
     raise ValueError(
       f"--max_members must be 0 or at least the number of seeds ({len(seeds)}: an lr's seeds train "
@@ -583,7 +639,19 @@ def check(args) -> Plan:
   for arm in arms:
     check_arm(arm)
   command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
-  return Plan(base, arms, lrs, seeds, splits, baseline, args.max_extend, args.max_members, out, command)
+  return Plan(
+    base,
+    arms,
+    lrs,
+    seeds,
+    splits,
+    baseline,
+    args.max_extend,
+    args.max_members,
+    out,
+    command,
+    args.refine_ratio,
+  )
 
 
 def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[dict] | None:
@@ -613,7 +681,16 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
       logging.info('Stopped before arm %s; rerun the command to resume', arm.name)
       return None
     records = run_arm(
-      out, plan.base, arm, plan.lrs, plan.seeds, plan.splits, plan.max_extend, progress, plan.max_members
+      out,
+      plan.base,
+      arm,
+      plan.lrs,
+      plan.seeds,
+      plan.splits,
+      plan.max_extend,
+      progress,
+      plan.max_members,
+      plan.refine_ratio,
     )
     r = arm_result(arm, records)
     results.append(r)
@@ -627,7 +704,9 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
       r['report']['eval/loss']['sd'],
       len(plan.seeds),
     )
-  write_outputs(out, plan.command, plan.base, results, plan.baseline, plan.splits, plan.seeds, plan.lrs)
+  write_outputs(
+    out, plan.command, plan.base, results, plan.baseline, plan.splits, plan.seeds, plan.lrs, plan.refine_ratio
+  )
   plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
   written = ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
   logging.info('Wrote %s', written)

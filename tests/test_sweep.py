@@ -26,6 +26,7 @@ def _args(out, **overrides):
     baseline=None,
     max_extend=2,
     max_members=0,
+    refine_ratio=0.0,
     train_split=None,
     select_split=None,
     report_split=None,
@@ -112,6 +113,25 @@ def test_max_members_trains_the_grid_in_groups_of_whole_lrs(tmp_path, trainer):
   assert sweep.lr_groups([1, 2, 3], num_seeds=2, max_members=3) == [[1], [2], [3]]
   with pytest.raises(ValueError, match=r'--max_members must be 0 or at least the number of seeds \(2'):
     sweep.check(_args(tmp_path / 'other', max_members=1))
+  assert not (tmp_path / 'other').exists()
+
+
+def test_refinement_halves_the_steps_around_the_best_lr_until_they_are_within_the_ratio(tmp_path, trainer):
+  args = _args(tmp_path, lrs='1e-3,1e-1', max_extend=0, refine_ratio=1.8, max_members=4, arm=[])
+  results = sweep.run(sweep.check(args))
+  # The curve's minimum is 1e-2: found between the grid's two lrs, then its ×3.16 steps halved once more,
+  # each round's lrs (2 seeds each) together within max_members.
+  assert trainer.calls == [[1e-3, 1e-1], [1e-2], [0.00316, 0.0316], [0.00562, 0.0178]]
+  assert results[0]['selected_lr'] == 1e-2 and results[0]['settled']
+  assert 'within ×1.8 of it' in (tmp_path / 'summary.md').read_text()
+  assert json.loads((tmp_path / 'results.json').read_text())['refine_ratio'] == 1.8
+  assert sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], 0, refine_ratio=1.8)
+  assert not sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], 0, refine_ratio=1.5)
+  trainer.calls.clear()
+  sweep.run(sweep.check(args))
+  assert trainer.calls == []
+  with pytest.raises(ValueError, match=r'--refine_ratio must be 0 \(off\) or at least 1.2, got 1.1'):
+    sweep.check(_args(tmp_path / 'other', refine_ratio=1.1))
   assert not (tmp_path / 'other').exists()
 
 

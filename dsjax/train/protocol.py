@@ -12,6 +12,10 @@ best of several noisy runs on the data they are scored on):
   * `next_lr`/`settled`: a selected lr at the edge of the trained grid says the optimum may lie beyond
     it; the grid is extended by one more lr in that direction (the same ratio as the neighbouring step),
     at most `max_extend` times per direction. An lr still at an edge after that is UNSETTLED.
+  * `refine_lrs`: a grid coarse enough to step over an arm's optimum can misjudge which arm is better
+    (its best lr may lie far from the grid's points for one arm and close for another). After the grid
+    and its extensions, the geometric midpoint is trained on each side of the selected lr whose nearest
+    trained lr lies more than a given ratio away, and again around the new selection, until none does.
   * `spread`/`welch_interval`: the report split's metric at the selected lr, as mean, sample sd, min and
     max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval;
     `contrast_interval` the same for any linear combination of arms' means (e.g. a difference of
@@ -78,6 +82,34 @@ def next_lr(grid: Sequence[float], trained: Collection[float], best: float, max_
     return lrs[0] * (lrs[0] / lrs[1]) if extended < max_extend else None
   extended = sum(lr > max(grid) for lr in lrs)
   return lrs[-1] * (lrs[-1] / lrs[-2]) if extended < max_extend else None
+
+
+# Refined lrs are rounded to this many significant digits, so that they can be typed as a grid again.
+REFINE_DIGITS = 3
+# The smallest refinement ratio: with rounding to 3 digits, a midpoint's own steps then stay below it.
+MIN_REFINE_RATIO = 1.2
+
+
+def refine_lrs(means: Mapping[float, float], ratio: float) -> list[float]:
+  """The lrs to train next to narrow the step around the selected lr of `means` ({lr: mean score}): on
+  each side whose nearest trained lr lies more than `ratio` times away from it, their geometric
+  midpoint, rounded to `REFINE_DIGITS` significant digits; no side beyond an edge. [] for `ratio` 0
+  (off), or when the selected lr's mean is not finite (every lr diverged: nothing to narrow down)."""
+  if ratio == 0:
+    return []
+  if ratio < MIN_REFINE_RATIO:
+    raise ValueError(f'the refinement ratio must be 0 (off) or at least {MIN_REFINE_RATIO}, got {ratio}')
+  best = select(means)
+  if not math.isfinite(means[best]):
+    return []
+  lrs = sorted(means)
+  i = lrs.index(best)
+  neighbours = lrs[max(i - 1, 0) : i] + lrs[i + 1 : i + 2]
+  return [
+    float(f'{math.sqrt(best * lr):.{REFINE_DIGITS}g}')
+    for lr in neighbours
+    if max(lr, best) / min(lr, best) > ratio
+  ]
 
 
 def settled(trained: Collection[float], best: float) -> bool:

@@ -70,6 +70,22 @@ def test_edge_extension_steps_by_the_neighbouring_ratio_up_to_max_extend():
   assert not protocol.settled([1e-3], 1e-3)
 
 
+def test_refinement_trains_rounded_midpoints_beside_the_best_lr_where_the_step_is_wider_than_the_ratio():
+  means = {1e-3: 1.0, 1e-2: 0.5, 1e-1: 2.0}
+  assert protocol.refine_lrs(means, 1.8) == [0.00316, 0.0316]  # √(1e-5), √(1e-3) to 3 digits
+  # Steps within the ratio on both sides: nothing.
+  assert protocol.refine_lrs({1e-3: 1.0, 1.7e-3: 0.5, 3e-3: 2.0}, 1.8) == []
+  # Only the wide side.
+  assert protocol.refine_lrs({1e-3: 1.0, 1.7e-3: 0.5, 1e-2: 2.0}, 1.8) == [0.00412]
+  # The best at an edge: only the side inside the grid.
+  assert protocol.refine_lrs({1e-3: 0.1, 1e-2: 0.5}, 1.8) == [0.00316]
+  # Off, or every lr diverged: nothing.
+  assert protocol.refine_lrs(means, 0) == []
+  assert protocol.refine_lrs({1e-3: math.inf, 1e-2: math.inf}, 1.8) == []
+  with pytest.raises(ValueError, match='at least 1.2'):
+    protocol.refine_lrs(means, 1.1)
+
+
 def test_spread_is_mean_sample_sd_min_max():
   s = protocol.spread([1.0, 2.0, 4.0])
   assert s['n'] == 3 and s['mean'] == pytest.approx(7 / 3)
