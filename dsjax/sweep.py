@@ -67,8 +67,8 @@ def _define_flags():
     'refine_ratio',
     0.0,
     "After the grid and its extensions, train the geometric midpoint on each side of an arm's best lr "
-    'whose nearest trained lr is more than this ratio away, until none is (e.g. 1.8 halves the steps of a '
-    '×3.16 grid around the optimum). 0: off.',
+    'whose nearest trained lr is more than this ratio away, until none is (e.g. 1.9 halves the log-steps '
+    'of a 1e-3,3e-3,1e-2 grid around the optimum). 0: off.',
   )
   flags.DEFINE_integer(
     'max_members',
