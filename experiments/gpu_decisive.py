@@ -389,6 +389,7 @@ def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
     out=os.path.join(out, plan.name),
     max_extend=max_extend,
     max_members=0,
+    refine_ratio=0.0,  # The plan's grids as run on the first windows; no refinement.
     train_split=None,
     select_split=None,
     report_split=None,
