@@ -386,20 +386,11 @@ def lr_groups(lrs: list[float], num_seeds: int, max_members: int) -> list[list[f
   return [lrs[i : i + per_group] for i in range(0, len(lrs), per_group)]
 
 
-def run_arm(
-  out,
-  base,
-  arm: Arm,
-  lrs,
-  seeds,
-  splits,
-  max_extend,
-  progress: Progress,
-  max_members: int = 0,
-  refine_ratio: float = 0.0,
-) -> dict[float, dict]:
+def run_arm(plan: Plan, arm: Arm, progress: Progress) -> dict[float, dict]:
   """The arm's records by lr once its grid is trained, extended and refined as far as the protocol
   asks."""
+  out, base, lrs, seeds, splits = plan.out, plan.base, plan.lrs, plan.seeds, plan.splits
+  max_extend, max_members, refine_ratio = plan.max_extend, plan.max_members, plan.refine_ratio
   done = finished_lrs(out, arm.name)
   if done:
     where = os.path.join(out, 'arms', arm.name)
@@ -567,25 +558,26 @@ def plot(path: str, results: list[dict], splits) -> None:
   plt.close(fig)
 
 
-def write_outputs(out, command, base, results, baseline, splits, seeds, lrs, refine_ratio=0.0) -> None:
-  compare(results, baseline)
+def write_outputs(plan: Plan, results: list[dict]) -> None:
+  compare(results, plan.baseline)
   steps = sorted(
-    {m['config_diff'].get('total_steps', base.total_steps) for r in results for m in r['members']}
+    {m['config_diff'].get('total_steps', plan.base.total_steps) for r in results for m in r['members']}
   )
   document = {
-    'command': command,
-    'splits': splits,
-    'lrs': lrs,
-    'seeds': seeds,
-    'refine_ratio': refine_ratio,
-    'baseline': baseline,
+    'command': plan.command,
+    'splits': plan.splits,
+    'lrs': plan.lrs,
+    'seeds': plan.seeds,
+    'refine_ratio': plan.refine_ratio,
+    'baseline': plan.baseline,
     'arms': results,
   }
-  write_atomically(os.path.join(out, 'results.json'), json.dumps(document, indent=1, default=float))
-  write_atomically(
-    os.path.join(out, 'summary.md'),
-    summary(command, results, baseline, splits, seeds, lrs, ', '.join(map(str, steps)), refine_ratio),
+  write_atomically(os.path.join(plan.out, 'results.json'), json.dumps(document, indent=1, default=float))
+  steps_text = ', '.join(map(str, steps))
+  text = summary(
+    plan.command, results, plan.baseline, plan.splits, plan.seeds, plan.lrs, steps_text, plan.refine_ratio
   )
+  write_atomically(os.path.join(plan.out, 'summary.md'), text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -614,7 +606,7 @@ def check(args) -> Plan:
   lrs, seeds = parse_lrs(args.lrs), parse_seeds(args.seeds)
   if args.max_extend < 0:
     raise ValueError(f'--max_extend must be a non-negative integer, got {args.max_extend}')
-  if args.refine_ratio != 0 and not args.refine_ratio >= protocol.MIN_REFINE_RATIO:
+  if not protocol.refine_ratio_allowed(args.refine_ratio):
     raise ValueError(
       f'--refine_ratio must be 0 (off) or at least {protocol.MIN_REFINE_RATIO}, got {args.refine_ratio}'
     )
@@ -680,18 +672,7 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
     if stop_before is not None and stop_before(arm):
       logging.info('Stopped before arm %s; rerun the command to resume', arm.name)
       return None
-    records = run_arm(
-      out,
-      plan.base,
-      arm,
-      plan.lrs,
-      plan.seeds,
-      plan.splits,
-      plan.max_extend,
-      progress,
-      plan.max_members,
-      plan.refine_ratio,
-    )
+    records = run_arm(plan, arm, progress)
     r = arm_result(arm, records)
     results.append(r)
     logging.info(
@@ -704,9 +685,7 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
       r['report']['eval/loss']['sd'],
       len(plan.seeds),
     )
-  write_outputs(
-    out, plan.command, plan.base, results, plan.baseline, plan.splits, plan.seeds, plan.lrs, plan.refine_ratio
-  )
+  write_outputs(plan, results)
   plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
   written = ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
   logging.info('Wrote %s', written)

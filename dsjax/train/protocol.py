@@ -90,15 +90,20 @@ REFINE_DIGITS = 3
 MIN_REFINE_RATIO = 1.2
 
 
+def refine_ratio_allowed(ratio: float) -> bool:
+  """0 (off), or a ratio at least `MIN_REFINE_RATIO`."""
+  return ratio == 0 or ratio >= MIN_REFINE_RATIO
+
+
 def refine_lrs(means: Mapping[float, float], ratio: float) -> list[float]:
   """The lrs to train next to narrow the step around the selected lr of `means` ({lr: mean score}): on
   each side whose nearest trained lr lies more than `ratio` times away from it, their geometric
   midpoint, rounded to `REFINE_DIGITS` significant digits; no side beyond an edge. [] for `ratio` 0
   (off), or when the selected lr's mean is not finite (every lr diverged: nothing to narrow down)."""
+  if not refine_ratio_allowed(ratio):
+    raise ValueError(f'the refinement ratio must be 0 (off) or at least {MIN_REFINE_RATIO}, got {ratio}')
   if ratio == 0:
     return []
-  if ratio < MIN_REFINE_RATIO:
-    raise ValueError(f'the refinement ratio must be 0 (off) or at least {MIN_REFINE_RATIO}, got {ratio}')
   best = select(means)
   if not math.isfinite(means[best]):
     return []
