@@ -594,10 +594,10 @@ class Plan:
   splits: dict[str, str]
   baseline: str
   max_extend: int
+  refine_ratio: float
   max_members: int
   out: str
   command: str
-  refine_ratio: float = 0.0
 
 
 def check(args) -> Plan:
@@ -632,17 +632,17 @@ def check(args) -> Plan:
     check_arm(arm)
   command = shlex.join(['python', '-m', 'dsjax.sweep', *sys.argv[1:]])
   return Plan(
-    base,
-    arms,
-    lrs,
-    seeds,
-    splits,
-    baseline,
-    args.max_extend,
-    args.max_members,
-    out,
-    command,
-    args.refine_ratio,
+    base=base,
+    arms=arms,
+    lrs=lrs,
+    seeds=seeds,
+    splits=splits,
+    baseline=baseline,
+    max_extend=args.max_extend,
+    refine_ratio=args.refine_ratio,
+    max_members=args.max_members,
+    out=out,
+    command=command,
   )
 
 
