@@ -33,15 +33,15 @@ the GPU's precision, kernels and jax version do. `--steps=K` trains the first K 
 same schedule, which still ends at the run's last step) and evaluates nothing: the sweep evaluates only
 at the end, so the logged training losses are what the two share then.
 
-The loop: the model is `experiments/plain_reference.py` (plain `jnp`, RMSNorm and DNT's norm placements
-written out; `jax.grad` alone, no custom derivative rule), started from dsjax's initial weights for the
-seed; the optimizer is optax written here from the paper's GPT settings as the configs set them
-(Tables 3 and 5: `clip_by_global_norm(1.0)`, then AdamW with betas (0.9, 0.95), eps 1e-8 and decoupled
-weight decay 0.1 on the weight matrices and the token table, the lr warmed up from 0 and decayed by a
-cosine to 0.1 of the peak at the run's last step); the batches are dsjax's (`dsjax.data.make_pipeline`
-with the seed), as are the sweep's splits. The run records its training loss averaged over each
-`log_every` steps, as the sweep logs it, and its loss on the report split, and sets them beside those of
-the sweep's member of the same arm, lr and seed.
+The loop is experiments/independent_loop.py: the model is `experiments/plain_reference.py` (plain `jnp`,
+RMSNorm and DNT's norm placements written out; `jax.grad` alone, no custom derivative rule), started from
+dsjax's initial weights for the seed; the optimizer is optax written there from the paper's GPT settings
+as the configs set them (Tables 3 and 5: `clip_by_global_norm(1.0)`, then AdamW with betas (0.9, 0.95),
+eps 1e-8 and decoupled weight decay 0.1 on the weight matrices and the token table, the lr warmed up from
+0 and decayed by a cosine to 0.1 of the peak at the run's last step); the batches are dsjax's
+(`dsjax.data.make_pipeline` with the seed), as are the sweep's splits. The run records its training loss
+averaged over each `log_every` steps, as the sweep logs it, and its loss on the report split, and sets
+them beside those of the sweep's member of the same arm, lr and seed.
 """
 
 from __future__ import annotations
@@ -51,15 +51,11 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
-from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs'))
@@ -67,14 +63,12 @@ import dnt as dnt_configs  # noqa: E402  (experiments/configs/dnt.py)
 import gpu_stdlib  # noqa: E402  (experiments/configs/gpu_stdlib.py)
 
 from dsjax import data as data_lib  # noqa: E402
-from dsjax import schemes  # noqa: E402
 from dsjax.train import cli, protocol  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
-from experiments import plain_reference as ref  # noqa: E402
+from experiments import independent_loop  # noqa: E402
 
 SETTINGS = {'preln': 'S1', 'dnt': 'S5'}  # DNT §4.4: S1 the standard Pre-Norm transformer, S5 DNT
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
-DECAYED = ('kernel', 'token_embed')  # the weight matrices and the token table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,91 +121,6 @@ def arm_config(arm: str, lr: float, seed: int, study: str = 'bytes'):
   c.data.train_split, c.data.eval_split = STUDIES[study].splits['train'], STUDIES[study].splits['select']
   config_lib.validate_config(c, num_devices=1)
   return c
-
-
-def make_optimizer(config) -> optax.GradientTransformation:
-  """Clipping, then AdamW with the warm-up and cosine of the paper's GPT runs, decay on `DECAYED` only."""
-  o = config.optimizer
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, o.lr, o.warmup_steps, config.total_steps, end_value=o.min_lr_ratio * o.lr
-  )
-  decayed = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key in DECAYED, params)  # noqa: E731
-  adamw = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
-  return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
-
-
-def report_loss(params, constants, spec, config, split: str) -> float:
-  """Mean next-token loss over `split`, padded rows masked out as dsjax's evaluation does."""
-
-  @jax.jit
-  def sums(params, tokens_BL1, mask_B):
-    z_BLV = ref.logits(ref.merge(params, constants), tokens_BL1[:, :-1], spec)
-    xent_BL = ref.token_losses(z_BLV, tokens_BL1[:, 1:])
-    mask_BL = jnp.broadcast_to(mask_B[:, None], xent_BL.shape)
-    return (xent_BL * mask_BL).sum(), mask_BL.sum()
-
-  pipeline = data_lib.make_pipeline(
-    config.data,
-    split=split,
-    global_batch_size=config.eval_batch_size,
-    seed=0,
-    process_index=0,
-    process_count=1,
-    train=False,
-  )
-  total, count = 0.0, 0.0
-  for batch in pipeline:
-    tokens = jnp.asarray(batch['tokens'])
-    mask = jnp.asarray(batch.get('mask', np.ones(tokens.shape[:1], np.float32)), jnp.float32)
-    s, n = sums(params, tokens, mask)
-    total, count = total + float(s), count + float(n)
-  return total / count
-
-
-def train(config, report_split: str = STUDIES['bytes'].splits['report'], steps: int | None = None) -> dict:
-  """A member trained by the loop: its training loss averaged over each `config.log_every` steps, its
-  loss on `report_split` and how many steps were clipped. With `steps`, the first `steps` steps of the
-  run only, and no report loss (None)."""
-  steps = config.total_steps if steps is None else steps
-  seed = config.seed
-  info = data_lib.dataset_info(config.data)
-  model = schemes.build_model(config, info, nnx.Rngs(params=seed))
-  spec = ref.reference_spec(model)
-  params, constants = ref.split_model(model)
-  tx = make_optimizer(config)
-  opt_state = tx.init(params)
-
-  def loss(params, tokens_BL1):
-    return ref.loss(ref.merge(params, constants), tokens_BL1, spec)
-
-  @jax.jit
-  def update(params, opt_state, tokens_BL1):
-    value, grads = jax.value_and_grad(loss)(params, tokens_BL1)
-    deltas, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, deltas), opt_state, value, optax.tree.norm(grads)
-
-  pipeline = data_lib.make_pipeline(
-    config.data, global_batch_size=config.batch_size, seed=seed, process_index=0, process_count=1
-  )
-  logged, window, clipped, start = [], [], 0, time.time()
-  for step, batch in zip(range(1, steps + 1), pipeline):
-    params, opt_state, value, norm = update(params, opt_state, jnp.asarray(batch['tokens']))
-    window.append(float(value))
-    clipped += int(float(norm) > config.optimizer.clip_norm)
-    if step % config.log_every == 0:
-      logged.append([step, float(np.mean(window))])
-      window = []
-      print(f'seed {seed}: step {step}, train loss {logged[-1][1]:.4f} ({time.time() - start:.0f} s)')
-  seconds = time.time() - start
-  finished = steps == config.total_steps
-  return {
-    'train_loss': logged,
-    'steps': steps,
-    'total_steps': config.total_steps,
-    'report_loss': report_loss(params, constants, spec, config, report_split) if finished else None,
-    'clipped_steps': clipped,
-    'seconds': seconds,
-  }
 
 
 def _arm_file(arm: str, lr: float, study: str) -> str:
@@ -562,7 +471,7 @@ def main(argv):
     'setting': SETTINGS[args.arm],
     'lr': args.lr,
     'seed': args.seed,
-    **train(config, STUDIES[args.study].splits['report'], steps),
+    **independent_loop.train(config, STUDIES[args.study].splits['report'], steps),
     'sweep_member': sweep_member(args.arm, args.lr, args.seed, args.study),
     'device': jax.devices()[0].device_kind,
     'dtype': 'float32',

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from dsjax.train import loop  # noqa: E402
-from experiments import dnt_independent  # noqa: E402
+from experiments import dnt_independent, independent_loop  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 
 
@@ -24,11 +24,11 @@ def test_the_loop_trains_as_dsjax(tmp_path, setting):
   loop.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:
     logged = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
-  ours = dnt_independent.train(c)
+  ours = independent_loop.train(c, 'validation[50%:]')
   np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
   assert np.isfinite(ours['report_loss'])
   # The first steps of the same run (the schedule still the whole run's), and no report loss.
-  first = dnt_independent.train(c, steps=3)
+  first = independent_loop.train(c, 'validation[50%:]', steps=3)
   np.testing.assert_allclose([loss for _, loss in first['train_loss']], logged[:3], rtol=1e-5)
   assert (first['steps'], first['total_steps'], first['report_loss']) == (3, 6, None)
 
