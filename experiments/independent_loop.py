@@ -1,7 +1,8 @@
 r"""A training loop with none of dsjax's model, gradient or optimizer code on its path: an independent check.
 
 Used by experiments/dnt_independent.py (DNT against Pre-LN, experiments/README.md §1 and §11) and
-experiments/prior_independent.py (the prior methods against DSLM, §7) to retrain a sweep's member and set
+experiments/member_independent.py (any sweep's member: the prior methods against DSLM, §7, and DSLM
+against the vanilla model, §4) to retrain a sweep's member and set
 its losses beside the sweep's.
 
 The model is `experiments/plain_reference.py` (plain `jnp`, `jax.grad` alone, no custom derivative rule),
@@ -14,9 +15,13 @@ initial weights, the batches (`dsjax.data.make_pipeline` with the seed) and the 
 dropout masks (each update's key is the one dsjax draws for that update, so both loops drop the same
 units; `plain_reference.dropout_masks` draws them in dsjax's order).
 
-It refuses what it does not implement: another optimizer, a warm-up that starts above 0, another
-schedule, per-parameter learning-rate multipliers (μP's), microbatches; `plain_reference.reference_spec`
-refuses the model parts the reference lacks.
+It runs in float32 and refuses what it does not implement: another optimizer, a warm-up that starts above
+0, another schedule, per-parameter learning-rate multipliers (μP's), microbatches, another compute or
+parameter dtype; `plain_reference.reference_spec` refuses the model parts the reference lacks. Unlike
+the sweep (`on_nonfinite='skip'`), it applies a non-finite update as it is: a member that diverged in the
+sweep is not one to retrain here. What it takes from the built dsjax model besides the weights: the
+constants its method fixes at initialisation (λ, β, an output scale: `plain_reference.split_model`) and the
+architecture's settings (norm placement, tying, the attention logit scale: `reference_spec`).
 """
 
 from __future__ import annotations
@@ -42,11 +47,15 @@ DECAYED = ('kernel', 'token_embed')  # the weight matrices and the token table
 
 
 def check_supported(config) -> None:
-  """Raises for an optimizer setting the loop does not implement."""
+  """Raises for an optimizer or precision setting the loop does not implement."""
   o = config.optimizer
   name, schedule, init_ratio = o.name, o.get('schedule', 'cosine'), o.get('init_lr_ratio', 0.0)
   microbatches = config.get('microbatches', 1)
+  dtype, param_dtype = config.model.get('dtype', 'float32'), config.model.get('param_dtype', 'float32')
+  float32 = dtype == 'float32' or (dtype == 'auto' and jax.default_backend() == 'cpu')
   unsupported = {
+    f'model.dtype={dtype!r} (float32; auto is float32 on the CPU only)': not float32,
+    f'model.param_dtype={param_dtype!r} (float32)': param_dtype != 'float32',
     f'optimizer.name={name!r} (AdamW only)': name != 'adamw',
     f'optimizer.schedule={schedule!r} (cosine or linear)': schedule not in ('cosine', 'linear'),
     f'optimizer.init_lr_ratio={init_ratio} (a warm-up from 0)': init_ratio != 0,
@@ -76,11 +85,14 @@ def learning_rate(config):
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  """Clipping by the global norm, then AdamW with `learning_rate`'s schedule, decay on `DECAYED` only."""
+  """Clipping by the global norm (unless `clip_norm` is 0 or None), then AdamW with `learning_rate`'s
+  schedule, decay on `DECAYED` only."""
   check_supported(config)
   o = config.optimizer
   decayed = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key in DECAYED, params)  # noqa: E731
   adamw = optax.adamw(learning_rate(config), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
+  if not o.get('clip_norm'):  # 0 or None: no clipping, as in dsjax
+    return adamw
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
 
 
@@ -162,7 +174,8 @@ def train(config, report_split: str, steps: int | None = None) -> dict:
   for step, batch in zip(range(1, steps + 1), pipeline):
     params, opt_state, value, norm = update(params, opt_state, jnp.asarray(batch['tokens']), step - 1)
     window.append(float(value))
-    clipped += int(float(norm) > config.optimizer.clip_norm)
+    clip = config.optimizer.get('clip_norm')
+    clipped += int(bool(clip) and float(norm) > clip)
     if step % config.log_every == 0:
       logged.append([step, float(np.mean(window))])
       window = []

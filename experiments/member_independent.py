@@ -175,12 +175,17 @@ def summary(runs: list[dict], baseline: str | None) -> str:
       f'| {r["arm"]} | {r["lr"]:g} | {r["seed"]} | {loop:.4f} | {member:.4f} | {loop - member:+.1e} '
       f'| {gap:.1e} ({shared}) |'
     )
+  members = [(r['arm'], r['lr'], r['seed']) for r in runs]
+  if len(set(members)) < len(members):
+    raise ValueError('--summarize: a member (arm, lr, seed) appears in more than one JSON')
   groups = {}
   for r in runs:
     groups.setdefault((r['arm'], r['lr']), []).append(r)
   base_groups = [key for key in groups if key[0] == baseline]
-  if len(base_groups) != 1:
+  if baseline is None:
     return '\n'.join(lines)
+  if len(base_groups) != 1:
+    raise ValueError(f'--baseline={baseline}: needs runs of that arm at one lr, found {len(base_groups)} lrs')
   base = sorted(groups[base_groups[0]], key=lambda r: r['seed'])
   lines.append(f'\nReport loss, arm − {baseline} at lr {base_groups[0][1]:g}, 95% interval (Welch):\n')
   lines += ['| arm | lr | seeds | independent loop | dsjax sweep |', '|---|---|---|---|---|']
@@ -202,10 +207,13 @@ def main_run(run: dict, workdir: str) -> dict:
   logging windows and its report loss. Refused where it is another member."""
   with open(os.path.join(workdir, 'config.json')) as f:
     config = _flat(json.load(f))
+  described = read_sweep(run['sweep'])
   record = member_record(run['sweep'], run['arm'], run['lr'], run['seed'])
-  expected = {k: v for k, v in record['config_diff'].items() if k != 'data.eval_split'}
-  expected.update({'optimizer.lr': run['lr'], 'seed': run['seed'], 'log_every': 1})
-  other = sorted(k for k, v in expected.items() if config.get(k) != v)
+  # The sweep's base config with the member's differences from it, evaluated on the report split and
+  # logged every step; compared on the keys both have (see `check_same_member`).
+  expected = {**_flat(described['config']), **record['config_diff'], 'seed': run['seed']}
+  expected.update({'data.eval_split': described['splits']['report'], 'log_every': 1})
+  other = sorted(k for k, v in expected.items() if k in config and config[k] != v)
   if other:
     raise ValueError(
       f'{workdir}: not the member {run["arm"]} at lr {run["lr"]:g}, seed {run["seed"]} ({other})'

@@ -12,6 +12,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,6 +56,8 @@ def test_the_schedule_is_dsjaxs_update_by_update(schedule, warmup):
     (lambda c: c.optimizer.update(name='msgdw'), "optimizer.name='msgdw' (AdamW only)"),
     (lambda c: c.optimizer.update(init_lr_ratio=0.1), 'optimizer.init_lr_ratio=0.1'),
     (lambda c: c.update(microbatches=2), 'microbatches=2'),
+    (lambda c: c.model.update(dtype='bfloat16'), "model.dtype='bfloat16'"),
+    (lambda c: c.model.update(param_dtype='bfloat16'), "model.param_dtype='bfloat16'"),
   ],
 )
 def test_an_optimizer_the_loop_lacks_is_refused(change, message):
@@ -70,3 +73,16 @@ def test_per_parameter_learning_rates_are_refused():
   c.model.scheme = 'mup'
   with pytest.raises(ValueError, match='per-parameter lr multipliers'):
     independent_loop.initial_model(c)
+
+
+@pytest.mark.parametrize('off', [None, 0.0])
+def test_no_clip_norm_means_no_clipping_as_in_dsjax(off):
+  c = _linear_config()
+  c.optimizer.warmup_steps, c.optimizer.clip_norm = 0, off
+  params, grads = {'kernel': jnp.ones((2, 2))}, {'kernel': jnp.full((2, 2), 100.0)}
+  updates = []
+  for clip_norm in (off, 1e9):  # clipping at 0 would zero the gradient, leaving the weight decay only
+    c.optimizer.clip_norm = clip_norm
+    tx = independent_loop.make_optimizer(c)
+    updates.append(np.asarray(tx.update(grads, tx.init(params), params)[0]['kernel']))
+  np.testing.assert_allclose(updates[0], updates[1])

@@ -120,7 +120,11 @@ def test_the_summary_sets_each_run_beside_its_member_and_gives_the_protocols_int
   assert f'| tfixup | 0.01 | 0, 1, 2 | {member_independent._interval(loop)} |' in table
   with pytest.raises(ValueError, match='different sweeps'):
     member_independent.summary([*base, {**arm[0], 'sweep': 'other'}], 'dslm')
-  assert 'Welch' not in member_independent.summary(arm, 'dslm')
+  assert 'Welch' not in member_independent.summary(arm, None)
+  with pytest.raises(ValueError, match='--baseline=dslm: needs runs of that arm at one lr, found 0 lrs'):
+    member_independent.summary(arm, 'dslm')
+  with pytest.raises(ValueError, match='appears in more than one JSON'):
+    member_independent.summary([*arm, arm[0]], None)
 
 
 def test_replicas_set_the_sweep_dsjax_main_and_the_loop_side_by_side(tiny_sweep, tmp_path):
