@@ -10,10 +10,15 @@ A contrast is 'LABEL: ±SWEEP/ARM ± …' over the report split's metric of each
 seeds of `results.json`), with the Welch–Satterthwaite interval of `dsjax.train.protocol`; arms of
 different sweeps are comparable when the sweeps share their data, steps and seeds (the splits are
 checked). An arm whose lr is UNSETTLED is marked.
+
+`--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
+(`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's
+report losses, to set beside the sweep's.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -28,6 +33,9 @@ _SWEEPS = flags.DEFINE_multi_string('sweep', [], 'NAME=DIR of a finished sweep (
 _CONTRASTS = flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
 _METRIC = flags.DEFINE_string('metric', 'eval/loss', 'The reported metric.')
 _OUT = flags.DEFINE_string('out', None, 'Markdown file to write (default: print only).')
+_LOOPS = flags.DEFINE_multi_string(
+  'loop', [], "NAME=DIR of a sweep's members retrained by experiments/member_independent.py (its JSONs)."
+)
 
 _TERM = re.compile(r'([+-])\s*([\w.-]+)/([\w.-]+)')
 
@@ -35,7 +43,7 @@ _TERM = re.compile(r'([+-])\s*([\w.-]+)/([\w.-]+)')
 def load(sweeps: list[str]) -> dict[str, dict]:
   """{NAME: results.json of DIR} of every --sweep=NAME=DIR, all reported on the same splits."""
   if not sweeps:
-    raise ValueError('--sweep: name at least one finished sweep as NAME=DIR')
+    raise ValueError('--sweep, --loop: name at least one finished sweep as NAME=DIR')
   results = {}
   for entry in sweeps:
     name, _, directory = entry.partition('=')
@@ -50,6 +58,51 @@ def load(sweeps: list[str]) -> dict[str, dict]:
   splits = {json.dumps(r['splits'], sort_keys=True) for r in results.values()}
   if len(splits) > 1:
     raise ValueError(f'--sweep: the sweeps were reported on different splits: {sorted(splits)}')
+  return results
+
+
+def load_loop(entry: str) -> dict:
+  """A results.json-like view of the member JSONs in DIR of --loop=NAME=DIR: per arm, the loop's report
+  losses at the arm's one lr, reported on the splits of the sweep the members came from."""
+  name, _, directory = entry.partition('=')
+  paths = sorted(glob.glob(os.path.join(directory, '*.json'))) if name and directory else []
+  if not paths:
+    raise ValueError(f'--loop={entry}: expected NAME=DIR, DIR holding member_independent.py JSONs')
+  runs = []
+  for path in paths:
+    with open(path) as f:
+      runs.append(json.load(f))
+  sweeps = {r['sweep'] for r in runs}
+  if len(sweeps) > 1:
+    raise ValueError(f'--loop={entry}: the members come from different sweeps {sorted(sweeps)}')
+  with open(os.path.join(sweeps.pop(), 'sweep.json')) as f:
+    splits = json.load(f)['splits']
+  arms = {}
+  for r in runs:
+    arms.setdefault(r['arm'], []).append(r)
+  for arm_name, arm_runs in arms.items():
+    if len({r['lr'] for r in arm_runs}) > 1:
+      raise ValueError(f'--loop={entry}: arm {arm_name} was retrained at more than one lr')
+  return {
+    'splits': splits,
+    'arms': [
+      {'name': n, 'settled': True, 'report': {'eval/loss': {'values': [r['report_loss'] for r in rs]}}}
+      for n, rs in arms.items()
+    ],
+  }
+
+
+def gather(sweeps: list[str], loops: list[str]) -> dict[str, dict]:
+  """{NAME: results} of every --sweep and --loop, all reported on the same splits."""
+  results = load(sweeps) if sweeps or not loops else {}
+  for entry in loops:
+    name = entry.partition('=')[0]
+    if name in results:
+      raise ValueError(f'--loop={entry}: the name {name!r} is taken')
+    results[name] = load_loop(entry)
+  splits = {json.dumps(r['splits'], sort_keys=True) for r in results.values()}
+  if len(splits) > 1:
+    raise ValueError(f'--sweep, --loop: reported on different splits: {sorted(splits)}')
   return results
 
 
@@ -97,7 +150,7 @@ def main(argv):
     raise ValueError(f'unexpected arguments {argv[1:]}; pass --sweep and --contrast')
   if not _CONTRASTS.value:
     raise ValueError("--contrast: name at least one, as 'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
-  results = load(_SWEEPS.value)
+  results = gather(_SWEEPS.value, _LOOPS.value)
   if _OUT.value:
     cli.create_output_file('--out', _OUT.value)
   lines = [

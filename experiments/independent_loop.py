@@ -1,16 +1,18 @@
 r"""A training loop with none of dsjax's model, gradient or optimizer code on its path: an independent check.
 
-Used by experiments/dnt_independent.py (DNT against Pre-LN, experiments/README.md §1 and §11) and
-experiments/member_independent.py (any sweep's member: the prior methods against DSLM, §7, and DSLM
-against the vanilla model, §4) to retrain a sweep's member and set
-its losses beside the sweep's.
+Used by experiments/dnt_independent.py (DNT against Pre-LN with AdamW, experiments/README.md §1 and §11)
+and experiments/member_independent.py (any sweep's member: §1's mSGDW half, DSLM against the vanilla
+model in §4, the prior methods against DSLM in §7) to retrain a sweep's member and set its losses beside
+the sweep's.
 
 The model is `experiments/plain_reference.py` (plain `jnp`, `jax.grad` alone, no custom derivative rule),
 started from dsjax's initial weights for the seed (the method's preparation included, as `dsjax.main`
-builds them). The optimizer is optax, written here from the config's settings: `clip_by_global_norm`, then
-AdamW (decoupled weight decay on the weight matrices and the token table, times the scheduled lr), the lr
-warmed up linearly from 0 over `warmup_steps` updates and then decayed to `min_lr_ratio` of the peak at
-the run's last update, by a cosine or linearly. What the loop shares with dsjax are its inputs: the
+builds them). The optimizer is written here from the config's settings: `clip_by_global_norm`, then AdamW
+(optax's) or momentum SGD with decoupled weight decay, mSGDW (DNT's equation, Qi et al. 2025,
+arXiv:2507.17501, §2: m ← μ·m + g, w ← w − α·m, with the decay w ← w − α·wd·w on the pre-update weights),
+each with decoupled weight decay on the weight matrices and the token table, times the scheduled lr; the
+lr warmed up linearly from 0 over `warmup_steps` updates and then decayed to `min_lr_ratio` of the peak
+at the run's last update, by a cosine or linearly. What the loop shares with dsjax are its inputs: the
 initial weights, the batches (`dsjax.data.make_pipeline` with the seed) and the random numbers of the
 dropout masks (each update's key is the one dsjax draws for that update, so both loops drop the same
 units; `plain_reference.dropout_masks` draws them in dsjax's order).
@@ -56,7 +58,8 @@ def check_supported(config) -> None:
   unsupported = {
     f'model.dtype={dtype!r} (float32; auto is float32 on the CPU only)': not float32,
     f'model.param_dtype={param_dtype!r} (float32)': param_dtype != 'float32',
-    f'optimizer.name={name!r} (AdamW only)': name != 'adamw',
+    f'optimizer.name={name!r} (adamw or msgdw)': name not in ('adamw', 'msgdw'),
+    'optimizer.nesterov=True (heavy-ball momentum only)': name == 'msgdw' and bool(o.get('nesterov')),
     f'optimizer.schedule={schedule!r} (cosine or linear)': schedule not in ('cosine', 'linear'),
     f'optimizer.init_lr_ratio={init_ratio} (a warm-up from 0)': init_ratio != 0,
     f'microbatches={microbatches}': microbatches != 1,
@@ -84,16 +87,37 @@ def learning_rate(config):
   return linear
 
 
+def momentum_sgdw(lr, momentum: float, weight_decay: float, decayed) -> optax.GradientTransformation:
+  """mSGDW as DNT's §2 writes momentum SGD, plus decoupled weight decay: with g the gradient and α the lr
+  of update t, m ← μ·m + g and w ← w − α·m − α·wd·w (the decay on `decayed(params)` only, from the
+  weights before the update, and never in the momentum)."""
+
+  def init(params):
+    return {'m': jax.tree.map(jnp.zeros_like, params), 't': jnp.zeros([], jnp.int32)}
+
+  def update(grads, state, params):
+    alpha = lr(state['t'])
+    m = jax.tree.map(lambda m, g: momentum * m + g, state['m'], grads)
+    decay = jax.tree.map(lambda w, on: weight_decay * w if on else jnp.zeros_like(w), params, decayed(params))
+    updates = jax.tree.map(lambda m, d: -alpha * (m + d), m, decay)
+    return updates, {'m': m, 't': state['t'] + 1}
+
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(config) -> optax.GradientTransformation:
-  """Clipping by the global norm (unless `clip_norm` is 0 or None), then AdamW with `learning_rate`'s
-  schedule, decay on `DECAYED` only."""
+  """Clipping by the global norm (unless `clip_norm` is 0 or None), then AdamW or mSGDW with
+  `learning_rate`'s schedule, decay on `DECAYED` only."""
   check_supported(config)
   o = config.optimizer
   decayed = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key in DECAYED, params)  # noqa: E731
-  adamw = optax.adamw(learning_rate(config), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
+  if o.name == 'adamw':
+    tx = optax.adamw(learning_rate(config), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decayed)
+  else:
+    tx = momentum_sgdw(learning_rate(config), o.momentum, o.weight_decay, decayed)
   if not o.get('clip_norm'):  # 0 or None: no clipping, as in dsjax
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+    return tx
+  return optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
 
 
 def initial_model(config) -> nnx.Module:

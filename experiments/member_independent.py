@@ -1,8 +1,11 @@
 r"""A `dsjax.sweep` member retrained by an independent loop, beside the sweep's: are its losses the method's?
 
-experiments/README.md §7 finds five prior methods ending below DSLM Post-LN at 16 × 32 (T-Fixup, SkipInit,
-ReZero, LayerScale, Catformer), where the DSLM paper has DSLM ahead of all of them (Kedia et al. 2024,
-arXiv:2403.09635, Table 11). This script retrains any member (arm, lr, seed) of a sweep's folder with
+A check of a sweep's results against the papers' directions before explaining them: experiments/README.md
+§7 finds five prior methods ending below DSLM Post-LN at 16 × 32, where the DSLM paper has DSLM ahead of
+all of them (Kedia et al. 2024, arXiv:2403.09635, Table 11); §1 finds DNT's mSGDW penalty larger than
+the standard transformer's, where the DNT paper has it smaller (Qi et al. 2025, arXiv:2507.17501,
+Table 1); §4 finds DSLM better at 4 layers, where the paper has the two comparable. This script
+retrains any member (arm, lr, seed) of a sweep's folder with
 experiments/independent_loop.py — the plain-`jnp` reference model, `jax.grad` alone and optax, from the
 member's initial weights, batches and dropout masks — and sets its training and report losses beside the
 member's:
@@ -22,6 +25,9 @@ member's:
 A member whose loop and sweep losses differ by more than rounding is trained a third way, by `dsjax.main`
 alone (the sweep trains it vmapped with the rest of its population, which rounds differently), logging
 every step and evaluating on the report split at the end: `--replicas` sets the three side by side.
+
+`experiments/compare.py --loop=NAME=DIR` takes a folder of these JSONs (one lr per arm) as it takes a
+sweep, for contrasts over the loop's report losses (§1's mSGDW penalties).
 
 `--config` is the sweep's base config (the one its command named); the member's config is that config with
 the arm's overrides (the sweep's `sweep.json`), the sweep's train and selection splits, the lr and the
@@ -49,6 +55,7 @@ from ml_collections.config_flags import config_path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
+from dsjax import schemes  # noqa: E402
 from dsjax import sweep as sweep_lib  # noqa: E402
 from dsjax.train import cli, protocol  # noqa: E402
 from dsjax.train import config as config_lib  # noqa: E402
@@ -92,9 +99,12 @@ def member_config(base, described: dict, arm: str, lr: float, seed: int):
 def check_same_member(base, config, described: dict, record: dict) -> None:
   """Refuses a base config other than the sweep's, or a member config other than the one it recorded.
   The base configs are compared on the keys both have (a sweep recorded before a config field existed
-  lacks it; the model's implementation keys are not recorded), the members' differences from them on all."""
+  lacks it; the model's implementation keys are not recorded) that matter to the member (`_matters`),
+  the members' differences from them on all."""
   ours = sweep_lib.identity(base, [], [], [], {})['config']
-  differ = _differing(ours, described['config'], shared_only=True)
+  differ = [
+    k for k in _differing(ours, described['config'], shared_only=True) if _matters(k, config.model.scheme)
+  ]
   if not differ:
     diff = json.loads(json.dumps(sweep_lib.config_diff(base, config), default=str))
     differ = _differing(diff, record['config_diff'], shared_only=False)
@@ -102,6 +112,13 @@ def check_same_member(base, config, described: dict, record: dict) -> None:
     raise ValueError(
       f"--config: not the sweep's base config; the member differs from it in {', '.join(differ)}"
     )
+
+
+def _matters(key: str, scheme: str) -> bool:
+  """False for another method's config section (`model.<scheme>.*`, read only by that method), whose
+  defaults may have changed since the sweep ran."""
+  parts = key.split('.')
+  return not (len(parts) > 2 and parts[0] == 'model' and parts[1] in schemes.SCHEMES and parts[1] != scheme)
 
 
 def _differing(a: dict, b: dict, shared_only: bool) -> list[str]:
@@ -213,7 +230,11 @@ def main_run(run: dict, workdir: str) -> dict:
   # logged every step; compared on the keys both have (see `check_same_member`).
   expected = {**_flat(described['config']), **record['config_diff'], 'seed': run['seed']}
   expected.update({'data.eval_split': described['splits']['report'], 'log_every': 1})
-  other = sorted(k for k, v in expected.items() if k in config and config[k] != v)
+  other = sorted(
+    k
+    for k, v in expected.items()
+    if k in config and config[k] != v and _matters(k, config.get('model.scheme'))
+  )
   if other:
     raise ValueError(
       f'{workdir}: not the member {run["arm"]} at lr {run["lr"]:g}, seed {run["seed"]} ({other})'

@@ -41,7 +41,19 @@ def test_the_loop_trains_a_rezero_model_with_dropout_as_dsjax(tmp_path):
   assert np.isfinite(ours['report_loss'])
 
 
-@pytest.mark.parametrize('schedule,warmup', [('linear', 3), ('linear', 0), ('cosine', 3)])
+def test_the_loop_trains_with_msgdw_as_dsjax(tmp_path):
+  """DNT's optimizer, no warm-up and a cosine (DNT Table 5), with decay on the weight matrices."""
+  c = tiny_config('gpt', block='dnt', dnt_setting='S5', norm='rmsnorm')
+  c.optimizer.update(name='msgdw', lr=0.3, momentum=0.9, nesterov=False, weight_decay=0.01, clip_norm=1.0)
+  c.optimizer.warmup_steps, c.total_steps, c.log_every = 0, 6, 1
+  loop.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
+    logged = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
+  ours = independent_loop.train(c, 'validation[50%:]')
+  np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
+
+
+@pytest.mark.parametrize('schedule,warmup', [('linear', 3), ('linear', 0), ('cosine', 3), ('cosine', 0)])
 def test_the_schedule_is_dsjaxs_update_by_update(schedule, warmup):
   c = _linear_config()
   c.optimizer.schedule, c.optimizer.warmup_steps, c.total_steps = schedule, warmup, 20
@@ -53,9 +65,10 @@ def test_the_schedule_is_dsjaxs_update_by_update(schedule, warmup):
 @pytest.mark.parametrize(
   'change,message',
   [
-    (lambda c: c.optimizer.update(name='msgdw'), "optimizer.name='msgdw' (AdamW only)"),
+    (lambda c: c.optimizer.update(name='lion'), "optimizer.name='lion' (adamw or msgdw)"),
     (lambda c: c.optimizer.update(init_lr_ratio=0.1), 'optimizer.init_lr_ratio=0.1'),
     (lambda c: c.update(microbatches=2), 'microbatches=2'),
+    (lambda c: c.optimizer.update(name='msgdw', nesterov=True), 'optimizer.nesterov=True'),
     (lambda c: c.model.update(dtype='bfloat16'), "model.dtype='bfloat16'"),
     (lambda c: c.model.update(param_dtype='bfloat16'), "model.param_dtype='bfloat16'"),
   ],

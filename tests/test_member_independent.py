@@ -138,3 +138,13 @@ def test_replicas_set_the_sweep_dsjax_main_and_the_loop_side_by_side(tiny_sweep,
   np.testing.assert_allclose([main_loss, loop_loss], sweep_loss, atol=1e-4)
   with pytest.raises(ValueError, match='not the member rezero at lr 0.003, seed 1'):
     member_independent.replicas([({**run, 'seed': 1}, str(tmp_path / 'main'))])
+
+
+def test_another_methods_section_may_differ_but_the_members_own_may_not(tiny_sweep):
+  base = _base()
+  base.model.rezero.init = 0.5  # read by ReZero only: not the vanilla member's concern
+  member_independent.prepare(base, tiny_sweep, 'vanilla', LR, 0)
+  with pytest.raises(
+    ValueError, match="not the sweep's base config; the member differs from it in model.rezero.init"
+  ):
+    member_independent.prepare(base, tiny_sweep, 'rezero', LR, 0)

@@ -1,0 +1,62 @@
+"""experiments/compare.py: contrasts across sweeps, and over the members the independent loop retrained.
+
+Fake sweep folders (results.json, sweep.json) and member JSONs: a contrast is the protocol's interval over
+the arms' report values; `--loop` takes the loop's report losses per arm; sweeps and loops reported on
+different splits, an arm retrained at two lrs or members of two sweeps are refused.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+from dsjax.train import protocol  # noqa: E402
+from experiments import compare  # noqa: E402
+
+SPLITS = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}
+
+
+def _sweep(tmp_path, name, values, splits=SPLITS):
+  folder = tmp_path / name
+  folder.mkdir()
+  arms = [{'name': arm, 'settled': True, 'report': {'eval/loss': {'values': v}}} for arm, v in values.items()]
+  (folder / 'results.json').write_text(json.dumps({'splits': splits, 'arms': arms}))
+  (folder / 'sweep.json').write_text(json.dumps({'splits': splits}))
+  return str(folder)
+
+
+def _loop(tmp_path, sweep, runs, name='loop'):
+  folder = tmp_path / name
+  folder.mkdir(exist_ok=True)
+  for i, (arm, lr, loss) in enumerate(runs):
+    run = {'sweep': sweep, 'arm': arm, 'lr': lr, 'seed': i, 'report_loss': loss}
+    (folder / f'{arm}_{i}.json').write_text(json.dumps(run))
+  return str(folder)
+
+
+def test_a_contrast_over_sweeps_and_a_loop_is_the_protocols_interval(tmp_path):
+  a = _sweep(tmp_path, 'a', {'x': [1.0, 1.1, 1.2], 'y': [2.0, 2.2, 2.1]})
+  loop = _loop(tmp_path, a, [('x', 0.1, 1.05), ('x', 0.1, 1.15), ('y', 0.1, 2.0), ('y', 0.1, 2.3)])
+  results = compare.gather([f'a={a}'], [f'l={loop}'])
+  row = compare.contrast_row(results, 'y − x: a/y - a/x', 'eval/loss')
+  want = protocol.contrast_interval([[2.0, 2.2, 2.1], [1.0, 1.1, 1.2]], [1, -1])
+  assert f'{want["difference"]:+.4f} | [{want["low"]:+.4f}, {want["high"]:+.4f}]' in row
+  row = compare.contrast_row(results, 'loop: l/y - l/x', 'eval/loss')
+  want = protocol.contrast_interval([[2.0, 2.3], [1.05, 1.15]], [1, -1])
+  assert f'{want["difference"]:+.4f} | [{want["low"]:+.4f}, {want["high"]:+.4f}]' in row
+
+
+def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):
+  a = _sweep(tmp_path, 'a', {'x': [1.0, 1.1]})
+  b = _sweep(tmp_path, 'b', {'x': [1.0, 1.1]}, splits={**SPLITS, 'report': 'test'})
+  with pytest.raises(ValueError, match='reported on different splits'):
+    compare.gather([f'a={a}'], [f'l={_loop(tmp_path, b, [("x", 0.1, 1.0)], "on_b")}'])
+  with pytest.raises(ValueError, match='arm x was retrained at more than one lr'):
+    compare.load_loop(f'l={_loop(tmp_path, a, [("x", 0.1, 1.0), ("x", 0.3, 1.0)], "two_lrs")}')
+  with pytest.raises(ValueError, match='the members come from different sweeps'):
+    compare.load_loop(f'l={_loop(tmp_path, a, [("y", 0.1, 1.0)], "on_b")}')
+  with pytest.raises(ValueError, match="the name 'a' is taken"):
+    compare.gather([f'a={a}'], [f'a={tmp_path / "two_lrs"}'])
