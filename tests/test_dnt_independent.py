@@ -1,36 +1,15 @@
-"""experiments/dnt_independent.py: its independent loop (the plain reference, `jax.grad`, optax) trains a
-DNT model as `dsjax.main` does, update for update, and its summary reads the runs."""
+"""experiments/dnt_independent.py: its summaries read the runs of the independent loop (whose training is
+tested in tests/test_independent_loop.py) and of `dsjax.main`."""
 
 import dataclasses
 import json
 import os
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from dsjax.train import loop  # noqa: E402
-from experiments import dnt_independent, independent_loop  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
-
-
-# S1 slow (~13 s): the loop is the same; S1's layout against dsjax is in tests/test_plain_reference.py.
-@pytest.mark.parametrize('setting', [pytest.param('S1', marks=pytest.mark.slow), 'S5'])
-def test_the_loop_trains_as_dsjax(tmp_path, setting):
-  c = tiny_config('gpt', block='dnt', dnt_setting=setting, norm='rmsnorm', activation='gelu')
-  c.optimizer.warmup_steps, c.total_steps, c.log_every = 2, 6, 1
-  loop.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
-  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
-    logged = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
-  ours = independent_loop.train(c, 'validation[50%:]')
-  np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
-  assert np.isfinite(ours['report_loss'])
-  # The first steps of the same run (the schedule still the whole run's), and no report loss.
-  first = independent_loop.train(c, 'validation[50%:]', steps=3)
-  np.testing.assert_allclose([loss for _, loss in first['train_loss']], logged[:3], rtol=1e-5)
-  assert (first['steps'], first['total_steps'], first['report_loss']) == (3, 6, None)
+from experiments import dnt_independent  # noqa: E402
 
 
 def _write_runs(tmp_path, runs: list[dict]) -> list[str]:

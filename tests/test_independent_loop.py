@@ -1,10 +1,9 @@
 """experiments/independent_loop.py: the plain reference, `jax.grad` and optax train a member as dsjax does.
 
 A tiny GPT trained by `dsjax.main` and by the loop from the same initial weights, batches and dropout keys:
-the logged training losses agree to float32 rounding — with DNT's norms and a cosine (tests/
-test_dnt_independent.py), and here with dropout, the linear schedule and a learnable residual weight
-(ReZero, no norm). The loop's schedule is dsjax's, update by update; what the loop does not implement is
-refused in one line.
+the logged training losses agree to float32 rounding — DNT's S1 and S5 with AdamW and a cosine, ReZero
+(no norm, a learnable residual weight) with dropout and the linear schedule, DNT with mSGDW. The loop's
+schedule is dsjax's, update by update; what the loop does not implement is refused in one line.
 """
 
 import json
@@ -30,27 +29,49 @@ def _linear_config(**model):
   return c
 
 
-def test_the_loop_trains_a_rezero_model_with_dropout_as_dsjax(tmp_path):
+def _dnt(setting):
+  c = tiny_config('gpt', block='dnt', dnt_setting=setting, norm='rmsnorm', activation='gelu')
+  c.optimizer.warmup_steps, c.total_steps, c.log_every = 2, 6, 1
+  return c
+
+
+def _rezero_with_dropout():
   c = _linear_config(block='nonorm', dropout=0.1)
   c.model.scheme = 'rezero'
+  return c
+
+
+def _msgdw():
+  """DNT's optimizer, no warm-up and a cosine (DNT Table 5), with decay on the weight matrices."""
+  c = tiny_config('gpt', block='dnt', dnt_setting='S5', norm='rmsnorm')
+  c.optimizer.update(name='msgdw', lr=0.3, momentum=0.9, nesterov=False, weight_decay=0.01, clip_norm=1.0)
+  c.optimizer.warmup_steps, c.total_steps, c.log_every = 0, 6, 1
+  return c
+
+
+# DNT's S1 slow (~13 s): its layout against dsjax is in tests/test_plain_reference.py.
+@pytest.mark.parametrize(
+  'make_config',
+  [
+    pytest.param(lambda: _dnt('S1'), marks=pytest.mark.slow),
+    lambda: _dnt('S5'),
+    _rezero_with_dropout,
+    _msgdw,
+  ],
+  ids=['dnt_S1', 'dnt_S5', 'rezero_dropout_linear', 'msgdw'],
+)
+def test_the_loop_trains_as_dsjax(tmp_path, make_config):
+  c = make_config()
   loop.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:
     logged = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
   ours = independent_loop.train(c, 'validation[50%:]')
   np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
   assert np.isfinite(ours['report_loss'])
-
-
-def test_the_loop_trains_with_msgdw_as_dsjax(tmp_path):
-  """DNT's optimizer, no warm-up and a cosine (DNT Table 5), with decay on the weight matrices."""
-  c = tiny_config('gpt', block='dnt', dnt_setting='S5', norm='rmsnorm')
-  c.optimizer.update(name='msgdw', lr=0.3, momentum=0.9, nesterov=False, weight_decay=0.01, clip_norm=1.0)
-  c.optimizer.warmup_steps, c.total_steps, c.log_every = 0, 6, 1
-  loop.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
-  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
-    logged = [r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r]
-  ours = independent_loop.train(c, 'validation[50%:]')
-  np.testing.assert_allclose([loss for _, loss in ours['train_loss']], logged, rtol=1e-5)
+  # The first steps of the same run (the schedule still the whole run's), and no report loss.
+  first = independent_loop.train(c, 'validation[50%:]', steps=3)
+  np.testing.assert_allclose([loss for _, loss in first['train_loss']], logged[:3], rtol=1e-5)
+  assert (first['steps'], first['total_steps'], first['report_loss']) == (3, 6, None)
 
 
 @pytest.mark.parametrize('schedule,warmup', [('linear', 3), ('linear', 0), ('cosine', 3), ('cosine', 0)])
