@@ -29,14 +29,6 @@ from absl import flags
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from dsjax.train import cli, protocol  # noqa: E402
 
-_SWEEPS = flags.DEFINE_multi_string('sweep', [], 'NAME=DIR of a finished sweep (its results.json).')
-_CONTRASTS = flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
-_METRIC = flags.DEFINE_string('metric', 'eval/loss', 'The reported metric.')
-_OUT = flags.DEFINE_string('out', None, 'Markdown file to write (default: print only).')
-_LOOPS = flags.DEFINE_multi_string(
-  'loop', [], "NAME=DIR of a sweep's members retrained by experiments/member_independent.py (its JSONs)."
-)
-
 _TERM = re.compile(r'([+-])\s*([\w.-]+)/([\w.-]+)')
 
 
@@ -145,26 +137,39 @@ def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
   )
 
 
+def _define_flags():
+  # Defined only when run as a program, so that importing this module (tests) defines no absl flags.
+  flags.DEFINE_multi_string('sweep', [], 'NAME=DIR of a finished sweep (its results.json).')
+  flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
+  flags.DEFINE_string('metric', 'eval/loss', 'The reported metric.')
+  flags.DEFINE_string('out', None, 'Markdown file to write (default: print only).')
+  flags.DEFINE_multi_string(
+    'loop', [], "NAME=DIR of a sweep's members retrained by experiments/member_independent.py (its JSONs)."
+  )
+
+
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f'unexpected arguments {argv[1:]}; pass --sweep and --contrast')
-  if not _CONTRASTS.value:
+  args = flags.FLAGS
+  if not args.contrast:
     raise ValueError("--contrast: name at least one, as 'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
-  results = gather(_SWEEPS.value, _LOOPS.value)
-  if _OUT.value:
-    cli.create_output_file('--out', _OUT.value)
+  results = gather(args.sweep, args.loop)
+  if args.out:
+    cli.create_output_file('--out', args.out)
   lines = [
-    f"Contrasts of `{_METRIC.value}` on the report split at each arm's selected lr (95% Welch intervals)",
+    f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (95% Welch intervals)",
     '',
     '| contrast | arms | value | 95% interval |',
     '|---|---|---|---|',
-  ] + [contrast_row(results, c, _METRIC.value) for c in _CONTRASTS.value]
+  ] + [contrast_row(results, c, args.metric) for c in args.contrast]
   text = '\n'.join(lines) + '\n'
   print(text)
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
+  if args.out:
+    with open(args.out, 'w') as f:
       f.write(text)
 
 
 if __name__ == '__main__':
+  _define_flags()
   cli.run(main)  # user errors as one line, without a traceback
