@@ -243,11 +243,12 @@ def finished_lrs(out: str, arm: str) -> dict[float, dict]:
   return found
 
 
-def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
+def flat_keys(tree: dict, prefix: str = '') -> dict[str, Any]:
+  """A nested dict as {'a.b.c': value}, the keys of config overrides."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      flat.update(_flat(value, f'{prefix}{key}.'))
+      flat.update(flat_keys(value, f'{prefix}{key}.'))
     else:
       flat[f'{prefix}{key}'] = value
   return flat
@@ -255,7 +256,7 @@ def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
 
 def config_diff(base, config) -> dict[str, Any]:
   """{key: value} of `config` where it differs from `base`."""
-  a, b = _flat(base.to_dict()), _flat(config.to_dict())
+  a, b = flat_keys(base.to_dict()), flat_keys(config.to_dict())
   return {k: b.get(k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

@@ -123,16 +123,9 @@ def _matters(key: str, scheme: str) -> bool:
 
 def _differing(a: dict, b: dict, shared_only: bool) -> list[str]:
   """The flattened keys where two (nested) dicts differ; with `shared_only`, of the keys both have."""
-  a, b = _flat(a), _flat(b)
+  a, b = sweep_lib.flat_keys(a), sweep_lib.flat_keys(b)
   keys = set(a) & set(b) if shared_only else set(a) | set(b)
   return sorted(k for k in keys if a.get(k) != b.get(k))
-
-
-def _flat(tree: dict, prefix: str = '') -> dict:
-  flat = {}
-  for key, value in tree.items():
-    flat.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else {prefix + key: value})
-  return flat
 
 
 def prepare(base, sweep: str, arm: str, lr: float, seed: int) -> tuple:
@@ -223,12 +216,12 @@ def main_run(run: dict, workdir: str) -> dict:
   step, evaluated at the end on the sweep's report split): its training loss averaged over the sweep's
   logging windows and its report loss. Refused where it is another member."""
   with open(os.path.join(workdir, 'config.json')) as f:
-    config = _flat(json.load(f))
+    config = sweep_lib.flat_keys(json.load(f))
   described = read_sweep(run['sweep'])
   record = member_record(run['sweep'], run['arm'], run['lr'], run['seed'])
   # The sweep's base config with the member's differences from it, evaluated on the report split and
   # logged every step; compared on the keys both have (see `check_same_member`).
-  expected = {**_flat(described['config']), **record['config_diff'], 'seed': run['seed']}
+  expected = {**sweep_lib.flat_keys(described['config']), **record['config_diff'], 'seed': run['seed']}
   expected.update({'data.eval_split': described['splits']['report'], 'log_every': 1})
   other = sorted(
     k
