@@ -455,11 +455,15 @@ def compare(results: list[dict], baseline: str) -> None:
   """Adds each arm's difference to the baseline arm (report split) with its 95% Welch interval."""
   base = next(r for r in results if r['name'] == baseline)
   for r in results:
-    r['vs_baseline'] = {
-      key: protocol.welch_interval(r['report'][key]['values'], base['report'][key]['values'])
-      for key in r['report']
-      if key in base['report']
-    }
+    r['vs_baseline'] = {}
+    for key in r['report']:
+      if key not in base['report']:
+        continue
+      groups = [r['report'][key]['values'], base['report'][key]['values']]
+      interval = protocol.welch_interval(*groups)
+      if interval is not None:
+        interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, [1, -1])
+      r['vs_baseline'][key] = interval
 
 
 def _number(x: float) -> str:
@@ -536,6 +540,19 @@ def summary(
         cells.append(f'{d["difference"]:+.4f} [{d["low"]:+.4f}, {d["high"]:+.4f}]')
     n = r['report']['eval/loss']['n']
     lines.append(f'| {r["name"]} | {lr} | ' + ' | '.join(cells) + f' | {n} |')
+  budgets = [
+    f'{r["name"]} {k}: {d["seeds_to_resolve"]}'
+    for r in results
+    for k, d in r['vs_baseline'].items()
+    if d is not None and d.get('seeds_to_resolve')
+  ]
+  if budgets:
+    lines += [
+      '',
+      'Intervals that contain zero, and the seeds per arm at which the interval, at these sds, would be as '
+      'narrow as the measured difference (a rerun would then exclude zero about half the time if that '
+      'difference is the true one): ' + '; '.join(budgets) + '.',
+    ]
   return '\n'.join(lines) + '\n'
 
 

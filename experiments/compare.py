@@ -9,7 +9,9 @@ r"""Contrasts between arms of one or several `python -m dsjax.sweep` results, wi
 A contrast is 'LABEL: ±SWEEP/ARM ± …' over the report split's metric of each arm at its selected lr (the
 seeds of `results.json`), with the Welch–Satterthwaite interval of `dsjax.train.protocol`; arms of
 different sweeps are comparable when the sweeps share their data, steps and seeds (the splits are
-checked). An arm whose lr is UNSETTLED is marked.
+checked). An arm whose lr is UNSETTLED is marked. Where the interval contains zero, the last column is
+`protocol.seeds_to_resolve`: the seeds per arm at which the interval, at the measured sds, would be as
+narrow as the measured value.
 
 `--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
 (`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's
@@ -130,10 +132,11 @@ def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
   unsettled = [f'{s}/{n}' for (_, s, n), a in zip(terms, arms) if not a['settled']]
   note = f' (UNSETTLED: {", ".join(unsettled)})' if unsettled else ''
   if out is None:
-    return f'| {label.strip()} | `{expression.strip()}` | – | fewer than two seeds{note} |'
+    return f'| {label.strip()} | `{expression.strip()}` | – | fewer than two seeds{note} | – |'
+  seeds = protocol.seeds_to_resolve(groups, weights)
   return (
     f'| {label.strip()} | `{expression.strip()}` | {out["difference"]:+.4f} | '
-    f'[{out["low"]:+.4f}, {out["high"]:+.4f}] (df {out["df"]:.1f}){note} |'
+    f'[{out["low"]:+.4f}, {out["high"]:+.4f}] (df {out["df"]:.1f}){note} | {seeds or "–"} |'
   )
 
 
@@ -160,8 +163,8 @@ def main(argv):
   lines = [
     f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (95% Welch intervals)",
     '',
-    '| contrast | arms | value | 95% interval |',
-    '|---|---|---|---|',
+    '| contrast | arms | value | 95% interval | seeds per arm to resolve |',
+    '|---|---|---|---|---|',
   ] + [contrast_row(results, c, args.metric) for c in args.contrast]
   text = '\n'.join(lines) + '\n'
   print(text)

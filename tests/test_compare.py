@@ -44,9 +44,17 @@ def test_a_contrast_over_sweeps_and_a_loop_is_the_protocols_interval(tmp_path):
   row = compare.contrast_row(results, 'y − x: a/y - a/x', 'eval/loss')
   want = protocol.contrast_interval([[2.0, 2.2, 2.1], [1.0, 1.1, 1.2]], [1, -1])
   assert f'{want["difference"]:+.4f} | [{want["low"]:+.4f}, {want["high"]:+.4f}]' in row
+  assert row.endswith('| – |')  # the interval excludes zero: nothing to resolve
   row = compare.contrast_row(results, 'loop: l/y - l/x', 'eval/loss')
   want = protocol.contrast_interval([[2.0, 2.3], [1.05, 1.15]], [1, -1])
   assert f'{want["difference"]:+.4f} | [{want["low"]:+.4f}, {want["high"]:+.4f}]' in row
+
+
+def test_a_contrast_containing_zero_names_the_seeds_that_would_resolve_it(tmp_path):
+  groups = {'x': [1.0, 1.1, 1.2], 'y': [1.05, 1.25, 1.15]}
+  results = compare.gather([f'a={_sweep(tmp_path, "a", groups)}'], [])
+  row = compare.contrast_row(results, 'y − x: a/y - a/x', 'eval/loss')
+  assert row.endswith(f'| {protocol.seeds_to_resolve([groups["y"], groups["x"]], [1, -1])} |')
 
 
 def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dsjax import sweep
+from dsjax.train import protocol
 from tests.helpers import REPO_ROOT, subprocess_env, tiny_config
 
 
@@ -261,3 +262,35 @@ def test_a_killed_sweep_resumes_after_its_finished_arm(tmp_path):
   assert 'arm a: step' not in rerun.stderr and 'arm b: step' in rerun.stderr
   assert (arm_a.read_bytes(), arm_a.stat().st_mtime_ns) == written
   assert set(a for a, _, _ in _members(out)) == {'a', 'b'}
+
+
+def test_the_summary_names_the_seeds_that_would_resolve_an_interval_containing_zero():
+  def arm(name, values):
+    report = {
+      'eval/loss': {
+        'n': len(values),
+        'mean': np.mean(values),
+        'sd': np.std(values, ddof=1),
+        'min': min(values),
+        'max': max(values),
+        'values': values,
+      }
+    }
+    return {
+      'name': name,
+      'changes': {},
+      'lrs': [0.1],
+      'lr_means': {'1.000000e-01': 1.0},
+      'selected_lr': 0.1,
+      'settled': True,
+      'report': report,
+    }
+
+  results = [arm('a', [1.0, 1.1, 1.2]), arm('b', [1.05, 1.25, 1.15]), arm('c', [2.0, 2.1, 2.2])]
+  sweep.compare(results, 'a')
+  seeds = protocol.seeds_to_resolve([[1.05, 1.25, 1.15], [1.0, 1.1, 1.2]], [1, -1])
+  assert results[1]['vs_baseline']['eval/loss']['seeds_to_resolve'] == seeds
+  assert results[2]['vs_baseline']['eval/loss']['seeds_to_resolve'] is None  # excludes zero
+  splits = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}
+  text = sweep.summary('python -m dsjax.sweep …', results, 'a', splits, [0, 1, 2], [0.1], 10)
+  assert text.rstrip().endswith(f'difference is the true one): b eval/loss: {seeds}.')

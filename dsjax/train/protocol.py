@@ -20,6 +20,8 @@ best of several noisy runs on the data they are scored on):
     max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval;
     `contrast_interval` the same for any linear combination of arms' means (e.g. a difference of
     differences: whether one arm's optimizer penalty is smaller than another's).
+  * `seeds_to_resolve`: for an interval that contains zero, the budget that would decide it — how many
+    seeds per arm would narrow the interval, at the measured sds, to the measured value.
 
 Pure functions of numbers (numpy and scipy), tested against hand-computed values.
 """
@@ -170,3 +172,34 @@ def contrast_interval(
   df = sum(parts) ** 2 / sum(p * p / (g.size - 1) for p, g in zip(parts, arrays) if p > 0)
   half = float(stats.t.ppf(0.5 + level / 2, df)) * se
   return {'difference': value, 'low': value - half, 'high': value + half, 'se': se, 'df': df}
+
+
+def _half_width(parts: Sequence[float], n: int, level: float) -> float:
+  """contrast_interval's half-width with every group at n values and w_i² s_i² given as `parts`."""
+  se2 = sum(parts) / n
+  df = se2**2 / sum((p / n) ** 2 / (n - 1) for p in parts if p > 0)
+  return float(stats.t.ppf(0.5 + level / 2, df)) * math.sqrt(se2)
+
+
+def seeds_to_resolve(
+  groups: Sequence[Sequence[float]], weights: Sequence[float], level: float = 0.95
+) -> int | None:
+  """The seeds per group at which `contrast_interval`'s half-width, with each group's sample sd as
+  measured, falls below the measured value's size: if that value were the true one, such a rerun would
+  exclude zero about half the time (more seeds, more often). The budget a "not resolved" verdict names.
+  None when the interval already excludes zero, or cannot be narrowed to it (a value of 0, groups
+  without spread, a group with fewer than two values)."""
+  interval = contrast_interval(groups, weights, level)
+  if interval is None or interval['se'] == 0.0 or interval['low'] > 0 or interval['high'] < 0:
+    return None
+  value = abs(interval['difference'])
+  if value == 0.0:
+    return None
+  parts = [w * w * float(np.var(np.asarray(g, np.float64), ddof=1)) for g, w in zip(groups, weights)]
+  low, high = 1, 2
+  while _half_width(parts, high, level) >= value:  # the half-width falls as n grows: bracket, bisect
+    low, high = high, 2 * high
+  while high - low > 1:
+    middle = (low + high) // 2
+    low, high = (middle, high) if _half_width(parts, middle, level) >= value else (low, middle)
+  return high

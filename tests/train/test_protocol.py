@@ -147,3 +147,34 @@ def test_contrast_interval_difference_of_differences_by_hand():
   half = stats.t.ppf(0.975, df) * math.sqrt(se2)
   assert out['low'] == pytest.approx(out['difference'] - half)
   assert protocol.contrast_interval([a, [1.0]], [1, -1]) is None
+
+
+def _with_mean_and_sd(n, mean, sd):
+  """n values whose mean and sample sd are exactly `mean` and `sd`."""
+  z = np.linspace(-1.0, 1.0, n)
+  return mean + sd * (z - z.mean()) / z.std(ddof=1)
+
+
+@pytest.mark.parametrize('sds', [(0.008, 0.008), (0.02, 0.005)])
+def test_seeds_to_resolve_is_where_an_interval_at_the_measured_sds_first_excludes_zero(sds):
+  a, b = _with_mean_and_sd(12, 1.9458, sds[0]), _with_mean_and_sd(12, 1.9435, sds[1])
+  n = protocol.seeds_to_resolve([a, b], [1, -1])
+  assert n > 12
+
+  def excludes_zero(k):
+    out = protocol.welch_interval(_with_mean_and_sd(k, 1.9458, sds[0]), _with_mean_and_sd(k, 1.9435, sds[1]))
+    return out['low'] > 0
+
+  assert excludes_zero(n) and not excludes_zero(n - 1)
+
+
+def test_seeds_to_resolve_of_a_weighted_contrast_and_where_there_is_nothing_to_resolve():
+  groups = [_with_mean_and_sd(3, m, 0.05) for m in (2.0, 1.9, 2.1, 2.05)]  # penalty: 0.1 − 0.05 = +0.05
+  weights = [1, -1, -1, 1]
+  n = protocol.seeds_to_resolve(groups, weights)
+  wider = protocol.contrast_interval([_with_mean_and_sd(n - 1, g.mean(), 0.05) for g in groups], weights)
+  narrow = protocol.contrast_interval([_with_mean_and_sd(n, g.mean(), 0.05) for g in groups], weights)
+  assert wider['low'] <= 0 < narrow['low']
+  assert protocol.seeds_to_resolve([[1.0, 1.1, 1.2], [2.0, 2.1, 2.2]], [1, -1]) is None  # excludes zero
+  assert protocol.seeds_to_resolve([[1.0, 1.2], [1.2, 1.0]], [1, -1]) is None  # a difference of 0
+  assert protocol.seeds_to_resolve([[1.0], [1.1, 1.2]], [1, -1]) is None  # one seed
