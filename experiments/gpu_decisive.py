@@ -555,9 +555,11 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
     if any(a is None for a in arms):
       continue
     groups = [a['report']['eval/loss']['values'] for a in arms]
-    interval = protocol.contrast_interval(groups, [w for w, _, _ in terms])
+    weights = [w for w, _, _ in terms]
+    interval = protocol.contrast_interval(groups, weights)
     if interval is None:  # fewer than two seeds
       continue
+    interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, weights)
     if sign == 0:  # a difference the paper says is about 0 (DNT's mSGDW penalty)
       finite = math.isfinite(interval['low']) and math.isfinite(interval['high'])
       judged = (
@@ -648,8 +650,8 @@ def summary_markdown(plan_rows, arms, claims, where, unigram) -> str:
     '',
     '## Claims: differences of mean test loss with 95% Welch–Satterthwaite intervals',
     '',
-    '| contrast | paper | difference [95% CI] | verdict |',
-    '|---|---|---|---|',
+    '| contrast | paper | difference [95% CI] | verdict | seeds per arm to resolve |',
+    '|---|---|---|---|---|',
   ]
   for c in claims:
     notes = [f'UNSETTLED: {", ".join(c["unsettled"])}'] if c['unsettled'] else []
@@ -657,7 +659,7 @@ def summary_markdown(plan_rows, arms, claims, where, unigram) -> str:
     note = f' ({"; ".join(notes)})' if notes else ''
     lines.append(
       f'| {c["label"]} | {c["source"]} | {c["difference"]:+.4f} [{c["low"]:+.4f}, {c["high"]:+.4f}] | '
-      f'{c["verdict"]}{note} |'
+      f'{c["verdict"]}{note} | {c.get("seeds_to_resolve") or "–"} |'
     )
   return '\n'.join(lines) + '\n'
 

@@ -186,7 +186,8 @@ def seeds_to_resolve(
 ) -> int | None:
   """The seeds per group at which `contrast_interval`'s half-width, with each group's sample sd as
   measured, falls below the measured value's size: if that value were the true one, such a rerun would
-  exclude zero about half the time (more seeds, more often). The budget a "not resolved" verdict names.
+  exclude zero about half the time (more seeds, more often). The budget a "not resolved" verdict names;
+  from three seeds per arm the sds, and so this number, are rough (a factor of two either way is common).
   None when the interval already excludes zero, or cannot be narrowed to it (a value of 0, groups
   without spread, a group with fewer than two values)."""
   interval = contrast_interval(groups, weights, level)
