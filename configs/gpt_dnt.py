@@ -1,11 +1,11 @@
-r"""L-DNT (Qi et al. 2025) byte-level language model on the embedded Python-documentation corpus, mSGDW.
+r"""L-DNT (Qi et al. 2025, arXiv:2507.17501) byte-level language model on the embedded Python-documentation corpus, mSGDW.
 
 Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_dnt.py --workdir=/tmp/gpt_dnt
 
-Expected runtime: 3m30s wall on a 2-core CPU (2026-11-27, ~4.2 steps/s including the two evaluations and
-checkpoints; 6m35s on 2026-11-24 while a second training run shared the cores for about two minutes).
+Expected runtime: 3m30s wall on a 2-core CPU (2026-11-27, the two evaluations and checkpoints included;
+6m35s on 2026-11-24 while a second training run shared the cores for about two minutes).
 Expected result: eval loss 1.358 nats/byte (1.959 bits/byte, perplexity 3.89) at step 1000 (measured
 2026-11-27, seed 0, with this code and with that of commit 5a474ed, equal to the last digit; 1.377 with
 an earlier input pipeline, whose training order differed), against a unigram byte entropy of the

@@ -10,8 +10,9 @@ Expected result: eval loss 2.07 nats/byte at step 500, 1.88 (2.71 bits/byte, per
 Folding with `dsjax.export` reproduces the logits to 7e-7 relative.
 
 The same parameter count as `configs/gpt_preln.py` (4 layers × width 128) spent on 16 layers × width 64,
-the DSLM paper's deeper-narrower trade (Kedia et al. 2024, Table 4). `model.scheme='dslm'` sets every init
-and the λ/β residual scales from `dsjax.theory` (Kedia et al. 2024, §3.5 and Appendix M; keys under
+the DSLM paper's deeper-narrower trade (Kedia et al. 2024, arXiv:2403.09635, Table 8 for its GPT; Table 4
+for BERT). `model.scheme='dslm'` sets every init and the λ/β residual scales from `dsjax.theory` (§3.5 and
+Appendix M; keys under
 `model.dslm`, defaults and references in `dsjax/schemes/dslm.py`). Fold the scales into a plain Post-LN
 checkpoint afterwards with `python -m dsjax.export --workdir=/tmp/gpt_dslm --out=/tmp/gpt_dslm_vanilla`.
 """

@@ -10,6 +10,9 @@ step times only on one machine, side by side).
 Expected result: eval loss 1.694 nats/byte (2.444 bits/byte, perplexity 5.44) at step 1000 (measured
 2026-11-24 and 2026-11-23, seed 0), against the 3.144-nat unigram entropy of the validation split; the
 DNT model with mSGDW (configs/gpt_dnt.py) reached 1.358.
+
+Optimisation: DNT's AdamW GPT recipe (Qi et al. 2025, arXiv:2507.17501, Tables 3 and 5): lr 6e-4, weight
+decay 0.1, betas (0.9, 0.95), clipping 1.0; a 100-step warm-up and cosine decay to 0 for this length.
 """
 
 from dsjax.train.config import base_config
@@ -29,7 +32,7 @@ def get_config():
   c.model.num_heads = 4
   c.model.block = 'preln'
   # The whole 4-layer stack in one scan iteration, as the benchmark configs do: on the 2-core CPU one
-  # layer per iteration costs 18–30% more per step (benchmarks/README.md). With a depth
+  # layer per iteration costs ~20% more per step (benchmarks/README.md). With a depth
   # override this stays a scan of 4-layer iterations, so compile time stays flat in depth.
   c.model.scan_unroll = 4
 

@@ -22,6 +22,8 @@ Expected result (seed 0, step 600, both runs 600 steps of 32 × 128 tokens, 2.46
 At the same number of steps and tokens the BPE model has read 3.2 times as much text, which is most of its
 lead; `eval/bits_per_byte` is what compares the two (docs/data.md, "Text: corpora, tokenizers and bits per
 byte"). The corpus is the running Python's library, so the numbers move a little between Python versions.
+The model is configs/gpt_preln.py's; the optimisation is DNT's AdamW GPT recipe (Qi et al. 2025,
+arXiv:2507.17501, Tables 3 and 5) with a 60-step warm-up and cosine decay to 0 for this length.
 """
 
 from dsjax.train.config import base_config

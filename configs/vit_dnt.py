@@ -1,4 +1,4 @@
-r"""V-DNT (Deeply Normalized Transformer, Qi et al. 2025) on the embedded 8×8 digits, trained with mSGDW.
+r"""V-DNT (Deeply Normalized Transformer, Qi et al. 2025, arXiv:2507.17501) on the embedded 8×8 digits, trained with mSGDW.
 
 Command (2-core CPU, no network; the dataset is built from scikit-learn's copy on first use):
 
@@ -12,7 +12,8 @@ seed 0, 2026-11-23 and 2026-11-24; 0.957 with the previous input pipeline, whose
 
 DNT setting S5 (Qi et al. 2025, §4.4 and Appendix C): InputNorm, PreNorm on attention only, QKNorm,
 MidNorm on both branches, RMSNorm. DNT's claim is that this placement trains with plain momentum SGD
-(mSGDW) as well as with AdamW (at this project's scale not reproduced: experiments/README.md §1);
+(mSGDW) as well as with AdamW (at this project's scale: a smaller mSGDW penalty than Pre-LN's not
+resolved on this ViT, not reproduced on the GPT; experiments/README.md §1);
 `--config.optimizer.name=adamw` switches (then also set an AdamW learning rate, e.g. 1e-3).
 """
 

@@ -13,10 +13,10 @@ Settings (Qi et al. 2025, Tables 3–5, through `base_config`'s optimizer defaul
   * AdamW: betas (0.9, 0.95) GPT / (0.9, 0.99) ViT, weight decay 0.1; mSGDW: momentum 0.9, weight decay
     1e-4 GPT / 2e-4 ViT; GPT gradient clipping 1.0; cosine decay to the paper's minimum learning rate as
     a ratio of the peak (Table 5, GPT AdamW: 6e-5 of 6e-4 = 0.1; the others ≈ 0);
-  * warm-up: Table 5 gives AdamW 2000 iterations and mSGDW none, while the paper's text gives every
-    language model 2000 warm-up steps; the paper's runs are far longer than these, so the warm-up here is
-    a tenth of the steps (a choice the paper leaves open at this length), none for mSGDW unless an arm
-    sets it;
+  * warm-up, GPT: Table 5 gives AdamW 2000 iterations and mSGDW none, while the paper's text gives every
+    language model 2000 warm-up steps; 2000 steps is more than these runs' length, so AdamW warms up
+    over a tenth of the steps, mSGDW not at all unless an arm sets it. ViT: Table 4 and App. B warm both optimizers up for 60 of 150 epochs (40%); here both
+    warm up over a tenth of the steps, a shorter warm-up than the paper's;
   * GPT: byte-level, embedded Python documentation, 4 layers × 64, 4 heads, seq 64, batch 16, 300
     steps, dropout 0; ViT: the embedded 8×8 digits, 4 × 64, patch 2, batch 64, 300 steps, truncated
     normal init (Table 4).

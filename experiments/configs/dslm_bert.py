@@ -9,10 +9,12 @@ Table 4) and §7 (prior methods, Table 11). `--config=experiments/configs/dslm_b
 Commands, runtimes and results: experiments/README.md §4 and §7.
 
 The base arm is the paper's baseline: a vanilla Post-LN model with BERT's initialisation (every weight
-and both embedding tables N(0, 0.02²), `model.vanilla.init='bert'`; Table 14 lists it beside Xavier).
+and both embedding tables N(0, 0.02²), `model.vanilla.init='bert'`: BERT's original settings, which
+the paper's baseline keeps, §4.1; Table 14's "Fixed σ = 0.02" row is that init with DSLM's λ, β).
 Optimisation as Table 25 (all of BERT's settings except the learning rate): Adam betas (0.9, 0.999),
 decoupled weight decay 0.01 (BERT's), warm-up over the first 1% of the steps, then linear decay to 1%
-of the peak (Table 25's minimum lr is 1e-5 at peaks of 1e-4–1e-3), gradient clipping 1.0, dropout 0.1.
+of the peak (Table 25's minimum lr is 1e-5 at peaks of 1e-4–1e-3; its decay ends at 98% of the steps,
+this one at the end), gradient clipping 1.0, dropout 0.1.
 The paper trains 10⁵ steps at batch 256 × 256 tokens; here a byte-level GPT (causal; Table 8 is the
 paper's decoder counterpart of Table 4) on the embedded Python documentation, seq 64, batch 16, 300
 steps, tied input/output embeddings (DSLM's output scale, `model.dslm`).

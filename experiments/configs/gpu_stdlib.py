@@ -8,13 +8,14 @@ parameter. `experiments/gpu_decisive.py` runs every sweep of them; one of them a
 
 `depth,NxD` — DSLM at constant N·d² (Kedia et al. 2024, arXiv:2403.09635, Table 4 for BERT, Table 8 for
 GPT): a causal GPT of N layers of width D, head dimension 16 at every shape, so that depth and width are
-what changes. The paper gives its decoder recipe only as "trained for 8B tokens" on Megatron-LM, so the
-optimisation is its BERT recipe (Table 25; every setting but the lr): Adam betas (0.9, 0.999), decoupled
+what changes. The paper gives its decoder recipe only as "trained for 8B tokens" (§4.2), so the
+optimisation is its BERT recipe (Table 25; every setting but the lr, and Table 25's decay ends at 98% of
+the steps where this one runs to the end): Adam betas (0.9, 0.999), decoupled
 weight decay 0.01, warm-up over the first 1% of the steps, linear decay to 1% of the peak, gradient
 clipping 1.0, dropout 0.1. The base arm is the paper's baseline as Megatron-LM's GPT draws it: every
 weight N(0, 0.02²), the projections into the residual stream scaled by 1/sqrt(2N) (`model.vanilla.init=
-'gpt2'`; the paper does not name the GPT baseline's init, and its BERT baseline, Table 14, is σ = 0.02
-without the scaling). Post-LN by default; the arms change `model.block` and `model.scheme`.
+'gpt2'`; the paper does not name the GPT baseline's init; its BERT baseline keeps BERT's original
+settings, §4.1, whose init is σ = 0.02 without the scaling). Post-LN by default; the arms change `model.block` and `model.scheme`.
 
 `dnt,OPTIMIZER` — DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): a 4×128 GPT (4 heads; the
 largest that the GPU window leaves room for after the depth study), RMSNorm,
@@ -28,6 +29,8 @@ Every run: sequences of 256 tokens, batch 64 (16,384 tokens a step), evaluation 
 sweep's selection and report splits are evaluated then). Steps: 20 tokens per non-embedding parameter,
 rounded up to a whole hundred (`steps_for`); `experiments/gpu_decisive.py` prints and records the
 parameters, tokens per parameter (embeddings included and not) and epochs of every sweep.
+
+Runtimes and results (one H200; the plan, the windows, the tables and verdicts): experiments/README.md §11.
 """
 
 import math
