@@ -48,7 +48,7 @@ def get_config():
   c.optimizer.weight_decay = 0.1
   c.optimizer.warmup_steps = 100
   c.optimizer.clip_norm = 1.0
-  # Cosine to 0, as the result above was measured (the default is the paper's minimum, Qi et al. 2025, arXiv:2507.17501,
-  # Table 5: 6e-5).
+  # Cosine to 0, as the result above was measured (the default is the paper's minimum, Qi et al. 2025,
+  # arXiv:2507.17501, Table 5: 6e-5).
   c.optimizer.min_lr_ratio = 0.0
   return c

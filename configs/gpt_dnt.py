@@ -1,4 +1,4 @@
-r"""L-DNT (Qi et al. 2025, arXiv:2507.17501) byte-level language model on the embedded Python-documentation corpus, mSGDW.
+r"""L-DNT (Qi et al. 2025, arXiv:2507.17501) byte-level GPT on the embedded Python documentation, mSGDW.
 
 Command (2-core CPU, no network):
 

@@ -9,11 +9,11 @@ Expected result: eval loss 2.37 nats/byte (3.42 bits/byte) after 300 steps; the 
 the same shape: 3.25, the vanilla Pre-LN one 2.95 (experiments/dslm_results.md).
 
 Every residual add is x ← λ·x + β·Drop(f(LN(x))) with β² = 2/96, and the weights come from `dsjax.theory`
-(Kedia et al. 2024, arXiv:2403.09635, §3.5 and Appendix M), so the forward and backward variances stay bounded through all
-96 layers at initialisation. `experiments/dslm_vs_postln.py` trains this config next to the vanilla
-Post-LN (Xavier) model of the same shape and optimizer, which stays on the unigram plateau (loss ≈ 3.26
-nats/byte, the byte entropy of the corpus). Fold the trained scales into a plain Pre-LN checkpoint with
-`python -m dsjax.export --workdir=/tmp/gpt_dslm_deep --out=/tmp/gpt_dslm_deep_vanilla`.
+(Kedia et al. 2024, arXiv:2403.09635, §3.5 and Appendix M), so the forward and backward variances stay
+bounded through all 96 layers at initialisation. `experiments/dslm_vs_postln.py` trains this config next
+to the vanilla Post-LN (Xavier) model of the same shape and optimizer, which stays on the unigram plateau
+(loss ≈ 3.26 nats/byte, the byte entropy of the corpus). Fold the trained scales into a plain Pre-LN
+checkpoint with `python -m dsjax.export --workdir=/tmp/gpt_dslm_deep --out=/tmp/gpt_dslm_deep_vanilla`.
 
 Two choices differ from the `model.dslm` defaults, both the DSLM reference code's: the LM head is tied to
 the token table and the final hidden state is scaled by 1/sqrt(σe²·d) ('sqrt_embed_var_d'), so the

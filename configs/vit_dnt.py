@@ -1,4 +1,4 @@
-r"""V-DNT (Deeply Normalized Transformer, Qi et al. 2025, arXiv:2507.17501) on the embedded 8×8 digits, trained with mSGDW.
+r"""V-DNT (Deeply Normalized Transformer; Qi et al. 2025, arXiv:2507.17501) on the 8×8 digits, mSGDW.
 
 Command (2-core CPU, no network; the dataset is built from scikit-learn's copy on first use):
 

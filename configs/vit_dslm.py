@@ -8,17 +8,17 @@ Expected runtime: ~15 minutes on a shared 2-core CPU (934 s measured).
 Expected result: test accuracy 99.3% (eval loss 0.0086) after 1500 steps. Logged input moments of the
 embedded digits: variance 0.985 (design 1 − p = 0.9), token correlation −0.026.
 
-The paper's recipe for vision (Kedia et al. 2024, arXiv:2403.09635, Appendix H): the patch embedding is a Linear of the
-normalised pixels, and the token correlation of the embedded input is measured on real batches before the
-model is built (`model.dslm.input_corr = 'measure'`; the run logs it and writes `scheme_preparation.json`,
-which `dsjax.moments` and `dsjax.export` reuse). On these digits it is ≈ −0.03 (the constant border pixels
-sit below the pooled mean), which the full init cannot use (its V/O variance ∝ 1/sqrt(r); it raises), so
-this config uses the simple init of the paper's §4 runs; with images like ImageNet (r ≈ 0.46)
-`--config.model.dslm.init=full` uses the measured value. This project's DSLM scheme sets the position
-table's variance, so the position embedding is the learned one (it rejects sincos2d); the paper's own
-ViT runs used a fixed 2D sin-cos table and no dropout (Appendix N, Table 26), where this config has a
-learned table and dropout 0.1. Same parameter count as
-`configs/vit_preln.py` (6 × 128) spent on 24 layers × width 64.
+The paper's recipe for vision (Kedia et al. 2024, arXiv:2403.09635, Appendix H): the patch embedding is a
+Linear of the normalised pixels, and the token correlation of the embedded input is measured on real
+batches before the model is built (`model.dslm.input_corr = 'measure'`; the run logs it and writes
+`scheme_preparation.json`, which `dsjax.moments` and `dsjax.export` reuse). On these digits it is ≈ −0.03
+(the constant border pixels sit below the pooled mean), which the full init cannot use (its V/O variance
+∝ 1/sqrt(r); it raises), so this config uses the simple init of the paper's §4 runs; with images like
+ImageNet (r ≈ 0.46) `--config.model.dslm.init=full` uses the measured value. This project's DSLM scheme
+sets the position table's variance, so the position embedding is the learned one (it rejects sincos2d);
+the paper's own ViT runs used a fixed 2D sin-cos table and no dropout (Appendix N, Table 26), where this
+config has a learned table and dropout 0.1. Same parameter count as `configs/vit_preln.py` (6 × 128)
+spent on 24 layers × width 64.
 """
 
 from dsjax.train.config import base_config

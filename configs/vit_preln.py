@@ -13,9 +13,9 @@ computed the same model with its float sums in another order gave 0.950, and the
 
 `--config.optimizer.name=msgdw --config.optimizer.lr=0.03 --config.optimizer.weight_decay=2e-4
 --config.optimizer.warmup_steps=0` trains it with the mSGDW settings of `configs/vit_dnt.py` (Qi et al.
-2025, arXiv:2507.17501, use lr 0.5 at batch 1024, Table 4; at batch 128 that diverges for the DNT model too). The paper's
-claim — the standard Pre-LN transformer falls behind DNT under mSGDW (Table 1) — needs a learning-rate
-sweep per model and several seeds to test; one run of each is not a comparison.
+2025, arXiv:2507.17501, use lr 0.5 at batch 1024, Table 4; at batch 128 that diverges for the DNT model
+too). The paper's claim — the standard Pre-LN transformer falls behind DNT under mSGDW (Table 1) — needs
+a learning-rate sweep per model and several seeds to test; one run of each is not a comparison.
 """
 
 from dsjax.train.config import base_config

@@ -15,8 +15,9 @@ Settings (Qi et al. 2025, Tables 3–5, through `base_config`'s optimizer defaul
     a ratio of the peak (Table 5, GPT AdamW: 6e-5 of 6e-4 = 0.1; the others ≈ 0);
   * warm-up, GPT: Table 5 gives AdamW 2000 iterations and mSGDW none, while the paper's text gives every
     language model 2000 warm-up steps; 2000 steps is more than these runs' length, so AdamW warms up
-    over a tenth of the steps, mSGDW not at all unless an arm sets it. ViT: Table 4 and App. B warm both optimizers up for 60 of 150 epochs (40%); here both
-    warm up over a tenth of the steps, a shorter warm-up than the paper's;
+    over a tenth of the steps, mSGDW not at all unless an arm sets it. ViT: Table 4 and App. B warm
+    both optimizers up for 60 of 150 epochs (40%); here both warm up over a tenth of the steps, a
+    shorter warm-up than the paper's;
   * GPT: byte-level, embedded Python documentation, 4 layers × 64, 4 heads, seq 64, batch 16, 300
     steps, dropout 0; ViT: the embedded 8×8 digits, 4 × 64, patch 2, batch 64, 300 steps, truncated
     normal init (Table 4).

@@ -15,7 +15,8 @@ weight decay 0.01, warm-up over the first 1% of the steps, linear decay to 1% of
 clipping 1.0, dropout 0.1. The base arm is the paper's baseline as Megatron-LM's GPT draws it: every
 weight N(0, 0.02²), the projections into the residual stream scaled by 1/sqrt(2N) (`model.vanilla.init=
 'gpt2'`; the paper does not name the GPT baseline's init; its BERT baseline keeps BERT's original
-settings, §4.1, whose init is σ = 0.02 without the scaling). Post-LN by default; the arms change `model.block` and `model.scheme`.
+settings, §4.1, whose init is σ = 0.02 without the scaling). Post-LN by default; the arms change
+`model.block` and `model.scheme`.
 
 `dnt,OPTIMIZER` — DNT's 2×2 (Qi et al. 2025, arXiv:2507.17501, Table 1): a 4×128 GPT (4 heads; the
 largest that the GPU window leaves room for after the depth study), RMSNorm,
