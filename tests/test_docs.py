@@ -21,8 +21,8 @@ FENCE = re.compile(r'^```.*?^```', re.M | re.S)
 
 
 def _slug(heading: str) -> str:
-  """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-  text = re.sub(r'[`*_]', '', heading.strip().lower())
+  """GitHub's anchor of a heading: lower case, punctuation but - and _ dropped, spaces to hyphens."""
+  text = re.sub(r'[`*]', '', heading.strip().lower())  # rendering drops them; '_' in code stays
   text = re.sub(r'[^\w\- ]', '', text)
   return text.replace(' ', '-')
 
