@@ -14,11 +14,11 @@ batches before the model is built (`model.dslm.input_corr = 'measure'`; the run 
 `scheme_preparation.json`, which `dsjax.moments` and `dsjax.export` reuse). On these digits it is ≈ −0.03
 (the constant border pixels sit below the pooled mean), which the full init cannot use (its V/O variance
 ∝ 1/sqrt(r); it raises), so this config uses the simple init of the paper's §4 runs; with images like
-ImageNet (r ≈ 0.46) `--config.model.dslm.init=full` uses the measured value. This project's DSLM scheme
-sets the position table's variance, so the position embedding is the learned one (it rejects sincos2d);
-the paper's own ViT runs used a fixed 2D sin-cos table and no dropout (Appendix N, Table 26), where this
-config has a learned table and dropout 0.1. Same parameter count as `configs/vit_preln.py` (6 × 128)
-spent on 24 layers × width 64.
+ImageNet (r ≈ 0.46) `--config.model.dslm.init=full` uses the measured value. The position table is the
+learned one, whose variance DSLM sets; the paper's own ViT runs used a fixed 2D sin-cos table and no
+dropout (Appendix N, Table 26): `--config.model.pos_embedding=sincos2d --config.model.dropout=0` (the
+patch term then takes what the table leaves of the input variance; the result above is this config's).
+Same parameter count as `configs/vit_preln.py` (6 × 128) spent on 24 layers × width 64.
 """
 
 from dsjax.train.config import base_config
@@ -37,7 +37,7 @@ def get_config():
   c.model.num_heads = 4
   c.model.patch_size = 2
   c.model.block = 'postln'
-  c.model.pos_embedding = 'learned'  # this project's DSLM scheme sets the table's variance
+  c.model.pos_embedding = 'learned'  # DSLM sets its variance; the paper's sincos2d: see the docstring
   c.model.dropout = 0.1
   c.model.scheme = 'dslm'
   c.model.dslm.init = 'simple'  # the paper's §4 runs; see the docstring for why not 'full' here

@@ -18,6 +18,8 @@ from dsjax.models.plan import InitPlan
 from dsjax.models.transformer import Probe, TransformerConfig, no_probe
 
 POS_EMBEDDINGS = ('sincos2d', 'learned')
+# Every row of the sincos2d table is (sin, cos) pairs, sin² + cos² = 1: its mean square is exactly 1/2.
+SINCOS_MEAN_SQUARE = 0.5
 POOLINGS = ('gap', 'cls')
 
 

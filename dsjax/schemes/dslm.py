@@ -32,7 +32,8 @@ the correlation of the stream entering layer n, is `theory.model.dslm_layer_corr
 embedded input's token correlation times (1−p). GPT sums a token and a learned position table (K = 2), its
 token correlation from Zipf's law (Appendix A.1), measured, or a number. ViT's patch embedding is a Linear
 of unit-variance pixels, so its kernel variance σe²/(P²·C) gives the patch term the variance σe² of one
-table (K = 2 with the learned position table; the sincos table is rejected). `input_corr='measure'` is a
+table (K = 2 with the learned position table). With the fixed sincos2d table (mean square 1/2, the paper's
+ViT, Appendix N) the patch term takes the rest: σe² = input_var·(1−p) − 1/2. `input_corr='measure'` is a
 preparation step (`measure_input_moments`): a depth-1 provisional model with the same seed (exactly the
 final embedding weights) embeds a few real batches; the measured token correlation starts the recurrence,
 the measured variance is logged and saved as a check. Details and reasons: docs/theory.md, "DeepScaleLM".
@@ -116,10 +117,11 @@ def validate_config(model_config) -> None:
       "model.dslm.input_corr='zipf' estimates the correlation of token lookups (GPT); "
       "for ViT use 'measure' (the paper's way for images, Appendix H) or a number"
     )
-  if m.name == 'vit' and m.pos_embedding != 'learned':
+  summed = c.input_var * (1.0 - m.dropout)
+  if m.name == 'vit' and m.pos_embedding == 'sincos2d' and summed <= models.vit.SINCOS_MEAN_SQUARE:
     raise ValueError(
-      f"model.pos_embedding must be 'learned' with model.scheme='dslm' (DSLM sets the "
-      f'position table variance; sincos2d has a fixed variance of 1/2), got {m.pos_embedding!r}'
+      f'model.dslm.input_var·(1 − model.dropout) must exceed 1/2 with model.pos_embedding=sincos2d '
+      f'(the fixed table has mean square 1/2; the patch term takes the rest), got {summed:.4g}'
     )
   beta2 = theory.model.dslm_beta2(m.depth, c.k, c.alpha)
   if not beta2 < 1:
@@ -135,8 +137,13 @@ def validate_config(model_config) -> None:
 
 
 def embedding_table_var(model_config, dims: ModelDims) -> float:
-  """σe² = input_var·(1−p)/K: K equal tables, then the embedding dropout (×1/(1−p)) → input_var."""
-  return model_config.dslm.input_var * (1.0 - model_config.dropout) / dims.num_embedding_tables
+  """σe², the token table's (GPT) or patch term's (ViT) variance, so that the embedded input has variance
+  input_var after the embedding dropout (×1/(1−p)): input_var·(1−p)/K for K equal tables; with ViT's fixed
+  sincos2d table, what its mean square of 1/2 leaves of input_var·(1−p)."""
+  summed = model_config.dslm.input_var * (1.0 - model_config.dropout)
+  if dims.kind == 'vit' and model_config.pos_embedding == 'sincos2d':
+    return summed - models.vit.SINCOS_MEAN_SQUARE
+  return summed / dims.num_embedding_tables
 
 
 def input_corr(model_config, dims: ModelDims, input_moments: dict[str, float] | None = None) -> float:

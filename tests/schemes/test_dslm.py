@@ -177,6 +177,20 @@ def test_vit_embedding_and_head():
   np.testing.assert_allclose(float(model.embed(pixels).var()), 1 - P, rtol=0.1)
 
 
+@pytest.mark.parametrize('dropout', [0.0, P])
+def test_vit_with_the_fixed_sincos_table_gives_the_patch_term_the_rest(dropout):
+  """The paper's ViT (Appendix N: fixed 2D sin-cos table, Table 26: dropout 0): the table's mean square is
+  1/2, the patch term takes input_var·(1−p) − 1/2 of the summed embedding."""
+  config = _dslm_config('vit', depth=4, width=256, pos_embedding='sincos2d')
+  config.model.dropout = dropout
+  plan = schemes.make_init_plan(config.model, _dims(config, IMAGE_INFO))
+  d_in = config.model.patch_size**2 * IMAGE_INFO.image_shape[2]
+  np.testing.assert_allclose(plan.input_std**2 * d_in, (1 - dropout) - 0.5, rtol=1e-6)
+  model = schemes.build_model(config, IMAGE_INFO, nnx.Rngs(params=0))
+  pixels = jax.random.normal(jax.random.key(1), (64, 8, 8, 1))
+  np.testing.assert_allclose(float(np.mean(np.square(model.embed(pixels)))), 1 - dropout, rtol=0.1)
+
+
 def test_gelu_ffn_uses_the_gelu_moments():
   """GeLU FFN weights give FFN-block output variance 1 (theory and Monte Carlo), unlike the ReLU value."""
   d = 128
@@ -231,11 +245,15 @@ def test_beta_exponent_learnable_beta_and_output_scales():
     ('gpt', 'dslm.input_corr', 0.0, 'model.dslm.input_corr'),
     ('gpt', 'dslm.input_var', 0.0, 'model.dslm.input_var'),
     ('vit', 'dslm.input_corr', 'zipf', 'model.dslm.input_corr'),
-    ('vit', 'pos_embedding', 'sincos2d', 'model.pos_embedding'),
   ],
 )
 def test_bad_dslm_configs_fail_in_validate(name, key, value, message):
   assert_rejected(_dslm_config(name, depth=4), key, value, message)
+
+
+def test_the_sincos_table_needs_room_for_the_patch_term():
+  config = _dslm_config('vit', depth=4, pos_embedding='sincos2d')
+  assert_rejected(config, 'dslm.input_var', 0.5, 'model.dslm.input_var·(1 − model.dropout) must exceed 1/2')
 
 
 # ------------------------------------------------------------------------------------------------
