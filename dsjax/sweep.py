@@ -549,9 +549,9 @@ def summary(
   if budgets:
     lines += [
       '',
-      'Intervals that contain zero, and the seeds per arm at which the interval, at these sds, would be as '
-      'narrow as the measured difference (a rerun would then exclude zero about half the time if that '
-      'difference is the true one): ' + '; '.join(budgets) + '.',
+      'Intervals that contain zero, and the seeds per arm at which the interval\'s half-width, at these '
+      'sds, would equal the measured difference (a rerun would then exclude zero about half the time if '
+      'that difference is the true one): ' + '; '.join(budgets) + '.',
     ]
   return '\n'.join(lines) + '\n'
 

@@ -10,8 +10,8 @@ A contrast is 'LABEL: ±SWEEP/ARM ± …' over the report split's metric of each
 seeds of `results.json`), with the Welch–Satterthwaite interval of `dsjax.train.protocol`; arms of
 different sweeps are comparable when the sweeps share their data, steps and seeds (the splits are
 checked). An arm whose lr is UNSETTLED is marked. Where the interval contains zero, the last column is
-`protocol.seeds_to_resolve`: the seeds per arm at which the interval, at the measured sds, would be as
-narrow as the measured value.
+`protocol.seeds_to_resolve`: the seeds per arm at which the interval's half-width, at the measured sds,
+would equal the measured value (a rerun then excludes zero about half the time if that value is true).
 
 `--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
 (`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's

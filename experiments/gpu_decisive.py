@@ -559,7 +559,8 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
     interval = protocol.contrast_interval(groups, weights)
     if interval is None:  # fewer than two seeds
       continue
-    interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, weights)
+    # The seeds that would resolve a difference; for a claim that the difference is about 0, none.
+    interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, weights) if sign else None
     if sign == 0:  # a difference the paper says is about 0 (DNT's mSGDW penalty)
       finite = math.isfinite(interval['low']) and math.isfinite(interval['high'])
       judged = (

@@ -293,4 +293,4 @@ def test_the_summary_names_the_seeds_that_would_resolve_an_interval_containing_z
   assert results[2]['vs_baseline']['eval/loss']['seeds_to_resolve'] is None  # excludes zero
   splits = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}
   text = sweep.summary('python -m dsjax.sweep …', results, 'a', splits, [0, 1, 2], [0.1], 10)
-  assert text.rstrip().endswith(f'difference is the true one): b eval/loss: {seeds}.')
+  assert text.rstrip().endswith(f'that difference is the true one): b eval/loss: {seeds}.')

@@ -10,6 +10,7 @@ For a stack of N layers (one layer = attention add + FFN add), width d, dropout 
     each embedding table                  σe² = input_var·(1−p)/K          → model input variance
                                                                              input_var (= 1) after
                                                                              the embedding dropout
+                                          (ViT with sincos2d: the patch term input_var·(1−p) − 1/2)
     both FFN matrices                     σf² = theory.model.ffn_unit_weight_var → FFN block output
                                           variance 1; ReLU, hidden 4d: (1/d)·sqrt((1−p)/2); GeLU is
                                           solved from the GeLU moments (Appendix A.5), not the ReLU value

@@ -20,8 +20,8 @@ best of several noisy runs on the data they are scored on):
     max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval;
     `contrast_interval` the same for any linear combination of arms' means (e.g. a difference of
     differences: whether one arm's optimizer penalty is smaller than another's).
-  * `seeds_to_resolve`: for an interval that contains zero, the budget that would decide it — how many
-    seeds per arm would narrow the interval, at the measured sds, to the measured value.
+  * `seeds_to_resolve`: for an interval that contains zero, the budget a decision would take — at how
+    many seeds per arm the interval's half-width, at the measured sds, would equal the measured value.
 
 Pure functions of numbers (numpy and scipy), tested against hand-computed values.
 """
@@ -184,14 +184,16 @@ def _half_width(parts: Sequence[float], n: int, level: float) -> float:
 def seeds_to_resolve(
   groups: Sequence[Sequence[float]], weights: Sequence[float], level: float = 0.95
 ) -> int | None:
-  """The seeds per group at which `contrast_interval`'s half-width, with each group's sample sd as
-  measured, falls below the measured value's size: if that value were the true one, such a rerun would
-  exclude zero about half the time (more seeds, more often). The budget a "not resolved" verdict names;
-  from three seeds per arm the sds, and so this number, are rough (a factor of two either way is common).
-  None when the interval already excludes zero, or cannot be narrowed to it (a value of 0, groups
-  without spread, a group with fewer than two values)."""
+  """The seeds per group (every group at that many) at which `contrast_interval`'s half-width, with each
+  group's sample sd as measured, falls below the measured value's size: if that value were the true one,
+  such a rerun would exclude zero about half the time (more seeds, more often). The budget a "not
+  resolved" verdict names; from three seeds per arm the sds, and so this number, are rough (a factor of
+  two either way is common). None when the interval already excludes zero, or cannot be narrowed to it
+  (a value of 0, groups without spread, a group with fewer than two values or a non-finite one)."""
   interval = contrast_interval(groups, weights, level)
-  if interval is None or interval['se'] == 0.0 or interval['low'] > 0 or interval['high'] < 0:
+  if interval is None or not all(math.isfinite(interval[k]) for k in ('difference', 'se')):
+    return None
+  if interval['se'] == 0.0 or interval['low'] > 0 or interval['high'] < 0:
     return None
   value = abs(interval['difference'])
   if value == 0.0:

@@ -178,3 +178,5 @@ def test_seeds_to_resolve_of_a_weighted_contrast_and_where_there_is_nothing_to_r
   assert protocol.seeds_to_resolve([[1.0, 1.1, 1.2], [2.0, 2.1, 2.2]], [1, -1]) is None  # excludes zero
   assert protocol.seeds_to_resolve([[1.0, 1.2], [1.2, 1.0]], [1, -1]) is None  # a difference of 0
   assert protocol.seeds_to_resolve([[1.0], [1.1, 1.2]], [1, -1]) is None  # one seed
+  assert protocol.seeds_to_resolve([[1.0, float('nan'), 1.2], [1.1, 1.2, 1.3]], [1, -1]) is None
+  assert protocol.seeds_to_resolve([[1.0, 1.0], [1.0, 1.0]], [1, -1]) is None  # no spread
