@@ -549,7 +549,7 @@ def summary(
   if budgets:
     lines += [
       '',
-      'Intervals that contain zero, and the seeds per arm at which the interval\'s half-width, at these '
+      "Intervals that contain zero, and the seeds per arm at which the interval's half-width, at these "
       'sds, would equal the measured difference (a rerun would then exclude zero about half the time if '
       'that difference is the true one): ' + '; '.join(budgets) + '.',
     ]
