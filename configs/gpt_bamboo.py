@@ -4,15 +4,13 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/gpt_bamboo.py --workdir=/tmp/gpt_bamboo
 
-Expected runtime: about 8½ minutes wall on an idle 2-core CPU (estimated, 1.37× configs/gpt_preln.py's
-measured 6m19s). How it was measured: both configs ran back to back on the same (shared, heavily loaded)
-2-core machine with `--config.total_steps=20` and `=120` (and `--config.optimizer.warmup_steps=10
---config.eval_every=N --config.checkpoint_every=N`); the difference of the two runs gives the time per
-step (gpt_preln 3.47 s, this config 4.74 s under that load: 1.37×; CPU time 1.40×) and the rest the
-fixed cost of compilation, evaluation and checkpoints (53 s and 64 s).
-Expected result: the 1000-step result is not measured yet. In the 120-step runs above, eval loss 2.856
-nats/byte here against 2.454 for configs/gpt_preln.py (measured; same overrides), against the 3.144-nat
-unigram entropy of the validation split.
+Expected runtime: 4m59s wall on the 2-core CPU (2026-12-03, with short test runs sharing it at times),
+the two evaluations and checkpoints included.
+Expected result: eval loss 1.924 nats/byte (2.776 bits/byte, perplexity 6.85) at step 1000 (2.101 at step
+500; measured 2026-12-03, seed 0), against the 3.144-nat unigram entropy of the validation split;
+configs/gpt_preln.py, the 4-layer shape with the same block parameters, reached 1.694. One seed each and
+one lr: no comparison of the shapes (experiments/README.md §4 compares depths at constant N·d² with a
+sweep per arm).
 
 Xue et al. 2023, "A Study on Transformer Configuration and Training Objective" (ICML 2023,
 arXiv:2205.10505) propose "Bamboo": for a given parameter budget, use deeper and narrower transformers
