@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import sys
 
 from absl import flags
@@ -162,6 +163,8 @@ def main(argv):
     cli.create_output_file('--out', args.out)
   lines = [
     f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (95% Welch intervals)",
+    '',
+    f'Command: `python {shlex.join(sys.argv)}`',
     '',
     '| contrast | arms | value | 95% interval | seeds per arm to resolve |',
     '|---|---|---|---|---|',
