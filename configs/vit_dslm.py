@@ -4,9 +4,11 @@ Command (2-core CPU, no network):
 
   python -m dsjax.main --config=configs/vit_dslm.py --workdir=/tmp/vit_dslm
 
-Expected runtime: ~15 minutes on a shared 2-core CPU (934 s measured).
-Expected result: test accuracy 99.3% (eval loss 0.0086) after 1500 steps. Logged input moments of the
-embedded digits: variance 0.985 (design 1 − p = 0.9), token correlation −0.026.
+Expected runtime: 5m13s wall on the 2-core CPU (2026-12-03).
+Expected result: test accuracy 0.997 (299/300; eval loss 0.0258) after 1500 steps (measured 2026-12-03,
+seed 0; 0.993 with the previous input pipeline, another training order). Logged input moments of the
+embedded digits: variance 0.982 (the design value before the embedding dropout: 1 − p = 0.9), token
+correlation −0.026.
 
 The paper's recipe for vision (Kedia et al. 2024, arXiv:2403.09635, Appendix H): the patch embedding is a
 Linear of the normalised pixels, and the token correlation of the embedded input is measured on real
