@@ -7,7 +7,7 @@ Command (2-core CPU, no network):
 Expected runtime: 1m19s wall on the 2-core CPU (2026-12-03).
 Expected result: eval loss 2.351 nats/byte (3.39 bits/byte) after 300 steps (measured 2026-12-03, seed 0;
 2.374 with the previous input pipeline, another training order); the vanilla Post-LN model of the same
-shape: 3.25, the vanilla Pre-LN one 2.95, both measured with that pipeline (experiments/dslm_results.md).
+shape: 3.249, the vanilla Pre-LN one 2.889 (experiments/dslm_results.md §2, the same day).
 
 Every residual add is x ← λ·x + β·Drop(f(LN(x))) with β² = 2/96, and the weights come from `dsjax.theory`
 (Kedia et al. 2024, arXiv:2403.09635, §3.5 and Appendix M), so the forward and backward variances stay
