@@ -10,8 +10,8 @@ an arm — every lr × seed — train together, stacked and vmapped through the 
 the selection split, extended past the grid's edge where the best lr lies on it (and, with
 --refine_ratio, narrowed around the best lr by training midpoints), and the chosen lr's
 seeds are reported on a split the choice never saw (`dsjax.train.protocol`). Each finished (arm, lr) is
-written under OUT at once, so rerunning the command resumes. Outputs: OUT/results.json, OUT/summary.md,
-OUT/lr_curves.png (docs/sweeps.md).
+written under OUT at once, so rerunning the command resumes; rerunning it with more --seeds adds them at
+every lr the arms have. Outputs: OUT/results.json, OUT/summary.md, OUT/lr_curves.png (docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import re
 import shlex
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import matplotlib
 import numpy as np
@@ -51,7 +51,11 @@ def _define_flags():
     lock_config=True,
   )
   flags.DEFINE_string('lrs', None, 'Peak learning rates of the grid, comma-separated (e.g. 1e-3,3e-3).')
-  flags.DEFINE_string('seeds', '0,1,2', 'Seeds of every lr, comma-separated non-negative integers.')
+  flags.DEFINE_string(
+    'seeds',
+    '0,1,2',
+    'Seeds of every lr, comma-separated non-negative integers; a rerun may add seeds (never drop one).',
+  )
   flags.DEFINE_multi_string(
     'arm',
     [],
@@ -243,6 +247,29 @@ def finished_lrs(out: str, arm: str) -> dict[float, dict]:
   return found
 
 
+def missing_seeds(record: dict, seeds) -> list[int]:
+  """The `seeds` an (arm, lr) record does not hold yet (seeds added to a sweep after it was trained)."""
+  held = {m['seed'] for m in record['members']}
+  return [s for s in seeds if s not in held]
+
+
+def at_seeds(records: dict[float, dict], seeds) -> dict[float, dict]:
+  """The records that hold every one of `seeds`, each with only those seeds' members: the arm as a sweep
+  with exactly these seeds has it."""
+  wanted = set(seeds)
+  return {
+    lr: dict(r, members=[m for m in r['members'] if m['seed'] in wanted])
+    for lr, r in records.items()
+    if not missing_seeds(r, seeds)
+  }
+
+
+def held_seeds(records: dict[float, dict]) -> list[int]:
+  """The seeds that every one of the records holds."""
+  held = [{m['seed'] for m in r['members']} for r in records.values()]
+  return sorted(set.intersection(*held)) if held else []
+
+
 def flat_keys(tree: dict, prefix: str = '') -> dict[str, Any]:
   """A nested dict as {'a.b.c': value}, the keys of config overrides."""
   flat = {}
@@ -318,7 +345,12 @@ def train_lrs(out: str, base, arm: Arm, lrs: list[float], seeds: list[int], spli
   )
   os.makedirs(os.path.join(out, 'arms', arm.name), exist_ok=True)
   for lr in lrs:
-    records = []
+    path = lr_path(out, arm.name, lr)
+    earlier = {}  # the lr's record from before seeds were added, if any
+    if os.path.exists(path):
+      with open(path) as f:
+        earlier = json.load(f)
+    records = list(earlier.get('members', []))
     for r in result['members']:
       if r['lr'] != lr:
         continue
@@ -337,10 +369,16 @@ def train_lrs(out: str, base, arm: Arm, lrs: list[float], seeds: list[int], spli
           'select': r['final'],
           'report': r['report'],
           'seconds': result['seconds'],
+          'members_trained_together': len(members),
         }
       )
-    record = {'arm': arm.name, 'lr': lr, 'members_trained_together': len(members), 'members': records}
-    write_atomically(lr_path(out, arm.name, lr), json.dumps(record, indent=1, default=float))
+    record = {
+      'arm': arm.name,
+      'lr': lr,
+      'members_trained_together': earlier.get('members_trained_together', len(members)),  # the first
+      'members': sorted(records, key=lambda m: m['seed']),
+    }
+    write_atomically(path, json.dumps(record, indent=1, default=float))
   logging.info(
     'arm %s: lr %s finished (%.0fs for %d members)', arm.name, _lrs(lrs), result['seconds'], len(members)
   )
@@ -369,10 +407,10 @@ def lrs_to_refine(done: dict[float, dict], refine_ratio: float) -> list[float]:
   return protocol.refine_lrs(protocol.lr_means(_scores(done)), refine_ratio)
 
 
-def arm_finished(out: str, arm: str, lrs, max_extend: int, refine_ratio: float = 0.0) -> bool:
+def arm_finished(out: str, arm: str, lrs, seeds, max_extend: int, refine_ratio: float = 0.0) -> bool:
   """Whether OUT holds every lr of the arm's grid and every extension and refinement the protocol asks
-  for."""
-  done = finished_lrs(out, arm)
+  for, each with every one of `seeds`."""
+  done = at_seeds(finished_lrs(out, arm), seeds)
   return (
     all(lr in done for lr in lrs)
     and lr_to_extend(lrs, done, max_extend) is None
@@ -387,21 +425,42 @@ def lr_groups(lrs: list[float], num_seeds: int, max_members: int) -> list[list[f
   return [lrs[i : i + per_group] for i in range(0, len(lrs), per_group)]
 
 
+def add_seeds(plan: Plan, arm: Arm, short: dict[float, dict], progress: Progress) -> None:
+  """Trains the seeds that the records `short` lack (seeds added to the sweep since they were trained),
+  so that every seed is at every lr the arm has — extensions and refinements included — before the
+  protocol looks at the lrs again. A member's numbers do not depend on which members it trains with
+  beyond rounding (docs/sweeps.md, Cost), so the added seeds join the earlier ones as if trained with
+  them."""
+  lacking = {lr: tuple(missing_seeds(r, plan.seeds)) for lr, r in short.items()}
+  for missing in sorted(set(lacking.values())):
+    lrs = sorted(lr for lr, m in lacking.items() if m == missing)
+    logging.info('arm %s: adding seeds %s at lr %s', arm.name, ', '.join(map(str, missing)), _lrs(lrs))
+    # The grid's lrs were planned with every seed; an extension or refinement lr was not planned at all.
+    in_grid = sum(lr in plan.lrs for lr in lrs)
+    progress.planned += arm.config.total_steps * (len(missing) * len(lrs) - len(plan.seeds) * in_grid)
+    for group in lr_groups(lrs, len(missing), plan.max_members):
+      train_lrs(plan.out, plan.base, arm, group, list(missing), plan.splits, progress)
+
+
 def run_arm(plan: Plan, arm: Arm, progress: Progress) -> dict[float, dict]:
   """The arm's records by lr once its grid is trained, extended and refined as far as the protocol
   asks."""
   out, base, lrs, seeds, splits = plan.out, plan.base, plan.lrs, plan.seeds, plan.splits
   max_extend, max_members, refine_ratio = plan.max_extend, plan.max_members, plan.refine_ratio
-  done = finished_lrs(out, arm.name)
+  steps = arm.config.total_steps
+  records = finished_lrs(out, arm.name)
+  done = at_seeds(records, seeds)
   if done:
     where = os.path.join(out, 'arms', arm.name)
     logging.info('arm %s: lr %s finished earlier, skipped (%s)', arm.name, _lrs(done), where)
-    progress.planned -= sum(arm.config.total_steps * len(seeds) for lr in lrs if lr in done)
+    progress.planned -= steps * len(seeds) * sum(lr in done for lr in lrs)
+  add_seeds(plan, arm, {lr: r for lr, r in records.items() if lr not in done}, progress)
+  done = at_seeds(finished_lrs(out, arm.name), seeds)
   todo = [lr for lr in lrs if lr not in done]
   for group in lr_groups(todo, len(seeds), max_members):
     train_lrs(out, base, arm, group, seeds, splits, progress)
   while True:
-    done = finished_lrs(out, arm.name)
+    done = at_seeds(finished_lrs(out, arm.name), seeds)
     best = protocol.select(protocol.lr_means(_scores(done)))
     beyond = lr_to_extend(lrs, done, max_extend)
     if beyond is not None:
@@ -451,8 +510,8 @@ def arm_result(arm: Arm, records: dict[float, dict]) -> dict[str, Any]:
   }
 
 
-def compare(results: list[dict], baseline: str) -> None:
-  """Adds each arm's difference to the baseline arm (report split) with its 95% Welch interval."""
+def compare(results: list[dict], baseline: str, level: float = 0.95) -> None:
+  """Adds each arm's difference to the baseline arm (report split) with its Welch interval at `level`."""
   base = next(r for r in results if r['name'] == baseline)
   for r in results:
     r['vs_baseline'] = {}
@@ -460,9 +519,9 @@ def compare(results: list[dict], baseline: str) -> None:
       if key not in base['report']:
         continue
       groups = [r['report'][key]['values'], base['report'][key]['values']]
-      interval = protocol.welch_interval(*groups)
+      interval = protocol.welch_interval(*groups, level=level)
       if interval is not None:
-        interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, [1, -1])
+        interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, [1, -1], level)
       r['vs_baseline'][key] = interval
 
 
@@ -471,8 +530,26 @@ def _number(x: float) -> str:
 
 
 def summary(
-  command: str, results: list[dict], baseline: str, splits, seeds, lrs, steps, refine_ratio: float = 0.0
+  command: str,
+  results: list[dict],
+  baseline: str,
+  splits,
+  seeds,
+  lrs,
+  steps,
+  refine_ratio: float = 0.0,
+  earlier_seeds: list[list[int]] = (),
 ) -> str:
+  looks = len(earlier_seeds) + 1
+  level = protocol.interval_level(looks)
+  percent = f'{100 * level:.4g}%'
+  sequential = (
+    f' Seeds were added after {looks - 1} earlier look(s) at these comparisons (seeds '
+    + '; '.join(', '.join(map(str, s)) for s in earlier_seeds)
+    + f"), so the intervals are at Pocock's level for {looks} looks, {percent} (docs/sweeps.md)."
+    if earlier_seeds
+    else ''
+  )
   refined = (
     " Each arm's grid is refined around its selected lr until the lrs beside it are within "
     f'×{refine_ratio:g} of it.'
@@ -517,14 +594,15 @@ def summary(
     '',
     f'## Results on `{splits["report"]}` at the selected lr',
     '',
-    "mean ± sample sd (min–max) over n seeds; Δ: mean minus the baseline's, with a 95% Welch interval "
+    f"mean ± sample sd (min–max) over n seeds; Δ: mean minus the baseline's, with a {percent} Welch interval "
     '(unequal variances, Welch–Satterthwaite degrees of freedom; within an arm the seeds are independent '
     'draws, across arms seed s shares its data order, which makes the interval err on the wide side). An '
-    'UNSETTLED lr is at the edge of the grid after its extensions: the optimum may lie beyond it.',
+    'UNSETTLED lr is at the edge of the grid after its extensions: the optimum may lie beyond it.'
+    + sequential,
     '',
   ]
   keys = [k for k in METRICS if any(k in r['report'] for r in results)]
-  lines.append('| arm | selected lr | ' + ' | '.join(f'{k} | Δ {k} [95% CI]' for k in keys) + ' | n |')
+  lines.append('| arm | selected lr | ' + ' | '.join(f'{k} | Δ {k} [{percent} CI]' for k in keys) + ' | n |')
   lines.append('|---|---|' + '---|---|' * len(keys) + '---|')
   for r in results:
     lr = f'{r["selected_lr"]:.3g}' + ('' if r['settled'] else ' UNSETTLED')
@@ -576,8 +654,9 @@ def plot(path: str, results: list[dict], splits) -> None:
   plt.close(fig)
 
 
-def write_outputs(plan: Plan, results: list[dict]) -> None:
-  compare(results, plan.baseline)
+def write_outputs(plan: Plan, results: list[dict], earlier_seeds: list[list[int]]) -> None:
+  level = protocol.interval_level(len(earlier_seeds) + 1)
+  compare(results, plan.baseline, level)
   steps = sorted(
     {m['config_diff'].get('total_steps', plan.base.total_steps) for r in results for m in r['members']}
   )
@@ -586,6 +665,8 @@ def write_outputs(plan: Plan, results: list[dict]) -> None:
     'splits': plan.splits,
     'lrs': plan.lrs,
     'seeds': plan.seeds,
+    'earlier_seeds': earlier_seeds,
+    'interval_level': level,
     'refine_ratio': plan.refine_ratio,
     'baseline': plan.baseline,
     'arms': results,
@@ -593,7 +674,15 @@ def write_outputs(plan: Plan, results: list[dict]) -> None:
   write_atomically(os.path.join(plan.out, 'results.json'), json.dumps(document, indent=1, default=float))
   steps_text = ', '.join(map(str, steps))
   text = summary(
-    plan.command, results, plan.baseline, plan.splits, plan.seeds, plan.lrs, steps_text, plan.refine_ratio
+    plan.command,
+    results,
+    plan.baseline,
+    plan.splits,
+    plan.seeds,
+    plan.lrs,
+    steps_text,
+    plan.refine_ratio,
+    earlier_seeds,
   )
   write_atomically(os.path.join(plan.out, 'summary.md'), text)
 
@@ -664,20 +753,63 @@ def check(args) -> Plan:
   )
 
 
-def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[dict] | None:
+# sweep.json's keys beside the identity: the seeds, which may grow, and the seeds of each earlier look.
+SEED_KEYS = ('seeds', 'earlier_seeds')
+
+
+def recorded_sweep(out: str) -> dict | None:
+  """OUT/sweep.json (None before the sweep started)."""
+  path = os.path.join(out, 'sweep.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def check_resumable(plan: Plan) -> None:
+  """That OUT holds nothing or this sweep, with the same seeds or fewer (seeds may be added, never
+  dropped); one-line ValueErrors."""
+  recorded = recorded_sweep(plan.out)
+  if recorded is None:
+    return
+  this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
+  if {k: v for k, v in recorded.items() if k not in SEED_KEYS} != {
+    k: v for k, v in this_sweep.items() if k not in SEED_KEYS
+  }:
+    raise ValueError(
+      f'--out={plan.out} holds another sweep (its base config, arms, grid or splits differ); '
+      'rerun that command to resume it, or name another --out'
+    )
+  dropped = [s for s in recorded['seeds'] if s not in plan.seeds]
+  if dropped:
+    raise ValueError(
+      f'--seeds={",".join(map(str, plan.seeds))} leaves out seeds {dropped} that --out={plan.out} holds; '
+      'seeds may be added to a sweep, never dropped'
+    )
+
+
+def earlier_seeds(plan: Plan) -> list[list[int]]:
+  """The seeds of each earlier look at this sweep's comparisons: the recorded seeds each time a rerun
+  added seeds ([] for a sweep that never grew)."""
+  recorded = recorded_sweep(plan.out)
+  if recorded is None:
+    return []
+  earlier = recorded.get('earlier_seeds', [])
+  return earlier + [recorded['seeds']] if recorded['seeds'] != plan.seeds else earlier
+
+
+def run(
+  plan: Plan, stop_before: Callable[[Arm], bool] | None = None, train_arms: Collection[str] | None = None
+) -> list[dict] | None:
   """Trains what OUT does not hold yet, arm by arm, and writes the outputs; the arms' results.
   `stop_before(arm)` True (e.g. a time budget that the arm would overrun) stops the sweep there, with
-  what was finished kept under OUT and no outputs written; it returns None then."""
+  what was finished kept under OUT and no outputs written; it returns None then. With `train_arms`, an
+  unfinished arm not named there is left as it is (and the outputs are not written: None)."""
   out = plan.out
-  this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
+  check_resumable(plan)
+  looked = earlier_seeds(plan)
+  this_sweep = dict(identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits), earlier_seeds=looked)
   sweep_path = os.path.join(out, 'sweep.json')
-  if os.path.exists(sweep_path):
-    with open(sweep_path) as f:
-      if json.load(f) != this_sweep:
-        raise ValueError(
-          f'--out={out} holds another sweep (its base config, arms, grid or splits differ); '
-          'rerun that command to resume it, or name another --out'
-        )
   cli.create_output_dir('--out', out)
   write_atomically(sweep_path, json.dumps(this_sweep, indent=1))
 
@@ -685,8 +817,13 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
     'Sweep of %d arms × lr %s × seeds %s; splits %s', len(plan.arms), _lrs(plan.lrs), plan.seeds, plan.splits
   )
   progress = Progress(sum(a.config.total_steps for a in plan.arms) * len(plan.lrs) * len(plan.seeds))
-  results = []
+  results, left = [], []
   for arm in plan.arms:
+    finished = arm_finished(out, arm.name, plan.lrs, plan.seeds, plan.max_extend, plan.refine_ratio)
+    if train_arms is not None and arm.name not in train_arms and not finished:
+      logging.info('arm %s: unfinished, and not among the arms to train now', arm.name)
+      left.append(arm.name)
+      continue
     if stop_before is not None and stop_before(arm):
       logging.info('Stopped before arm %s; rerun the command to resume', arm.name)
       return None
@@ -703,7 +840,10 @@ def run(plan: Plan, stop_before: Callable[[Arm], bool] | None = None) -> list[di
       r['report']['eval/loss']['sd'],
       len(plan.seeds),
     )
-  write_outputs(plan, results)
+  if left:
+    logging.info('Arms %s are unfinished; no outputs written', ', '.join(left))
+    return None
+  write_outputs(plan, results, looked)
   plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
   written = ', '.join(os.path.join(out, f) for f in ('results.json', 'summary.md', 'lr_curves.png'))
   logging.info('Wrote %s', written)

@@ -27,6 +27,9 @@ one runs. Outputs:
   OUT/<sweep>/{results.json, summary.md, lr_curves.png, arms/}   dsjax.sweep's outputs
   OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals and verdicts (for the
                                       sweeps finished so far)
+More seeds where a verdict's `seeds_to_resolve` asks for them: `--seeds=0,1,2,3,4,5` with
+`--only=SWEEP/ARM,...` adds seeds 3–5 at every lr those arms have, leaving the others as they are; a claim
+is then judged with each arm's seeds, at Pocock's level for the number of looks (docs/sweeps.md).
 `experiments/gpu_decisive_device.sh` is the command for a GPU machine (dependencies from wheels, the
 packed corpus, a time limit, the outputs packed for the trip back). `--tiny` runs every sweep at a tiny
 size on the CPU (tests/test_gpu_decisive.py).
@@ -72,7 +75,18 @@ def _define_flags():
   flags.DEFINE_float(
     'budget_s', 0, 'Stop before an arm that would end later than this many seconds after the start (0: none).'
   )
-  flags.DEFINE_list('only', [], 'Run only these sweeps (names as in the plan), in the plan order.')
+  flags.DEFINE_list(
+    'only',
+    [],
+    'Train only these sweeps (names as in the plan), or only these arms of a sweep (SWEEP/ARM), in the '
+    'plan order; the others are left as they are.',
+  )
+  flags.DEFINE_string(
+    'seeds',
+    ','.join(map(str, SEEDS)),
+    'Seeds that every lr of the sweeps trained in this call has at least (a sweep that holds more keeps '
+    "them): more than a sweep holds adds them at each of its arms' lrs (docs/sweeps.md).",
+  )
   flags.DEFINE_boolean('tiny', False, 'Every sweep at a tiny size, for checking the script on a CPU.')
   flags.DEFINE_boolean('plan_only', False, 'Print and write the plan (OUT/plan.json), train nothing.')
   flags.DEFINE_boolean(
@@ -272,10 +286,10 @@ def flops_per_token(config, counts) -> float:
   return 6 * (counts['non_embedding_params'] + head) + 12 * m.depth * m.width * config.data.seq_len
 
 
-def sizes(plan: Plan, config, corpus_tokens: int) -> dict:
+def sizes(plan: Plan, config, corpus_tokens: int, seeds) -> dict:
   counts = param_counts(config)
   tokens = config.total_steps * config.batch_size * config.data.seq_len
-  members = len(plan.lrs) * len(SEEDS)
+  members = len(plan.lrs) * len(seeds)
   per_token = flops_per_token(config, counts)
   return {
     'sweep': plan.name,
@@ -289,6 +303,7 @@ def sizes(plan: Plan, config, corpus_tokens: int) -> dict:
     'tokens_per_non_embedding_param': tokens / counts['non_embedding_params'],
     'epochs': tokens / corpus_tokens,
     'arms': len(plan.arms),
+    'seeds': list(seeds),
     'members_per_arm': members,
     'flops_per_token': per_token,
     'flops': per_token * tokens * members * len(plan.arms),
@@ -379,11 +394,36 @@ def trained_records(sweep_dir: str) -> list[dict]:
   return records
 
 
-def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
+def recorded_seeds(out: str, plan: Plan) -> list[int]:
+  """The seeds of the sweep in OUT/<sweep>/sweep.json ([] before it started)."""
+  path = os.path.join(out, plan.name, 'sweep.json')
+  return read_json(path)['seeds'] if os.path.exists(path) else []
+
+
+def parse_only(only: list[str]) -> dict[str, set[str] | None]:
+  """--only as {sweep: the arms to train (None: all)}; every sweep with None when it is empty."""
+  arms_of = {p.name: [a.split(':')[0] for a in p.arms] for p in PLANS}
+  chosen: dict[str, set[str] | None] = {} if only else dict.fromkeys(arms_of)
+  unknown = []
+  for entry in only:
+    name, _, arm = entry.partition('/')
+    if name not in arms_of or (arm and arm not in arms_of[name]):
+      unknown.append(entry)
+    elif not arm:
+      chosen[name] = None
+    elif chosen.get(name, set()) is not None:
+      chosen[name] = chosen.get(name, set()) | {arm}
+  if unknown:
+    choices = ', '.join(f'{n} ({"/".join(a)})' for n, a in arms_of.items())
+    raise ValueError(f'--only: {unknown} are not sweeps (or SWEEP/ARM) of the plan; choose from {choices}')
+  return chosen
+
+
+def sweep_plan(plan: Plan, config, out: str, max_extend: int, seeds) -> sweep.Plan:
   args = types.SimpleNamespace(
     config=config,
     lrs=','.join(map(str, plan.lrs)),
-    seeds=','.join(map(str, SEEDS)),
+    seeds=','.join(map(str, seeds)),
     arm=list(plan.arms),
     baseline=plan.baseline,
     out=os.path.join(out, plan.name),
@@ -399,43 +439,57 @@ def sweep_plan(plan: Plan, config, out: str, max_extend: int) -> sweep.Plan:
   return dataclasses.replace(checked, command=command)
 
 
-def arm_flops(plan: Plan, size: dict) -> float:
-  return size['flops'] / len(plan.arms)
+def arm_flops_left(checked: sweep.Plan, arm: str, size: dict) -> float:
+  """The model FLOPs of the arm's members not yet trained: its grid's lrs not trained, with every seed,
+  and the seeds added since its trained lrs were (extensions not counted until the protocol asks)."""
+  records = sweep.finished_lrs(checked.out, arm)
+  members = len(checked.seeds) * sum(lr not in records for lr in checked.lrs)
+  members += sum(len(sweep.missing_seeds(r, checked.seeds)) for r in records.values())
+  return members * size['tokens_per_member'] * size['flops_per_token']
 
 
-def run_sweep(plan: Plan, checked: sweep.Plan, size: dict, clock: Clock, where: dict) -> bool:
-  """Runs the sweep's unfinished arms while they fit the budget; True when every arm has finished."""
-  started: dict[str, tuple[float, set[float]]] = {}  # arm -> (start time, lrs finished before)
+def trained_members(out: str, arm: str) -> set[tuple[float, int]]:
+  return {(lr, m['seed']) for lr, r in sweep.finished_lrs(out, arm).items() for m in r['members']}
+
+
+def run_sweep(
+  checked: sweep.Plan, size: dict, clock: Clock, where: dict, train_arms: set[str] | None
+) -> bool:
+  """Runs the sweep's unfinished arms (those of `train_arms`; None: all) while they fit the budget; True
+  when every arm has finished."""
+  name_of_sweep = size['sweep']
+  started: dict[str, tuple[float, set]] = {}  # arm -> (start time, (lr, seed) trained before)
 
   def stop_before(arm) -> bool:
     for name in [n for n in started if n != arm.name]:  # the arm before this one has just finished
       finish_arm(name)
-    if sweep.arm_finished(checked.out, arm.name, checked.lrs, checked.max_extend):
+    if sweep.arm_finished(checked.out, arm.name, checked.lrs, checked.seeds, checked.max_extend):
       return False  # finished in an earlier call: nothing to train
-    need, left = clock.estimate(plan.name, arm_flops(plan, size)), clock.left()
+    need, left = clock.estimate(name_of_sweep, arm_flops_left(checked, arm.name, size)), clock.left()
     if (need is None and clock.stopped) or (need is not None and need > left):
       need_s = 'speed not measured' if need is None else f'needs ~{need:.0f}s'
-      print(f'{plan.name}/{arm.name}: {need_s}, {left:.0f}s left: stopping here', flush=True)
+      print(f'{name_of_sweep}/{arm.name}: {need_s}, {left:.0f}s left: stopping here', flush=True)
       clock.stopped = True
       return True
-    started[arm.name] = (time.time(), set(sweep.finished_lrs(checked.out, arm.name)))
+    started[arm.name] = (time.time(), trained_members(checked.out, arm.name))
     guess = f'~{need:.0f}s' if need is not None else 'speed not measured yet'
-    print(f'{plan.name}/{arm.name}: training ({guess})', flush=True)
+    print(f'{name_of_sweep}/{arm.name}: training ({guess})', flush=True)
     return False
 
   def finish_arm(name: str) -> None:
     start, before = started.pop(name)
     seconds = time.time() - start
-    new = [r for lr, r in sweep.finished_lrs(checked.out, name).items() if lr not in before]
-    member_tokens = size['tokens_per_member'] * sum(len(r['members']) for r in new)  # extensions too
+    new = trained_members(checked.out, name) - before  # added seeds and extensions too
+    member_tokens = size['tokens_per_member'] * len(new)
     flops = size['flops_per_token'] * member_tokens
-    clock.add(plan.name, flops / seconds)
-    clock.remaining.pop((plan.name, name), None)
+    clock.add(name_of_sweep, flops / seconds)
+    clock.remaining.pop((name_of_sweep, name), None)
     record = dict(
       where,
-      sweep=plan.name,
+      sweep=name_of_sweep,
       arm=name,
-      lrs_trained=sorted(r['lr'] for r in new),
+      lrs_trained=sorted({lr for lr, _ in new}),
+      seeds_trained=sorted({seed for _, seed in new}),
       seconds=seconds,
       member_tokens=member_tokens,
       tokens_per_s=member_tokens / seconds,
@@ -444,16 +498,20 @@ def run_sweep(plan: Plan, checked: sweep.Plan, size: dict, clock: Clock, where: 
     path = os.path.join(checked.out, f'trained_{name}.json')
     write_json(path, (read_json(path) if os.path.exists(path) else []) + [record])  # one per call
     print(
-      f'{plan.name}/{name}: {seconds:.0f}s, {member_tokens / seconds:,.0f} member-tokens/s '
+      f'{name_of_sweep}/{name}: {seconds:.0f}s, {member_tokens / seconds:,.0f} member-tokens/s '
       f'({flops / seconds / 1e12:.3g} model TFLOP/s, compilation and evaluation included); '
       + clock.projection(),
       flush=True,
     )
 
-  results = sweep.run(checked, stop_before=stop_before)
+  sweep.run(checked, stop_before=stop_before, train_arms=train_arms)
   for name in list(started):
     finish_arm(name)
-  return results is not None
+  return all(
+    sweep.arm_finished(checked.out, a.name, checked.lrs, checked.seeds, checked.max_extend)
+    for a in checked.arms
+    if train_arms is None or a.name in train_arms
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,19 +532,30 @@ def verdict(interval: dict, paper_sign: int) -> str:
   return 'not resolved'
 
 
+def arm_at_most_seeds(c: sweep.Plan, arm) -> dict | None:
+  """The arm's result at the largest set of seeds at which it has finished (None: at none), so that an
+  arm whose added seeds are still being trained is judged at the seeds it had — and an arm holding more
+  seeds than another is compared with all of them (Welch's interval takes unequal n). With it, `looks`:
+  how many times its comparisons have been looked at (1 + the earlier seed sets it has grown from)."""
+  records = sweep.finished_lrs(c.out, arm.name)
+  candidates = {tuple(sorted(m['seed'] for m in r['members'])) for r in records.values()}
+  earlier = (sweep.recorded_sweep(c.out) or {}).get('earlier_seeds', [])
+  for seeds in sorted(candidates, key=len, reverse=True):
+    if sweep.arm_finished(c.out, arm.name, c.lrs, seeds, c.max_extend):
+      looks = 1 + sum(set(e) < set(seeds) for e in earlier)
+      return dict(sweep.arm_result(arm, sweep.at_seeds(records, seeds)), looks=looks)
+  return None
+
+
 def load_results(out: str, checked: dict[str, sweep.Plan]) -> dict[str, dict]:
-  """Every finished arm's result by sweep: from a finished sweep's results.json, else (a sweep cut off)
-  from the arms it has finished, so that a claim whose arms are all in is judged before its sweep ends."""
+  """Every finished arm's result by sweep, from its records (also in a sweep cut off, so that a claim
+  whose arms are all in is judged before its sweep ends)."""
   found = {}
   for plan in PLANS:
-    path = os.path.join(out, plan.name, 'results.json')
-    if os.path.exists(path):
-      found[plan.name] = {a['name']: a for a in read_json(path)['arms']}
-      continue
     c = checked[plan.name]
-    done = [a for a in c.arms if sweep.arm_finished(c.out, a.name, c.lrs, c.max_extend)]
-    if done:
-      found[plan.name] = {a.name: sweep.arm_result(a, sweep.finished_lrs(c.out, a.name)) for a in done}
+    arms = {a.name: arm_at_most_seeds(c, a) for a in c.arms}
+    if any(arms.values()):
+      found[plan.name] = {name: arm for name, arm in arms.items() if arm is not None}
   return found
 
 
@@ -556,11 +625,13 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
       continue
     groups = [a['report']['eval/loss']['values'] for a in arms]
     weights = [w for w, _, _ in terms]
-    interval = protocol.contrast_interval(groups, weights)
+    looks = max(a.get('looks', 1) for a in arms)  # seeds added after a look: Pocock's level
+    level = protocol.interval_level(looks)
+    interval = protocol.contrast_interval(groups, weights, level)
     if interval is None:  # fewer than two seeds
       continue
     # The seeds that would resolve a difference; for a claim that the difference is about 0, none.
-    interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, weights) if sign else None
+    interval['seeds_to_resolve'] = protocol.seeds_to_resolve(groups, weights, level) if sign else None
     if sign == 0:  # a difference the paper says is about 0 (DNT's mSGDW penalty)
       finite = math.isfinite(interval['low']) and math.isfinite(interval['high'])
       judged = (
@@ -573,12 +644,23 @@ def claim_rows(results: dict[str, dict]) -> list[dict]:
     else:
       judged = verdict(interval, sign)
     names = [f'{s}/{a}' for _, s, a in terms]
+    seeds = {n: len(g) for n, g in zip(names, groups)}
     unsettled = [n for n, arm in zip(names, arms) if not arm['settled']]
     diverged = {
       n: diverged_at_selected_lr(arm) for n, arm in zip(names, arms) if diverged_at_selected_lr(arm)
     }
     rows.append(
-      dict(label=label, source=source, unsettled=unsettled, diverged=diverged, verdict=judged, **interval)
+      dict(
+        label=label,
+        source=source,
+        seeds_per_arm=seeds,
+        looks=looks,
+        level=level,
+        unsettled=unsettled,
+        diverged=diverged,
+        verdict=judged,
+        **interval,
+      )
     )
   return rows
 
@@ -651,12 +733,24 @@ def summary_markdown(plan_rows, arms, claims, where, unigram) -> str:
     '',
     '## Claims: differences of mean test loss with 95% Welch–Satterthwaite intervals',
     '',
+  ]
+  if any(c.get('looks', 1) > 1 for c in claims):
+    lines += [
+      "A claim whose seeds were added after an earlier look is judged at Pocock's level for its number "
+      'of looks, named beside its verdict (`dsjax.train.protocol.interval_level`).',
+      '',
+    ]
+  lines += [
     '| contrast | paper | difference [95% CI] | verdict | seeds per arm to resolve |',
     '|---|---|---|---|---|',
   ]
   for c in claims:
     notes = [f'UNSETTLED: {", ".join(c["unsettled"])}'] if c['unsettled'] else []
     notes += [f'diverged seeds at the selected lr: {n} of {k}' for k, n in c['diverged'].items()]
+    if c.get('looks', 1) > 1:
+      notes.append(f'{c["looks"]} looks: a {100 * c["level"]:.4g}% interval')
+    if len(set(c['seeds_per_arm'].values())) > 1:
+      notes.append('seeds: ' + ', '.join(f'{n} in {k}' for k, n in c['seeds_per_arm'].items()))
     note = f' ({"; ".join(notes)})' if notes else ''
     lines.append(
       f'| {c["label"]} | {c["source"]} | {c["difference"]:+.4f} [{c["low"]:+.4f}, {c["high"]:+.4f}] | '
@@ -674,14 +768,18 @@ def main(argv):
   out = args.out
   if not out:
     raise ValueError('--out: the output directory is required')
-  known = [p.name for p in PLANS]
-  unknown = [name for name in args.only if name not in known]
-  if unknown:
-    raise ValueError(f'--only: {unknown} are not sweeps of the plan; choose from {known}')
+  only = parse_only(args.only)
+  seeds = sweep.parse_seeds(args.seeds)
   if args.budget_s < 0:
     raise ValueError(f'--budget_s must be >= 0, got {args.budget_s}')
   cli.check_output_dir('--out', out)
-  to_train = [p for p in PLANS if not args.only or p.name in args.only]
+  to_train = [p for p in PLANS if p.name in only]
+  # A sweep trained now has the seeds it holds and --seeds; one left as it is, the seeds it holds.
+  seeds_of = {
+    p.name: sorted(set(recorded_seeds(out, p)) | set(seeds)) if p in to_train else recorded_seeds(out, p)
+    for p in PLANS
+  }
+  seeds_of = {name: s or list(SEEDS) for name, s in seeds_of.items()}
   where = machine()
   print(
     f'{where["device_kind"]} ({where["platform"]}), jax {where["jax"]}, commit {where["commit"]}', flush=True
@@ -694,7 +792,7 @@ def main(argv):
     p.name: base_config(p, args.data, tokenizer, args.tiny, args.attention, args.remat) for p in PLANS
   }
   corpus_tokens = train_tokens(config_of[PLANS[0].name])
-  plan_rows = [sizes(p, config_of[p.name], corpus_tokens) for p in PLANS]
+  plan_rows = [sizes(p, config_of[p.name], corpus_tokens, seeds_of[p.name]) for p in PLANS]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
   print('\n'.join(plan_table(plan_rows)), flush=True)
   unigram = unigram_losses(config_of[PLANS[0].name], plan_rows[0]['vocab_size'])
@@ -706,22 +804,27 @@ def main(argv):
     return
 
   max_extend = 0 if args.tiny else MAX_EXTEND
-  checked = {p.name: sweep_plan(p, config_of[p.name], out, max_extend) for p in PLANS}  # all, first
+  checked = {  # all, first
+    p.name: sweep_plan(p, config_of[p.name], out, max_extend, seeds_of[p.name]) for p in PLANS
+  }
+  for p in [] if args.summarize else to_train:
+    sweep.check_resumable(checked[p.name])
   shapes = {r['sweep']: (r['depth'], r['width']) for r in plan_rows}
   clock = Clock(args.budget_s, where['device_kind'], shapes)
   clock.load(out)
   for p in to_train:
-    for arm in checked[p.name].arms:
-      if not sweep.arm_finished(checked[p.name].out, arm.name, checked[p.name].lrs, max_extend):
-        clock.remaining[(p.name, arm.name)] = arm_flops(p, sizes_by_sweep[p.name])
+    c = checked[p.name]
+    for arm in c.arms:
+      wanted = only[p.name] is None or arm.name in only[p.name]
+      if wanted and not sweep.arm_finished(c.out, arm.name, c.lrs, c.seeds, max_extend):
+        clock.remaining[(p.name, arm.name)] = arm_flops_left(c, arm.name, sizes_by_sweep[p.name])
   print(clock.projection(), flush=True)
 
   stopped, failures = False, []
   for p in [] if args.summarize else to_train:
     try:
-      finished = run_sweep(
-        p, checked[p.name], sizes_by_sweep[p.name], clock, sweep_machine(where, config_of[p.name])
-      )
+      machine_here = sweep_machine(where, config_of[p.name])
+      finished = run_sweep(checked[p.name], sizes_by_sweep[p.name], clock, machine_here, only[p.name])
     except Exception as e:  # noqa: BLE001  (one sweep's failure, e.g. out of memory, must not cost the others)
       failures.append(dict(where, sweep=p.name, error=f'{type(e).__name__}: {e}'[:4000]))
       print(f'{p.name}: FAILED, going on with the next sweep: {failures[-1]["error"][:500]}', flush=True)

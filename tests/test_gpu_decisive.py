@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import types
 
 import pytest
 from flax import nnx
@@ -77,10 +78,40 @@ def test_bad_only_is_one_line_and_writes_nothing(tmp_path):
   result = _run(out, '--only=depth_4x128,nope')
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
-    "gpu_decisive.py: error: --only: ['nope'] are not sweeps of the plan; choose from "
-    "['depth_4x128', 'depth_64x32', 'depth_16x64', 'dnt_adamw', 'dnt_msgdw']"
+    "gpu_decisive.py: error: --only: ['nope'] are not sweeps (or SWEEP/ARM) of the plan; choose from "
+    'depth_4x128 (vanilla_postln/dslm_postln/vanilla_preln/dslm_preln), depth_64x32 '
+    '(vanilla_postln/dslm_postln/vanilla_preln/dslm_preln), depth_16x64 '
+    '(vanilla_postln/dslm_postln/vanilla_preln/dslm_preln), dnt_adamw (preln/dnt), dnt_msgdw (preln/dnt)'
   ]
   assert not out.exists()
+  result = _run(out, '--seeds=0,0')
+  assert result.returncode == 2 and not out.exists()
+  assert result.stderr.strip().splitlines() == [
+    "gpu_decisive.py: error: --seeds must be distinct non-negative integers separated by commas, got '0,0'"
+  ]
+
+
+def test_only_names_sweeps_or_arms_of_a_sweep():
+  assert gpu_decisive.parse_only([]) == dict.fromkeys(p.name for p in gpu_decisive.PLANS)
+  only = ['depth_64x32/dslm_preln', 'depth_64x32/vanilla_preln', 'dnt_msgdw', 'dnt_msgdw/dnt']
+  assert gpu_decisive.parse_only(only) == {'depth_64x32': {'dslm_preln', 'vanilla_preln'}, 'dnt_msgdw': None}
+  with pytest.raises(ValueError, match=r"--only: \['depth_64x32/dnt'\] are not sweeps"):
+    gpu_decisive.parse_only(['depth_64x32/dnt'])
+
+
+def test_the_flops_left_count_the_seeds_an_arm_lacks(tmp_path):
+  def record(lr, seeds):
+    path = tmp_path / 'arms' / 'a' / f'lr_{lr:.6e}.json'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({'lr': lr, 'members': [{'seed': s} for s in seeds]}))
+
+  checked = types.SimpleNamespace(out=str(tmp_path), lrs=[1e-3, 1e-2, 1e-1], seeds=[0, 1, 2, 3])
+  size = {'tokens_per_member': 10, 'flops_per_token': 100}
+  assert gpu_decisive.arm_flops_left(checked, 'a', size) == 12 * 1000  # nothing trained
+  record(1e-3, [0, 1, 2])
+  record(1e-2, [0, 1, 2, 3])
+  record(1.0, [0, 1])  # an extension beyond the grid, trained with the earlier seeds
+  assert gpu_decisive.arm_flops_left(checked, 'a', size) == (1 + 0 + 4 + 2) * 1000
 
 
 def _small_texts(directory):
@@ -141,6 +172,21 @@ def test_tiny_run_stops_within_its_budget_and_resumes(tmp_path):
   assert {a['arm'] for a in decisive['arms']} == {'preln', 'dnt'}
   assert all(0 <= f <= 1 for a in decisive['arms'] for f in a['clipped_fraction'])
   assert json.loads((out / 'plan.json').read_text())['sweeps'][0]['sweep'] == 'depth_4x128'
+
+  # A seed added to one arm: only that arm trains, only the new seed, and the claim compares 4 with 3.
+  third = _run(out, '--tiny', flags[1], '--only=dnt_adamw/dnt', '--seeds=0,1,2,3')
+  assert third.returncode == 0, third.stderr[-2000:]
+  assert 'arm dnt: adding seeds 3 at lr 0.001, 0.003, 0.01, 0.03' in third.stderr
+  assert 'arm preln: unfinished, and not among the arms to train now' in third.stderr
+  assert json.loads((out / 'dnt_adamw' / 'trained_dnt.json').read_text())[-1]['seeds_trained'] == [3]
+  assert len(json.loads((out / 'dnt_adamw' / 'trained_preln.json').read_text())) == 1
+  decisive = json.loads((out / 'decisive.json').read_text())
+  [claim] = decisive['claims']
+  assert claim['seeds_per_arm'] == {'dnt_adamw/dnt': 4, 'dnt_adamw/preln': 3}
+  assert claim['looks'] == 2 and claim['level'] == pytest.approx(0.9706)  # dnt grew from 3 seeds
+  summary = (out / 'summary.md').read_text()
+  assert '; 2 looks: a 97.06% interval; seeds: 4 in dnt_adamw/dnt, 3 in dnt_adamw/preln)' in summary
+  assert json.loads((out / 'dnt_adamw' / 'sweep.json').read_text())['seeds'] == [0, 1, 2, 3]
 
 
 def test_an_unmeasured_sweep_is_projected_from_a_sweep_of_its_shape():

@@ -42,9 +42,11 @@ class StandInTrainer:
 
   def __init__(self):
     self.calls = []
+    self.seeds = []
 
   def __call__(self, config, members, *, report_split, **kwargs):
     self.calls.append(sorted({m.lr for m in members}))
+    self.seeds.append(sorted({m.seed for m in members}))
     records = []
     for m in members:
       loss = (math.log10(m.lr) + 2) ** 2 + 0.01 * m.seed + 0.1 * (config.model.depth - 2)
@@ -126,8 +128,9 @@ def test_refinement_halves_the_steps_around_the_best_lr_until_they_are_within_th
   assert results[0]['selected_lr'] == 1e-2 and results[0]['settled']
   assert 'within ×1.8 of it' in (tmp_path / 'summary.md').read_text()
   assert json.loads((tmp_path / 'results.json').read_text())['refine_ratio'] == 1.8
-  assert sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], 0, refine_ratio=1.8)
-  assert not sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], 0, refine_ratio=1.5)
+  assert sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], [0, 1], 0, refine_ratio=1.8)
+  assert not sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], [0, 1], 0, refine_ratio=1.5)
+  assert not sweep.arm_finished(str(tmp_path), 'base', [1e-3, 1e-1], [0, 1, 2], 0, refine_ratio=1.8)
   trainer.calls.clear()
   sweep.run(sweep.check(args))
   assert trainer.calls == []
@@ -152,7 +155,7 @@ def test_a_rerun_trains_nothing_finished_and_refuses_another_sweep(tmp_path, tra
   assert 'arm a: lr 0.001, 0.003, 0.009, 0.027 finished earlier, skipped' in caplog.text
   assert {p: p.stat().st_mtime_ns for p in (tmp_path / 'arms').rglob('*.json')} == files
   with pytest.raises(ValueError, match='holds another sweep'):
-    sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+    sweep.run(sweep.check(_args(tmp_path, lrs='1e-3,1e-2')))
   plain = tiny_config('gpt', attention='plain')  # another form of the same math resumes too
   sweep.run(sweep.check(_args(tmp_path, config=plain)))
   assert trainer.calls == []
@@ -165,6 +168,72 @@ def test_stop_before_an_arm_keeps_what_finished_and_a_rerun_resumes(tmp_path, tr
   results = sweep.run(sweep.check(_args(tmp_path)))
   assert [r['name'] for r in results] == ['a', 'b']
   assert trainer.calls == [[1e-3, 3e-3], [pytest.approx(9e-3)], [pytest.approx(2.7e-2)]]  # b's only
+
+
+def test_a_rerun_with_more_seeds_adds_them_at_every_lr_the_arms_have(tmp_path, trainer, caplog):
+  sweep.run(sweep.check(_args(tmp_path)))
+  trainer.calls.clear()
+  trainer.seeds.clear()
+  with caplog.at_level('INFO'):
+    results = sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+  # Only seed 2, at the grid's lrs and at the extensions the first run trained, in one population per arm.
+  assert trainer.calls == [[1e-3, 3e-3, pytest.approx(9e-3), pytest.approx(2.7e-2)]] * 2
+  assert trainer.seeds == [[2]] * 2
+  assert 'arm a: adding seeds 2 at lr 0.001, 0.003, 0.009, 0.027' in caplog.text
+  for r in results:
+    assert r['report']['eval/loss']['n'] == 3 and r['selected_lr'] == pytest.approx(9e-3)
+    assert sorted({m['seed'] for m in r['members']}) == [0, 1, 2]
+  record = json.loads((tmp_path / 'arms' / 'a' / 'lr_1.000000e-03.json').read_text())
+  assert [m['seed'] for m in record['members']] == [0, 1, 2]
+  assert [m['members_trained_together'] for m in record['members']] == [4, 4, 4]  # 4 lrs of seed 2
+  assert record['members_trained_together'] == 4  # the lr's first population: 2 lrs × 2 seeds
+  assert json.loads((tmp_path / 'sweep.json').read_text())['seeds'] == [0, 1, 2]
+  document = json.loads((tmp_path / 'results.json').read_text())
+  assert document['seeds'] == [0, 1, 2] and document['earlier_seeds'] == [[0, 1]]
+  # A second look at the same comparisons: Pocock's level for 2 looks, not 95%.
+  assert document['interval_level'] == pytest.approx(0.9706)
+  interval = results[1]['vs_baseline']['eval/loss']
+  groups = [r['report']['eval/loss']['values'] for r in (results[1], results[0])]
+  at_95 = protocol.welch_interval(*groups)
+  assert interval['difference'] == pytest.approx(0.1) and interval['low'] < at_95['low'] < 0.1
+  summary = (tmp_path / 'summary.md').read_text()
+  assert 'with a 97.06% Welch interval' in summary and "Pocock's level for 2 looks" in summary
+  assert '(seeds 0, 1)' in summary
+  trainer.calls.clear()
+  sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+  assert trainer.calls == []
+  assert json.loads((tmp_path / 'sweep.json').read_text())['earlier_seeds'] == [[0, 1]]  # no new look
+  with pytest.raises(ValueError, match=r'--seeds=0,2 leaves out seeds \[1\] that --out=.* holds'):
+    sweep.run(sweep.check(_args(tmp_path, seeds='0,2')))
+
+
+def test_train_arms_leaves_the_other_arms_as_they_are(tmp_path, trainer):
+  sweep.run(sweep.check(_args(tmp_path)))
+  trainer.calls.clear()
+  trainer.seeds.clear()
+  assert sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')), train_arms={'b'}) is None
+  assert trainer.seeds == [[2]]  # b's seed 2 only; a keeps seeds 0, 1
+  assert sweep.held_seeds(sweep.finished_lrs(str(tmp_path), 'a')) == [0, 1]
+  assert sweep.held_seeds(sweep.finished_lrs(str(tmp_path), 'b')) == [0, 1, 2]
+  assert json.loads((tmp_path / 'results.json').read_text())['seeds'] == [0, 1]  # not rewritten
+  trainer.calls.clear()
+  results = sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+  assert trainer.calls == [[1e-3, 3e-3, pytest.approx(9e-3), pytest.approx(2.7e-2)]]  # a's seed 2
+  assert [r['report']['eval/loss']['n'] for r in results] == [3, 3]
+
+
+def test_at_seeds_keeps_the_lrs_holding_every_seed_with_only_those_members():
+  records = {
+    1e-3: {'lr': 1e-3, 'members': [{'seed': 0}, {'seed': 1}, {'seed': 2}]},
+    1e-2: {'lr': 1e-2, 'members': [{'seed': 0}, {'seed': 1}]},
+  }
+  assert sweep.at_seeds(records, [0, 1]) == {
+    1e-3: {'lr': 1e-3, 'members': [{'seed': 0}, {'seed': 1}]},
+    1e-2: {'lr': 1e-2, 'members': [{'seed': 0}, {'seed': 1}]},
+  }
+  assert list(sweep.at_seeds(records, [0, 2])) == [1e-3]
+  assert sweep.missing_seeds(records[1e-2], [0, 1, 2, 3]) == [2, 3]
+  assert sweep.held_seeds(records) == [0, 1] and sweep.held_seeds({}) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,6 +331,22 @@ def test_a_killed_sweep_resumes_after_its_finished_arm(tmp_path):
   assert 'arm a: step' not in rerun.stderr and 'arm b: step' in rerun.stderr
   assert (arm_a.read_bytes(), arm_a.stat().st_mtime_ns) == written
   assert set(a for a, _, _ in _members(out)) == {'a', 'b'}
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: three small sweeps.
+def test_seeds_added_later_equal_the_seeds_trained_together(tmp_path):
+  def sweep_to(out, seeds):
+    args = ('--lrs=1e-3,3e-3', f'--seeds={seeds}', '--max_extend=0', f'--out={out}')
+    subprocess.run(_command('sweep', *args), cwd=REPO_ROOT, env=_env(), check=True, capture_output=True)
+
+  sweep_to(tmp_path / 'grown', '0')
+  sweep_to(tmp_path / 'grown', '0,1')
+  sweep_to(tmp_path / 'together', '0,1')
+  grown, together = _members(tmp_path / 'grown'), _members(tmp_path / 'together')
+  assert sorted(grown) == sorted(together) and len(grown) == 4
+  for key, member in together.items():  # populations of 2 and 4 members: equal up to rounding
+    for split in ('select', 'report'):
+      np.testing.assert_allclose(grown[key][split]['eval/loss'], member[split]['eval/loss'], atol=2e-5)
 
 
 def test_the_summary_names_the_seeds_that_would_resolve_an_interval_containing_zero():

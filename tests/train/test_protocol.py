@@ -180,3 +180,36 @@ def test_seeds_to_resolve_of_a_weighted_contrast_and_where_there_is_nothing_to_r
   assert protocol.seeds_to_resolve([[1.0], [1.1, 1.2]], [1, -1]) is None  # one seed
   assert protocol.seeds_to_resolve([[1.0, float('nan'), 1.2], [1.1, 1.2, 1.3]], [1, -1]) is None
   assert protocol.seeds_to_resolve([[1.0, 1.0], [1.0, 1.0]], [1, -1]) is None  # no spread
+
+
+def test_interval_level_is_pococks_for_up_to_five_looks_then_bonferroni():
+  assert protocol.interval_level(1) == 0.95
+  assert protocol.interval_level(2) == pytest.approx(0.9706)
+  assert protocol.interval_level(5) == pytest.approx(0.9842)
+  assert protocol.interval_level(10) == pytest.approx(0.995)
+  # Pocock's constant two-sided boundary for 2 looks is z = 2.178: the nominal level is its tail.
+  assert 2 * stats.norm.sf(2.178) == pytest.approx(1 - protocol.interval_level(2), abs=1e-4)
+  with pytest.raises(ValueError, match='looks must be at least 1, got 0'):
+    protocol.interval_level(0)
+
+
+def _rejects(a_SN, b_SN, level):
+  """Whether the Welch interval of mean(a) − mean(b) at `level` excludes zero, per simulation: written
+  apart from the protocol (vectorized), so that the simulation checks protocol.interval_level."""
+  n_a, n_b = a_SN.shape[1], b_SN.shape[1]
+  va, vb = a_SN.var(axis=1, ddof=1) / n_a, b_SN.var(axis=1, ddof=1) / n_b
+  df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
+  t = np.abs(a_SN.mean(axis=1) - b_SN.mean(axis=1)) / np.sqrt(va + vb)
+  return t > stats.t.ppf(0.5 + level / 2, df)
+
+
+def test_a_second_look_at_pococks_level_holds_the_false_findings_near_one_in_twenty():
+  # No difference between the arms; 3 seeds per arm looked at, then 3 more added and looked at again.
+  rng = np.random.default_rng(0)
+  a_SN, b_SN = rng.normal(size=(2, 20_000, 6))
+  first = _rejects(a_SN[:, :3], b_SN[:, :3], 0.95)
+  naive = first | _rejects(a_SN, b_SN, 0.95)
+  pocock = first | _rejects(a_SN, b_SN, protocol.interval_level(2))
+  assert first.mean() == pytest.approx(0.037, abs=0.004)  # Welch at 3 seeds is conservative
+  assert naive.mean() == pytest.approx(0.071, abs=0.005)  # the figures interval_level's docstring quotes
+  assert pocock.mean() == pytest.approx(0.056, abs=0.005)
