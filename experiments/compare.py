@@ -9,9 +9,11 @@ r"""Contrasts between arms of one or several `python -m dsjax.sweep` results, wi
 A contrast is 'LABEL: ±SWEEP/ARM ± …' over the report split's metric of each arm at its selected lr (the
 seeds of `results.json`), with the Welch–Satterthwaite interval of `dsjax.train.protocol`; arms of
 different sweeps are comparable when the sweeps share their data, steps and seeds (the splits are
-checked). An arm whose lr is UNSETTLED is marked. Where the interval contains zero, the last column is
-`protocol.seeds_to_resolve`: the seeds per arm at which the interval's half-width, at the measured sds,
-would equal the measured value (a rerun then excludes zero about half the time if that value is true).
+checked). An arm whose lr is UNSETTLED is marked; a sweep whose seeds were added after an earlier look
+makes the contrast's interval Pocock's for that many looks (docs/sweeps.md), named beside it. Where the
+interval contains zero, the last column is `protocol.seeds_to_resolve`: the seeds per arm at which the
+interval's half-width, at the measured sds, would equal the measured value (a rerun then excludes zero
+about half the time if that value is true).
 
 `--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
 (`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's
@@ -129,12 +131,17 @@ def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
     raise ValueError(f'--metric={metric}: not reported by every arm of {text!r}')
   groups = [a['report'][metric]['values'] for a in arms]
   weights = [1.0 if sign == '+' else -1.0 for sign, _, _ in terms]
-  out = protocol.contrast_interval(groups, weights)
+  # A sweep whose seeds were added after an earlier look is judged at Pocock's level (docs/sweeps.md).
+  looks = max(1 + len(results[s].get('earlier_seeds', [])) for _, s, _ in terms)
+  level = protocol.interval_level(looks)
+  out = protocol.contrast_interval(groups, weights, level)
   unsettled = [f'{s}/{n}' for (_, s, n), a in zip(terms, arms) if not a['settled']]
-  note = f' (UNSETTLED: {", ".join(unsettled)})' if unsettled else ''
+  notes = [f'UNSETTLED: {", ".join(unsettled)}'] if unsettled else []
+  notes += [f'{looks} looks: a {100 * level:.4g}% interval'] if looks > 1 else []
+  note = f' ({"; ".join(notes)})' if notes else ''
   if out is None:
     return f'| {label.strip()} | `{expression.strip()}` | – | fewer than two seeds{note} | – |'
-  seeds = protocol.seeds_to_resolve(groups, weights)
+  seeds = protocol.seeds_to_resolve(groups, weights, level)
   return (
     f'| {label.strip()} | `{expression.strip()}` | {out["difference"]:+.4f} | '
     f'[{out["low"]:+.4f}, {out["high"]:+.4f}] (df {out["df"]:.1f}){note} | {seeds or "–"} |'

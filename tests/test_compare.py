@@ -57,6 +57,16 @@ def test_a_contrast_containing_zero_names_the_seeds_that_would_resolve_it(tmp_pa
   assert row.endswith(f'| {protocol.seeds_to_resolve([groups["y"], groups["x"]], [1, -1])} |')
 
 
+def test_a_sweep_grown_after_a_look_is_judged_at_pococks_level(tmp_path):
+  groups = {'x': [1.0, 1.1, 1.2, 1.05], 'y': [1.2, 1.35, 1.25, 1.3]}
+  a = _sweep(tmp_path, 'a', groups)
+  document = json.loads((tmp_path / 'a' / 'results.json').read_text())
+  (tmp_path / 'a' / 'results.json').write_text(json.dumps(dict(document, earlier_seeds=[[0, 1]])))
+  row = compare.contrast_row(compare.gather([f'a={a}'], []), 'y − x: a/y - a/x', 'eval/loss')
+  want = protocol.contrast_interval([groups['y'], groups['x']], [1, -1], level=protocol.interval_level(2))
+  assert f'[{want["low"]:+.4f}, {want["high"]:+.4f}]' in row and '(2 looks: a 97.06% interval)' in row
+
+
 def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):
   a = _sweep(tmp_path, 'a', {'x': [1.0, 1.1]})
   b = _sweep(tmp_path, 'b', {'x': [1.0, 1.1]}, splits={**SPLITS, 'report': 'test'})
