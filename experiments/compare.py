@@ -123,7 +123,7 @@ def terms_of(text: str) -> list[tuple[str, str, str]]:
   return terms
 
 
-def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
+def contrast_row(results: dict[str, dict], text: str, metric: str, looks_at_least: int = 1) -> str:
   label, _, expression = text.rpartition(':')
   terms = terms_of(text)
   arms = [arm(results, sweep, name) for _, sweep, name in terms]
@@ -132,7 +132,7 @@ def contrast_row(results: dict[str, dict], text: str, metric: str) -> str:
   groups = [a['report'][metric]['values'] for a in arms]
   weights = [1.0 if sign == '+' else -1.0 for sign, _, _ in terms]
   # A sweep whose seeds were added after an earlier look is judged at Pocock's level (docs/sweeps.md).
-  looks = max(1 + len(results[s].get('earlier_seeds', [])) for _, s, _ in terms)
+  looks = max([looks_at_least] + [1 + len(results[s].get('earlier_seeds', [])) for _, s, _ in terms])
   level = protocol.interval_level(looks)
   out = protocol.contrast_interval(groups, weights, level)
   unsettled = [f'{s}/{n}' for (_, s, n), a in zip(terms, arms) if not a['settled']]
@@ -154,6 +154,12 @@ def _define_flags():
   flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
   flags.DEFINE_string('metric', 'eval/loss', 'The reported metric.')
   flags.DEFINE_string('out', None, 'Markdown file to write (default: print only).')
+  flags.DEFINE_integer(
+    'looks',
+    1,
+    "At least this many looks at every contrast: earlier looks in other sweep folders, which the sweeps' "
+    'own earlier_seeds do not know of (docs/sweeps.md).',
+  )
   flags.DEFINE_multi_string(
     'loop', [], "NAME=DIR of a sweep's members retrained by experiments/member_independent.py (its JSONs)."
   )
@@ -165,6 +171,8 @@ def main(argv):
   args = flags.FLAGS
   if not args.contrast:
     raise ValueError("--contrast: name at least one, as 'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
+  if args.looks < 1:
+    raise ValueError(f'--looks must be at least 1, got {args.looks}')
   results = gather(args.sweep, args.loop)
   if args.out:
     cli.create_output_file('--out', args.out)
@@ -175,7 +183,7 @@ def main(argv):
     '',
     '| contrast | arms | value | 95% interval | seeds per arm to resolve |',
     '|---|---|---|---|---|',
-  ] + [contrast_row(results, c, args.metric) for c in args.contrast]
+  ] + [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
   text = '\n'.join(lines) + '\n'
   print(text)
   if args.out:

@@ -65,6 +65,9 @@ def test_a_sweep_grown_after_a_look_is_judged_at_pococks_level(tmp_path):
   row = compare.contrast_row(compare.gather([f'a={a}'], []), 'y − x: a/y - a/x', 'eval/loss')
   want = protocol.contrast_interval([groups['y'], groups['x']], [1, -1], level=protocol.interval_level(2))
   assert f'[{want["low"]:+.4f}, {want["high"]:+.4f}]' in row and '(2 looks: a 97.06% interval)' in row
+  # An earlier look in another folder, counted by hand (--looks).
+  row = compare.contrast_row(compare.gather([f'a={a}'], []), 'y − x: a/y - a/x', 'eval/loss', 3)
+  assert '(3 looks: a 97.79% interval)' in row
 
 
 def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):
