@@ -32,6 +32,7 @@ import sys
 from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from dsjax import sweep as sweep_lib  # noqa: E402
 from dsjax.train import cli, protocol  # noqa: E402
 
 _TERM = re.compile(r'([+-])\s*([\w.-]+)/([\w.-]+)')
@@ -87,6 +88,25 @@ def load_loop(entry: str) -> dict:
       for n, rs in arms.items()
     ],
   }
+
+
+def only_seeds(results: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
+  """The sweeps' results with each arm's report statistics over `seeds` alone, at the lr the arm's
+  protocol selected with all its seeds: e.g. seeds added to a sweep, as a replication no earlier look saw.
+  Such a contrast is a first look at those seeds (its level is 95%, whatever the sweeps' earlier_seeds)."""
+  wanted, restricted = set(seeds), {}
+  for name, result in results.items():
+    arms = []
+    for arm in result['arms']:
+      if 'members' not in arm:
+        raise ValueError(f'--seeds: {name} is an independent loop, not a sweep; --seeds takes sweeps only')
+      chosen = [m for m in arm['members'] if m['lr'] == arm['selected_lr'] and m['seed'] in wanted]
+      if {m['seed'] for m in chosen} != wanted:
+        raise ValueError(f'--seeds: arm {name}/{arm["name"]} lacks some of seeds {sorted(wanted)}')
+      report = {key: protocol.spread([m['report'][key] for m in chosen]) for key in arm['report']}
+      arms.append(dict(arm, report=report))
+    restricted[name] = dict(result, arms=arms, earlier_seeds=[])
+  return restricted
 
 
 def gather(sweeps: list[str], loops: list[str]) -> dict[str, dict]:
@@ -154,6 +174,12 @@ def _define_flags():
   flags.DEFINE_multi_string('contrast', [], "'LABEL: ±SWEEP/ARM ± SWEEP/ARM …'")
   flags.DEFINE_string('metric', 'eval/loss', 'The reported metric.')
   flags.DEFINE_string('out', None, 'Markdown file to write (default: print only).')
+  flags.DEFINE_string(
+    'seeds',
+    None,
+    "Only these seeds of each arm (comma-separated), at the lr selected with all the arm's seeds; a "
+    'first look at them (95%).',
+  )
   flags.DEFINE_integer(
     'looks',
     1,
@@ -174,6 +200,8 @@ def main(argv):
   if args.looks < 1:
     raise ValueError(f'--looks must be at least 1, got {args.looks}')
   results = gather(args.sweep, args.loop)
+  if args.seeds is not None:
+    results = only_seeds(results, sweep_lib.parse_seeds(args.seeds))
   if args.out:
     cli.create_output_file('--out', args.out)
   lines = [

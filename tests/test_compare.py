@@ -70,6 +70,20 @@ def test_a_sweep_grown_after_a_look_is_judged_at_pococks_level(tmp_path):
   assert '(3 looks: a 97.79% interval)' in row
 
 
+def test_only_seeds_takes_those_seeds_at_the_lr_selected_with_all_and_is_a_first_look():
+  def member(lr, seed, loss):
+    return {'lr': lr, 'seed': seed, 'report': {'eval/loss': loss}}
+
+  members = [member(0.1, s, 1.0 + s / 10) for s in range(4)] + [member(0.3, s, 5.0) for s in range(4)]
+  arm = {'name': 'x', 'selected_lr': 0.1, 'settled': True, 'members': members, 'report': {'eval/loss': {}}}
+  results = {'a': {'splits': SPLITS, 'arms': [arm], 'earlier_seeds': [[0, 1]]}}
+  restricted = compare.only_seeds(results, [2, 3])
+  assert restricted['a']['arms'][0]['report']['eval/loss'] == protocol.spread([1.2, 1.3])
+  assert restricted['a']['earlier_seeds'] == [] and results['a']['earlier_seeds'] == [[0, 1]]
+  with pytest.raises(ValueError, match=r'--seeds: arm a/x lacks some of seeds \[3, 4\]'):
+    compare.only_seeds(results, [3, 4])
+
+
 def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):
   a = _sweep(tmp_path, 'a', {'x': [1.0, 1.1]})
   b = _sweep(tmp_path, 'b', {'x': [1.0, 1.1]}, splits={**SPLITS, 'report': 'test'})
