@@ -264,12 +264,6 @@ def at_seeds(records: dict[float, dict], seeds) -> dict[float, dict]:
   }
 
 
-def held_seeds(records: dict[float, dict]) -> list[int]:
-  """The seeds that every one of the records holds."""
-  held = [{m['seed'] for m in r['members']} for r in records.values()]
-  return sorted(set.intersection(*held)) if held else []
-
-
 def flat_keys(tree: dict, prefix: str = '') -> dict[str, Any]:
   """A nested dict as {'a.b.c': value}, the keys of config overrides."""
   flat = {}
@@ -409,10 +403,13 @@ def lrs_to_refine(done: dict[float, dict], refine_ratio: float) -> list[float]:
 
 def arm_finished(out: str, arm: str, lrs, seeds, max_extend: int, refine_ratio: float = 0.0) -> bool:
   """Whether OUT holds every lr of the arm's grid and every extension and refinement the protocol asks
-  for, each with every one of `seeds`."""
-  done = at_seeds(finished_lrs(out, arm), seeds)
+  for, each with every one of `seeds` — and no lr lacking one of them (seeds added, a run cut off before
+  they reached every lr the arm has)."""
+  records = finished_lrs(out, arm)
+  done = at_seeds(records, seeds)
   return (
-    all(lr in done for lr in lrs)
+    len(done) == len(records)
+    and all(lr in done for lr in lrs)
     and lr_to_extend(lrs, done, max_extend) is None
     and not lrs_to_refine(done, refine_ratio)
   )
@@ -789,13 +786,14 @@ def check_resumable(plan: Plan) -> None:
 
 
 def earlier_seeds(plan: Plan) -> list[list[int]]:
-  """The seeds of each earlier look at this sweep's comparisons: the recorded seeds each time a rerun
-  added seeds ([] for a sweep that never grew)."""
+  """The earlier seed sets of this sweep: the recorded seeds each time a rerun added seeds ([] for a
+  sweep that never grew). Each counts as a look at its comparisons, even where the sweep was cut off
+  before it compared anything (on the safe side)."""
   recorded = recorded_sweep(plan.out)
   if recorded is None:
     return []
   earlier = recorded.get('earlier_seeds', [])
-  return earlier + [recorded['seeds']] if recorded['seeds'] != plan.seeds else earlier
+  return earlier + [recorded['seeds']] if set(recorded['seeds']) != set(plan.seeds) else earlier
 
 
 def run(
@@ -823,6 +821,7 @@ def run(
     if train_arms is not None and arm.name not in train_arms and not finished:
       logging.info('arm %s: unfinished, and not among the arms to train now', arm.name)
       left.append(arm.name)
+      progress.planned -= arm.config.total_steps * len(plan.lrs) * len(plan.seeds)
       continue
     if stop_before is not None and stop_before(arm):
       logging.info('Stopped before arm %s; rerun the command to resume', arm.name)

@@ -1,4 +1,5 @@
-r"""Contrasts between arms of one or several `python -m dsjax.sweep` results, with 95% intervals.
+r"""Contrasts between arms of one or several `python -m dsjax.sweep` results, with 95% intervals (Pocock's
+level for a sweep that has grown).
 
   python experiments/compare.py --sweep=adamw=experiments/results/dnt_gpt_adamw \
       --sweep=msgdw=experiments/results/dnt_gpt_msgdw \
@@ -183,8 +184,8 @@ def _define_flags():
   flags.DEFINE_integer(
     'looks',
     1,
-    "At least this many looks at every contrast: earlier looks in other sweep folders, which the sweeps' "
-    'own earlier_seeds do not know of (docs/sweeps.md).',
+    'The total number of looks at every contrast, counting those in other sweep folders, which the '
+    "sweeps' own earlier_seeds do not know of (at least the sweeps' own count is used; docs/sweeps.md).",
   )
   flags.DEFINE_multi_string(
     'loop', [], "NAME=DIR of a sweep's members retrained by experiments/member_independent.py (its JSONs)."

@@ -25,8 +25,8 @@ one runs. Outputs:
   OUT/<sweep>/trained_<arm>.json per call that trained the arm: device kind, jax version, date, commit,
                                  attention implementation and dtype, seconds, member-tokens/s
   OUT/<sweep>/{results.json, summary.md, lr_curves.png, arms/}   dsjax.sweep's outputs
-  OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals and verdicts (for the
-                                      sweeps finished so far)
+  OUT/summary.md, OUT/decisive.json   the claims' contrasts with 95% intervals (Pocock's level after
+                                      seeds were added) and verdicts (for the sweeps finished so far)
 More seeds where a verdict's `seeds_to_resolve` asks for them: `--seeds=0,1,2,3,4,5` with
 `--only=SWEEP/ARM,...` adds seeds 3–5 at every lr those arms have, leaving the others as they are; a claim
 is then judged with each arm's seeds, at Pocock's level for the number of looks (docs/sweeps.md).
@@ -520,7 +520,7 @@ def run_sweep(
 
 
 def verdict(interval: dict, paper_sign: int) -> str:
-  """'reproduced' when the 95% interval excludes zero in the paper's direction (paper_sign: the sign
+  """'reproduced' when the interval excludes zero in the paper's direction (paper_sign: the sign
   of the paper's difference), 'not reproduced' when it excludes zero the other way, else 'not resolved'."""
   low, high = interval['low'], interval['high']
   if not (math.isfinite(low) and math.isfinite(high)):
@@ -538,8 +538,11 @@ def arm_at_most_seeds(c: sweep.Plan, arm) -> dict | None:
   seeds than another is compared with all of them (Welch's interval takes unequal n). With it, `looks`:
   how many times its comparisons have been looked at (1 + the earlier seed sets it has grown from)."""
   records = sweep.finished_lrs(c.out, arm.name)
-  candidates = {tuple(sorted(m['seed'] for m in r['members'])) for r in records.values()}
   earlier = (sweep.recorded_sweep(c.out) or {}).get('earlier_seeds', [])
+  # The seed sets its records hold, and the sweep's earlier ones (an arm whose added seeds reached every
+  # lr, then sent the best lr to an edge whose extension was cut off, is finished at the earlier seeds).
+  candidates = {tuple(sorted(m['seed'] for m in r['members'])) for r in records.values()}
+  candidates |= {tuple(sorted(e)) for e in earlier}
   for seeds in sorted(candidates, key=len, reverse=True):
     if sweep.arm_finished(c.out, arm.name, c.lrs, seeds, c.max_extend):
       looks = 1 + sum(set(e) < set(seeds) for e in earlier)
@@ -615,9 +618,9 @@ def diverged_at_selected_lr(arm: dict) -> int:
 
 
 def claim_rows(results: dict[str, dict]) -> list[dict]:
-  """Each claim whose arms have all finished: the contrast with its 95% interval and the verdict. An arm
-  whose lr is UNSETTLED, or with diverged seeds at its selected lr (reported from their last finite
-  state), is named beside the verdict."""
+  """Each claim whose arms have all finished: the contrast with its 95% interval (Pocock's level where
+  seeds were added after a look) and the verdict. An arm whose lr is UNSETTLED, or with diverged seeds
+  at its selected lr (reported from their last finite state), is named beside the verdict."""
   rows = []
   for label, terms, sign, source in CLAIMS:
     arms = [results.get(s, {}).get(a) for _, s, a in terms]

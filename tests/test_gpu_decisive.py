@@ -99,6 +99,24 @@ def test_only_names_sweeps_or_arms_of_a_sweep():
     gpu_decisive.parse_only(['depth_64x32/dnt'])
 
 
+def test_an_arm_whose_added_seeds_need_an_extension_not_yet_trained_is_judged_at_its_earlier_seeds(tmp_path):
+  # Seeds 0, 1 select 3e-3 inside the grid; seed 2 added at every lr moves the best to the edge 1e-2,
+  # whose extension (3e-2) has not been trained: at 0-2 the arm is unfinished, at 0-1 it is finished.
+  losses = {1e-3: [2.0, 2.0, 2.0], 3e-3: [1.0, 1.0, 9.0], 1e-2: [1.5, 1.5, 0.0]}
+  for lr, by_seed in losses.items():
+    path = tmp_path / 'arms' / 'a' / f'lr_{lr:.6e}.json'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    members = [
+      {'lr': lr, 'seed': s, 'diverged': False, 'select': {'eval/loss': x}, 'report': {'eval/loss': x}}
+      for s, x in enumerate(by_seed)
+    ]
+    path.write_text(json.dumps({'lr': lr, 'members': members}))
+  (tmp_path / 'sweep.json').write_text(json.dumps({'seeds': [0, 1, 2], 'earlier_seeds': [[0, 1]]}))
+  checked = types.SimpleNamespace(out=str(tmp_path), lrs=[1e-3, 3e-3, 1e-2], max_extend=2)
+  arm = gpu_decisive.arm_at_most_seeds(checked, types.SimpleNamespace(name='a', changes={}))
+  assert arm['selected_lr'] == 3e-3 and arm['report']['eval/loss']['n'] == 2 and arm['looks'] == 1
+
+
 def test_the_flops_left_count_the_seeds_an_arm_lacks(tmp_path):
   def record(lr, seeds):
     path = tmp_path / 'arms' / 'a' / f'lr_{lr:.6e}.json'

@@ -201,6 +201,7 @@ def test_a_rerun_with_more_seeds_adds_them_at_every_lr_the_arms_have(tmp_path, t
   assert '(seeds 0, 1)' in summary
   trainer.calls.clear()
   sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
+  sweep.run(sweep.check(_args(tmp_path, seeds='2,1,0')))  # the same seeds in another order
   assert trainer.calls == []
   assert json.loads((tmp_path / 'sweep.json').read_text())['earlier_seeds'] == [[0, 1]]  # no new look
   with pytest.raises(ValueError, match=r'--seeds=0,2 leaves out seeds \[1\] that --out=.* holds'):
@@ -213,8 +214,9 @@ def test_train_arms_leaves_the_other_arms_as_they_are(tmp_path, trainer):
   trainer.seeds.clear()
   assert sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')), train_arms={'b'}) is None
   assert trainer.seeds == [[2]]  # b's seed 2 only; a keeps seeds 0, 1
-  assert sweep.held_seeds(sweep.finished_lrs(str(tmp_path), 'a')) == [0, 1]
-  assert sweep.held_seeds(sweep.finished_lrs(str(tmp_path), 'b')) == [0, 1, 2]
+  for arm, seeds in (('a', [0, 1]), ('b', [0, 1, 2])):
+    for record in sweep.finished_lrs(str(tmp_path), arm).values():
+      assert [m['seed'] for m in record['members']] == seeds
   assert json.loads((tmp_path / 'results.json').read_text())['seeds'] == [0, 1]  # not rewritten
   trainer.calls.clear()
   results = sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')))
@@ -233,7 +235,25 @@ def test_at_seeds_keeps_the_lrs_holding_every_seed_with_only_those_members():
   }
   assert list(sweep.at_seeds(records, [0, 2])) == [1e-3]
   assert sweep.missing_seeds(records[1e-2], [0, 1, 2, 3]) == [2, 3]
-  assert sweep.held_seeds(records) == [0, 1] and sweep.held_seeds({}) == []
+
+
+def test_an_arm_with_an_lr_lacking_added_seeds_is_not_finished(tmp_path, trainer):
+  sweep.run(sweep.check(_args(tmp_path)))  # a: 1e-3, 3e-3 and the extensions 9e-3, 2.7e-2, seeds 0, 1
+  assert sweep.arm_finished(str(tmp_path), 'a', [1e-3, 3e-3], [0, 1], 2)
+  # Seed 2 added at every lr but the extension 2.7e-2 (a run cut off): the arm is not finished at 0-2,
+  # even though the lrs holding seed 2 would settle the protocol by themselves.
+  for name in os.listdir(tmp_path / 'arms' / 'a'):
+    if not name.startswith('lr_2.7'):
+      path = tmp_path / 'arms' / 'a' / name
+      record = json.loads(path.read_text())
+      record['members'].append(dict(record['members'][-1], seed=2))
+      path.write_text(json.dumps(record))
+  assert not sweep.arm_finished(str(tmp_path), 'a', [1e-3, 3e-3], [0, 1, 2], 2)
+  assert sweep.arm_finished(str(tmp_path), 'a', [1e-3, 3e-3], [0, 1], 2)
+  trainer.calls.clear()
+  trainer.seeds.clear()
+  sweep.run(sweep.check(_args(tmp_path, seeds='0,1,2')), train_arms={'a'})
+  assert trainer.seeds[0] == [2] and trainer.calls[0] == [pytest.approx(2.7e-2)]  # the lr lacking it
 
 
 # ------------------------------------------------------------------------------------------------

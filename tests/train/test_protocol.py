@@ -213,3 +213,10 @@ def test_a_second_look_at_pococks_level_holds_the_false_findings_near_one_in_twe
   assert first.mean() == pytest.approx(0.037, abs=0.004)  # Welch at 3 seeds is conservative
   assert naive.mean() == pytest.approx(0.071, abs=0.005)  # the figures interval_level's docstring quotes
   assert pocock.mean() == pytest.approx(0.056, abs=0.005)
+  # A third look after 3 more seeds: each look at Pocock's level for the looks so far drifts further up.
+  a_more_SN, b_more_SN = rng.normal(size=(2, 20_000, 3))
+  a_SN, b_SN = np.concatenate([a_SN, a_more_SN], axis=1), np.concatenate([b_SN, b_more_SN], axis=1)
+  third = pocock | _rejects(a_SN, b_SN, protocol.interval_level(3))
+  naive_third = naive | _rejects(a_SN, b_SN, 0.95)
+  assert third.mean() == pytest.approx(0.066, abs=0.005)
+  assert naive_third.mean() == pytest.approx(0.098, abs=0.006)
