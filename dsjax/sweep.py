@@ -541,7 +541,8 @@ def summary(
   level = protocol.interval_level(looks)
   percent = f'{100 * level:.4g}%'
   sequential = (
-    f' Seeds were added after {looks - 1} earlier look(s) at these comparisons (seeds '
+    f' Seeds were added after {looks - 1} earlier {"look" if looks == 2 else "looks"} at these comparisons '
+    '(seeds '
     + '; '.join(', '.join(map(str, s)) for s in earlier_seeds)
     + f"), so the intervals are at Pocock's level for {looks} looks, {percent} (docs/sweeps.md)."
     if earlier_seeds

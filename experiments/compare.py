@@ -206,11 +206,12 @@ def main(argv):
   if args.out:
     cli.create_output_file('--out', args.out)
   lines = [
-    f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (95% Welch intervals)",
+    f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (Welch intervals, 95% "
+    'unless a row names another level)',
     '',
     f'Command: `python {shlex.join(sys.argv)}`',
     '',
-    '| contrast | arms | value | 95% interval | seeds per arm to resolve |',
+    '| contrast | arms | value | interval | seeds per arm to resolve |',
     '|---|---|---|---|---|',
   ] + [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
   text = '\n'.join(lines) + '\n'
