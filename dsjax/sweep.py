@@ -841,7 +841,7 @@ def run(
       len(plan.seeds),
     )
   if left:
-    logging.info('Arms %s are unfinished; no outputs written', ', '.join(left))
+    logging.info('Unfinished arms, left as they are: %s; no outputs written', ', '.join(left))
     return None
   write_outputs(plan, results, looked)
   plot(os.path.join(out, 'lr_curves.png'), results, plan.splits)
