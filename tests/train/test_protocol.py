@@ -220,3 +220,31 @@ def test_a_second_look_at_pococks_level_holds_the_false_findings_near_one_in_twe
   naive_third = naive | _rejects(a_SN, b_SN, 0.95)
   assert third.mean() == pytest.approx(0.066, abs=0.005)
   assert naive_third.mean() == pytest.approx(0.098, abs=0.006)
+
+
+def _contrast_rejects(groups_GSN, weights, level):
+  """Whether the Welch–Satterthwaite interval of Σ w_g · mean(group g) at `level` excludes zero, per
+  simulation (vectorized, apart from the protocol)."""
+  n = groups_GSN.shape[2]
+  parts_GS = np.stack([w * w * g.var(axis=1, ddof=1) / n for g, w in zip(groups_GSN, weights)])
+  se2_S = parts_GS.sum(axis=0)
+  df_S = se2_S**2 / (parts_GS**2 / (n - 1)).sum(axis=0)
+  value_S = sum(w * g.mean(axis=1) for g, w in zip(groups_GSN, weights))
+  return np.abs(value_S) / np.sqrt(se2_S) > stats.t.ppf(0.5 + level / 2, df_S)
+
+
+def test_looks_at_3_12_and_24_seeds_of_a_difference_of_differences():
+  # The error rates experiments/README.md §1 quotes for the ViT's mSGDW penalty (4 arms, no true
+  # difference): looks at 3 and 12 seeds judged at 95%, the third at 24 seeds at Pocock's level for 3
+  # looks (or at 95%), and the seeds 12-23 alone at 95%.
+  rng = np.random.default_rng(0)
+  groups_GSN = rng.normal(size=(4, 20_000, 24))
+  weights = [1, -1, -1, 1]
+  first_two = _contrast_rejects(groups_GSN[:, :, :3], weights, 0.95) | _contrast_rejects(
+    groups_GSN[:, :, :12], weights, 0.95
+  )
+  assert first_two.mean() == pytest.approx(0.078, abs=0.004)
+  third = first_two | _contrast_rejects(groups_GSN, weights, protocol.interval_level(3))
+  assert third.mean() == pytest.approx(0.090, abs=0.004)
+  assert (first_two | _contrast_rejects(groups_GSN, weights, 0.95)).mean() == pytest.approx(0.110, abs=0.004)
+  assert _contrast_rejects(groups_GSN[:, :, 12:], weights, 0.95).mean() == pytest.approx(0.052, abs=0.004)
