@@ -396,8 +396,7 @@ def trained_records(sweep_dir: str) -> list[dict]:
 
 def recorded_seeds(out: str, plan: Plan) -> list[int]:
   """The seeds of the sweep in OUT/<sweep>/sweep.json ([] before it started)."""
-  path = os.path.join(out, plan.name, 'sweep.json')
-  return read_json(path)['seeds'] if os.path.exists(path) else []
+  return (sweep.recorded_sweep(os.path.join(out, plan.name)) or {}).get('seeds', [])
 
 
 def parse_only(only: list[str]) -> dict[str, set[str] | None]:
