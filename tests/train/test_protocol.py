@@ -193,14 +193,20 @@ def test_interval_level_is_pococks_for_up_to_five_looks_then_bonferroni():
     protocol.interval_level(0)
 
 
+def _contrast_rejects(groups_GSN, weights, level):
+  """Whether the Welch–Satterthwaite interval of Σ w_g · mean(group g) at `level` excludes zero, per
+  simulation (vectorized, apart from the protocol)."""
+  n = groups_GSN.shape[2]
+  parts_GS = np.stack([w * w * g.var(axis=1, ddof=1) / n for g, w in zip(groups_GSN, weights)])
+  se2_S = parts_GS.sum(axis=0)
+  df_S = se2_S**2 / (parts_GS**2 / (n - 1)).sum(axis=0)
+  value_S = sum(w * g.mean(axis=1) for g, w in zip(groups_GSN, weights))
+  return np.abs(value_S) / np.sqrt(se2_S) > stats.t.ppf(0.5 + level / 2, df_S)
+
+
 def _rejects(a_SN, b_SN, level):
-  """Whether the Welch interval of mean(a) − mean(b) at `level` excludes zero, per simulation: written
-  apart from the protocol (vectorized), so that the simulation checks protocol.interval_level."""
-  n_a, n_b = a_SN.shape[1], b_SN.shape[1]
-  va, vb = a_SN.var(axis=1, ddof=1) / n_a, b_SN.var(axis=1, ddof=1) / n_b
-  df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
-  t = np.abs(a_SN.mean(axis=1) - b_SN.mean(axis=1)) / np.sqrt(va + vb)
-  return t > stats.t.ppf(0.5 + level / 2, df)
+  """Whether the Welch interval of mean(a) − mean(b) at `level` excludes zero, per simulation."""
+  return _contrast_rejects(np.stack([a_SN, b_SN]), [1, -1], level)
 
 
 def test_a_second_look_at_pococks_level_holds_the_false_findings_near_one_in_twenty():
@@ -220,17 +226,6 @@ def test_a_second_look_at_pococks_level_holds_the_false_findings_near_one_in_twe
   naive_third = naive | _rejects(a_SN, b_SN, 0.95)
   assert third.mean() == pytest.approx(0.066, abs=0.005)
   assert naive_third.mean() == pytest.approx(0.098, abs=0.006)
-
-
-def _contrast_rejects(groups_GSN, weights, level):
-  """Whether the Welch–Satterthwaite interval of Σ w_g · mean(group g) at `level` excludes zero, per
-  simulation (vectorized, apart from the protocol)."""
-  n = groups_GSN.shape[2]
-  parts_GS = np.stack([w * w * g.var(axis=1, ddof=1) / n for g, w in zip(groups_GSN, weights)])
-  se2_S = parts_GS.sum(axis=0)
-  df_S = se2_S**2 / (parts_GS**2 / (n - 1)).sum(axis=0)
-  value_S = sum(w * g.mean(axis=1) for g, w in zip(groups_GSN, weights))
-  return np.abs(value_S) / np.sqrt(se2_S) > stats.t.ppf(0.5 + level / 2, df_S)
 
 
 def test_looks_at_3_12_and_24_seeds_of_a_difference_of_differences():
