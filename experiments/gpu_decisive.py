@@ -286,10 +286,14 @@ def flops_per_token(config, counts) -> float:
   return 6 * (counts['non_embedding_params'] + head) + 12 * m.depth * m.width * config.data.seq_len
 
 
-def sizes(plan: Plan, config, corpus_tokens: int, seeds) -> dict:
+def sizes(
+  plan: Plan, config, corpus_tokens: int, seeds: list[int], seeds_of_arm: dict[str, list[int]]
+) -> dict:
+  """The sweep's sizes; `seeds`: the sweep's, `seeds_of_arm`: the seeds each arm holds once this call is
+  done (an arm that --only leaves alone keeps the seeds it has)."""
   counts = param_counts(config)
   tokens = config.total_steps * config.batch_size * config.data.seq_len
-  members = len(plan.lrs) * len(seeds)
+  members_of_arm = {arm: len(plan.lrs) * len(s) for arm, s in seeds_of_arm.items()}
   per_token = flops_per_token(config, counts)
   return {
     'sweep': plan.name,
@@ -304,16 +308,37 @@ def sizes(plan: Plan, config, corpus_tokens: int, seeds) -> dict:
     'epochs': tokens / corpus_tokens,
     'arms': len(plan.arms),
     'seeds': list(seeds),
-    'members_per_arm': members,
+    'members_per_arm': members_of_arm,
     'flops_per_token': per_token,
-    'flops': per_token * tokens * members * len(plan.arms),
+    'flops': per_token * tokens * sum(members_of_arm.values()),
   }
+
+
+def seeds_of_arms(
+  out: str, plan: Plan, seeds: list[int], trained_now: set[str] | None
+) -> dict[str, list[int]]:
+  """The seeds each arm holds once this call is done: the sweep's `seeds` for an arm trained now
+  (`trained_now`; None: all) or not yet started, the seeds it has trained for any other."""
+  held = {}
+  for arm in [a.split(':')[0] for a in plan.arms]:
+    trained = sorted({seed for _, seed in trained_members(os.path.join(out, plan.name), arm)})
+    now = trained_now is None or arm in trained_now
+    held[arm] = list(seeds) if now or not trained else trained
+  return held
+
+
+def members_text(members_of_arm: dict[str, int]) -> str:
+  """ "4 × 15" when every arm has as many members, "(15 + 15 + 30 + 30)" when --only grew some."""
+  counts = list(members_of_arm.values())
+  if len(set(counts)) == 1:
+    return f'{len(counts)} × {counts[0]}'
+  return '(' + ' + '.join(str(c) for c in counts) + ')'
 
 
 def plan_table(rows: list[dict]) -> list[str]:
   """The sizes of every sweep as a Markdown table (printed first, and the summary's first table)."""
   lines = [
-    '| sweep | N×d | steps | params (non-emb.) | tokens/param (non-emb.) | epochs | arms × members | PFLOP |',
+    '| sweep | N×d | steps | params (non-emb.) | tokens/param (non-emb.) | epochs | members | PFLOP |',
     '|---|---|---|---|---|---|---|---|',
   ]
   for r in rows:
@@ -321,7 +346,7 @@ def plan_table(rows: list[dict]) -> list[str]:
       f'| {r["sweep"]} | {r["depth"]}×{r["width"]} | {r["steps"]} | {r["params"] / 1e6:.2f}M '
       f'({r["non_embedding_params"] / 1e6:.2f}M) | {r["tokens_per_param"]:.1f} '
       f'({r["tokens_per_non_embedding_param"]:.1f}) | {r["epochs"]:.2f} | '
-      f'{r["arms"]} × {r["members_per_arm"]} × {r["tokens_per_member"] / 1e6:.1f}M tokens | '
+      f'{members_text(r["members_per_arm"])} × {r["tokens_per_member"] / 1e6:.1f}M tokens | '
       f'{r["flops"] / 1e15:.1f} |'
     )
   return lines
@@ -794,7 +819,16 @@ def main(argv):
     p.name: base_config(p, args.data, tokenizer, args.tiny, args.attention, args.remat) for p in PLANS
   }
   corpus_tokens = train_tokens(config_of[PLANS[0].name])
-  plan_rows = [sizes(p, config_of[p.name], corpus_tokens, seeds_of[p.name]) for p in PLANS]
+  plan_rows = [
+    sizes(
+      p,
+      config_of[p.name],
+      corpus_tokens,
+      seeds_of[p.name],
+      seeds_of_arms(out, p, seeds_of[p.name], only[p.name] if p in to_train else set()),
+    )
+    for p in PLANS
+  ]
   print(f'train split: {corpus_tokens:,} tokens', flush=True)
   print('\n'.join(plan_table(plan_rows)), flush=True)
   unigram = unigram_losses(config_of[PLANS[0].name], plan_rows[0]['vocab_size'])

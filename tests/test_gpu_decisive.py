@@ -132,6 +132,28 @@ def test_the_flops_left_count_the_seeds_an_arm_lacks(tmp_path):
   assert gpu_decisive.arm_flops_left(checked, 'a', size) == (1 + 0 + 4 + 2) * 1000
 
 
+def test_the_plan_counts_each_arm_at_the_seeds_it_will_hold(tmp_path, monkeypatch):
+  # Arm 'vanilla_postln' trained with seeds 0-2; --seeds=0-5 with --only naming 'dslm_postln' grows only
+  # that one: the plan counts 3 seeds for the first and 6 for the second; the Pre-LN arms, not started,
+  # are counted at the sweep's seeds (those they will be trained with).
+  plan = next(p for p in gpu_decisive.PLANS if p.name == 'depth_16x64')
+  path = tmp_path / plan.name / 'arms' / 'vanilla_postln' / 'lr_1.000000e-03.json'
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps({'lr': 1e-3, 'members': [{'seed': s} for s in range(3)]}))
+  seeds = list(range(6))
+  held = gpu_decisive.seeds_of_arms(str(tmp_path), plan, seeds, {'dslm_postln'})
+  assert held['vanilla_postln'] == [0, 1, 2] and held['dslm_postln'] == seeds
+  assert gpu_decisive.seeds_of_arms(str(tmp_path), plan, seeds, None)['vanilla_postln'] == seeds
+  counts = {'params': 1000, 'non_embedding_params': 600, 'vocab_size': 10}  # no tokenizer needed
+  monkeypatch.setattr(gpu_decisive, 'param_counts', lambda config: counts)
+  size = gpu_decisive.sizes(plan, configs.get_config(plan.config_arg), 10**7, seeds, held)
+  members = len(plan.lrs) * (3 + 6 * (len(plan.arms) - 1))
+  assert sum(size['members_per_arm'].values()) == members
+  assert size['flops'] == members * size['tokens_per_member'] * size['flops_per_token']
+  assert gpu_decisive.members_text(size['members_per_arm']).startswith(f'({len(plan.lrs) * 3} + ')
+  assert gpu_decisive.members_text({'a': 15, 'b': 15}) == '2 × 15'
+
+
 def _small_texts(directory):
   """Small modules of the standard library: a corpus of a few hundred KB that tokenizes in seconds."""
   directory.mkdir()
