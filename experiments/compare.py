@@ -16,6 +16,10 @@ interval contains zero, the last column is `protocol.seeds_to_resolve`: the seed
 interval's half-width, at the measured sds, would equal the measured value (a rerun then excludes zero
 about half the time if that value is true).
 
+`--seeds=…` restricts each arm to some of its seeds, `--lr=LR` takes every arm at an lr they all trained
+instead of its selected one, and `--below=X` adds, per two-arm contrast, the seeds of each arm ending below
+X with a one-sided Fisher exact p (docs/sweeps.md).
+
 `--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
 (`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's
 report losses, to set beside the sweep's.
@@ -25,12 +29,14 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import shlex
 import sys
 
 from absl import flags
+from scipy import stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from dsjax import sweep as sweep_lib  # noqa: E402
@@ -110,6 +116,43 @@ def only_seeds(results: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
   return restricted
 
 
+def at_lr(results: dict[str, dict], lr: float) -> dict[str, dict]:
+  """The sweeps' results with each arm's report statistics over its seeds at `lr` instead of the lr its
+  protocol selected: a contrast at an lr the arms share, to set beside the protocol's (descriptive: no
+  selection chose that lr). Each arm must have trained it; with --seeds, those seeds of it."""
+  moved = {}
+  for name, result in results.items():
+    arms = []
+    for arm in result['arms']:
+      if 'members' not in arm:
+        raise ValueError(f'--lr: {name} is an independent loop, not a sweep; --lr takes sweeps only')
+      at = [m for m in arm['members'] if math.isclose(m['lr'], lr, rel_tol=1e-6)]
+      if not at:
+        trained = sorted({m['lr'] for m in arm['members']})
+        raise ValueError(f'--lr={lr:g}: arm {name}/{arm["name"]} has not trained it; its lrs are {trained}')
+      report = {key: protocol.spread([m['report'][key] for m in at]) for key in arm['report']}
+      arms.append(dict(arm, selected_lr=at[0]['lr'], settled=True, report=report))
+    moved[name] = dict(result, arms=arms)
+  return moved
+
+
+def below_row(results: dict[str, dict], text: str, metric: str, threshold: float) -> str:
+  """For a contrast of two arms (+A − B): how many seeds of each end below `threshold`, and the one-sided
+  Fisher exact p that A's seeds end below it more often than B's (e.g. runs that leave a loss plateau)."""
+  label = text.rpartition(':')[0].strip()
+  terms = terms_of(text)
+  if sorted(sign for sign, _, _ in terms) != ['+', '-']:
+    return f'| {label} | – | – | – (two arms, +A − B, only) |'
+  counts = []
+  for sign in '+-':
+    _, sweep, name = next(t for t in terms if t[0] == sign)
+    values = arm(results, sweep, name)['report'][metric]['values']
+    counts.append((sum(v < threshold for v in values), len(values)))
+  (a, n_a), (b, n_b) = counts
+  p = stats.fisher_exact([[a, n_a - a], [b, n_b - b]], alternative='greater').pvalue
+  return f'| {label} | {a} of {n_a} | {b} of {n_b} | {p:.3g} |'
+
+
 def gather(sweeps: list[str], loops: list[str]) -> dict[str, dict]:
   """{NAME: results} of every --sweep and --loop, all reported on the same splits."""
   results = load(sweeps) if sweeps or not loops else {}
@@ -181,6 +224,18 @@ def _define_flags():
     "Only these seeds of each arm (comma-separated), at the lr selected with all the arm's seeds; a "
     'first look at them (95%).',
   )
+  flags.DEFINE_float(
+    'lr',
+    None,
+    'Each arm at this lr, which every arm has trained, instead of its selected one (descriptive: no '
+    'selection chose it).',
+  )
+  flags.DEFINE_float(
+    'below',
+    None,
+    'Also count the seeds of each arm of a two-arm contrast (+A − B) whose value ends below this, with the '
+    "one-sided Fisher exact p that A's do more often.",
+  )
   flags.DEFINE_integer(
     'looks',
     1,
@@ -201,19 +256,33 @@ def main(argv):
   if args.looks < 1:
     raise ValueError(f'--looks must be at least 1, got {args.looks}')
   results = gather(args.sweep, args.loop)
+  if args.lr is not None:
+    results = at_lr(results, args.lr)
   if args.seeds is not None:
     results = only_seeds(results, sweep_lib.parse_seeds(args.seeds))
+  rows = [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
+  below = [below_row(results, c, args.metric, args.below) for c in args.contrast] if args.below else []
   if args.out:
     cli.create_output_file('--out', args.out)
+  where = "each arm's selected lr" if args.lr is None else f'lr {args.lr:g} in every arm (no selection)'
   lines = [
-    f"Contrasts of `{args.metric}` on the report split at each arm's selected lr (Welch intervals, 95% "
-    'unless a row names another level)',
+    f'Contrasts of `{args.metric}` on the report split at {where} (Welch intervals, 95% unless a row '
+    'names another level)',
     '',
     f'Command: `python {shlex.join(sys.argv)}`',
     '',
     '| contrast | arms | value | interval | seeds per arm to resolve |',
     '|---|---|---|---|---|',
-  ] + [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
+    *rows,
+  ]
+  if below:
+    lines += [
+      '',
+      f'| contrast | seeds of +A below {args.below:g} | seeds of −B below {args.below:g} | '
+      'one-sided Fisher exact p (+A more often) |',
+      '|---|---|---|---|',
+      *below,
+    ]
   text = '\n'.join(lines) + '\n'
   print(text)
   if args.out:

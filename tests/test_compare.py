@@ -84,6 +84,38 @@ def test_only_seeds_takes_those_seeds_at_the_lr_selected_with_all_and_is_a_first
     compare.only_seeds(results, [3, 4])
 
 
+def test_at_lr_takes_every_arm_at_that_lr_and_below_counts_with_fishers_p():
+  def member(lr, seed, loss):
+    return {'lr': lr, 'seed': seed, 'report': {'eval/loss': loss}}
+
+  def sweep_arm(name, selected, losses_at):
+    members = [member(lr, s, x) for lr, xs in losses_at.items() for s, x in enumerate(xs)]
+    return {
+      'name': name,
+      'selected_lr': selected,
+      'settled': False,
+      'members': members,
+      'report': {'eval/loss': {}},
+    }
+
+  x = sweep_arm('x', 0.1, {0.1: [2.9, 2.95, 3.1, 2.8], 0.3: [3.2, 3.2, 3.2, 3.2]})
+  y = sweep_arm('y', 0.3, {0.1: [3.2, 3.2, 3.1, 3.0], 0.3: [3.2, 2.9, 3.2, 3.2]})
+  results = {'a': {'splits': SPLITS, 'arms': [x, y]}}
+  moved = compare.at_lr(results, 0.1 * (1 + 1e-9))
+  assert [a['report']['eval/loss'] for a in moved['a']['arms']] == [
+    protocol.spread([2.9, 2.95, 3.1, 2.8]),
+    protocol.spread([3.2, 3.2, 3.1, 3.0]),
+  ]
+  assert all(a['selected_lr'] == 0.1 and a['settled'] for a in moved['a']['arms'])
+  # Three of x's four seeds end below 3.0 against none of y's: all three below-seeds in x's four of eight,
+  # p = C(3,3)·C(5,1)/C(8,4) = 5/70.
+  row = compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0)
+  assert row == f'| x − y | 3 of 4 | 0 of 4 | {5 / 70:.3g} |'
+  assert '(two arms, +A − B, only)' in compare.below_row(moved, 'x: a/x', 'eval/loss', 3.0)
+  with pytest.raises(ValueError, match=r'--lr=0.5: arm a/x has not trained it'):
+    compare.at_lr(results, 0.5)
+
+
 def test_different_splits_two_lrs_and_two_sweeps_are_refused(tmp_path):
   a = _sweep(tmp_path, 'a', {'x': [1.0, 1.1]})
   b = _sweep(tmp_path, 'b', {'x': [1.0, 1.1]}, splits={**SPLITS, 'report': 'test'})
