@@ -261,7 +261,9 @@ def main(argv):
   if args.seeds is not None:
     results = only_seeds(results, sweep_lib.parse_seeds(args.seeds))
   rows = [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
-  below = [below_row(results, c, args.metric, args.below) for c in args.contrast] if args.below else []
+  below = (
+    [below_row(results, c, args.metric, args.below) for c in args.contrast] if args.below is not None else []
+  )
   if args.out:
     cli.create_output_file('--out', args.out)
   where = "each arm's selected lr" if args.lr is None else f'lr {args.lr:g} in every arm (no selection)'

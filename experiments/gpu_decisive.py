@@ -290,7 +290,7 @@ def sizes(
   plan: Plan, config, corpus_tokens: int, seeds: list[int], seeds_of_arm: dict[str, list[int]]
 ) -> dict:
   """The sweep's sizes; `seeds`: the sweep's, `seeds_of_arm`: the seeds each arm holds once this call is
-  done (an arm that --only leaves alone keeps the seeds it has)."""
+  done, or will be trained with if it has not started (an arm that --only leaves alone keeps its seeds)."""
   counts = param_counts(config)
   tokens = config.total_steps * config.batch_size * config.data.seq_len
   members_of_arm = {arm: len(plan.lrs) * len(s) for arm, s in seeds_of_arm.items()}
