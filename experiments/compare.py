@@ -97,43 +97,51 @@ def load_loop(entry: str) -> dict:
   }
 
 
+def arms_changed(results: dict[str, dict], flag: str, change) -> dict[str, dict]:
+  """The sweeps' results with every arm replaced by `change(sweep name, arm)`; `flag` names the option
+  in the error for an independent loop's results, which hold no members to choose from."""
+  changed = {}
+  for name, result in results.items():
+    if any('members' not in a for a in result['arms']):
+      raise ValueError(f'{flag}: {name} is an independent loop, not a sweep; {flag} takes sweeps only')
+    changed[name] = dict(result, arms=[change(name, a) for a in result['arms']])
+  return changed
+
+
+def report_over(arm: dict, members: list[dict]) -> dict:
+  """The arm's report statistics recomputed over `members`."""
+  return {key: protocol.spread([m['report'][key] for m in members]) for key in arm['report']}
+
+
 def only_seeds(results: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
   """The sweeps' results with each arm's report statistics over `seeds` alone, at the lr the arm's
   protocol selected with all its seeds: e.g. seeds added to a sweep, as a replication no earlier look saw.
   Such a contrast is a first look at those seeds (its level is 95%, whatever the sweeps' earlier_seeds)."""
-  wanted, restricted = set(seeds), {}
-  for name, result in results.items():
-    arms = []
-    for arm in result['arms']:
-      if 'members' not in arm:
-        raise ValueError(f'--seeds: {name} is an independent loop, not a sweep; --seeds takes sweeps only')
-      chosen = [m for m in arm['members'] if m['lr'] == arm['selected_lr'] and m['seed'] in wanted]
-      if {m['seed'] for m in chosen} != wanted:
-        raise ValueError(f'--seeds: arm {name}/{arm["name"]} lacks some of seeds {sorted(wanted)}')
-      report = {key: protocol.spread([m['report'][key] for m in chosen]) for key in arm['report']}
-      arms.append(dict(arm, report=report))
-    restricted[name] = dict(result, arms=arms, earlier_seeds=[])
-  return restricted
+  wanted = set(seeds)
+
+  def restrict(name, arm):
+    chosen = [m for m in arm['members'] if m['lr'] == arm['selected_lr'] and m['seed'] in wanted]
+    if {m['seed'] for m in chosen} != wanted:
+      raise ValueError(f'--seeds: arm {name}/{arm["name"]} lacks some of seeds {sorted(wanted)}')
+    return dict(arm, report=report_over(arm, chosen))
+
+  restricted = arms_changed(results, '--seeds', restrict)
+  return {name: dict(result, earlier_seeds=[]) for name, result in restricted.items()}
 
 
 def at_lr(results: dict[str, dict], lr: float) -> dict[str, dict]:
   """The sweeps' results with each arm's report statistics over its seeds at `lr` instead of the lr its
   protocol selected: a contrast at an lr the arms share, to set beside the protocol's (descriptive: no
   selection chose that lr). Each arm must have trained it; with --seeds, those seeds of it."""
-  moved = {}
-  for name, result in results.items():
-    arms = []
-    for arm in result['arms']:
-      if 'members' not in arm:
-        raise ValueError(f'--lr: {name} is an independent loop, not a sweep; --lr takes sweeps only')
-      at = [m for m in arm['members'] if math.isclose(m['lr'], lr, rel_tol=1e-6)]
-      if not at:
-        trained = sorted({m['lr'] for m in arm['members']})
-        raise ValueError(f'--lr={lr:g}: arm {name}/{arm["name"]} has not trained it; its lrs are {trained}')
-      report = {key: protocol.spread([m['report'][key] for m in at]) for key in arm['report']}
-      arms.append(dict(arm, selected_lr=at[0]['lr'], settled=True, report=report))
-    moved[name] = dict(result, arms=arms)
-  return moved
+
+  def move(name, arm):
+    at = [m for m in arm['members'] if math.isclose(m['lr'], lr, rel_tol=1e-6)]
+    if not at:
+      trained = sorted({m['lr'] for m in arm['members']})
+      raise ValueError(f'--lr={lr:g}: arm {name}/{arm["name"]} has not trained it; its lrs are {trained}')
+    return dict(arm, selected_lr=at[0]['lr'], settled=True, report=report_over(arm, at))
+
+  return arms_changed(results, '--lr', move)
 
 
 def below_row(results: dict[str, dict], text: str, metric: str, threshold: float) -> str:
