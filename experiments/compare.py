@@ -18,7 +18,8 @@ about half the time if that value is true).
 
 `--seeds=…` restricts each arm to some of its seeds, `--lr=LR` takes every arm at an lr they all trained
 instead of its selected one, and `--below=X` adds, per two-arm contrast, the seeds of each arm ending below
-X with a one-sided Fisher exact p (docs/sweeps.md).
+X, the difference of those fractions with Newcombe's score interval, and a one-sided Fisher exact p
+(docs/sweeps.md).
 
 `--loop=NAME=DIR` takes the members of a sweep retrained by the independent loop instead
 (`experiments/member_independent.py`'s JSONs in DIR, one lr per arm): the same contrasts over the loop's
@@ -144,21 +145,32 @@ def at_lr(results: dict[str, dict], lr: float) -> dict[str, dict]:
   return arms_changed(results, '--lr', move)
 
 
-def below_row(results: dict[str, dict], text: str, metric: str, threshold: float) -> str:
-  """For a contrast of two arms (+A − B): how many seeds of each end below `threshold`, and the one-sided
-  Fisher exact p that A's seeds end below it more often than B's (e.g. runs that leave a loss plateau)."""
+def below_row(
+  results: dict[str, dict], text: str, metric: str, threshold: float, looks_at_least: int = 1
+) -> str:
+  """For a contrast of two arms (+A − B): how many seeds of each end below `threshold` (e.g. runs that
+  leave a loss plateau), the difference of the two fractions with Newcombe's score interval (at the
+  contrast's level, as `contrast_row`'s), and the one-sided Fisher exact p that A's seeds end below it
+  more often than B's."""
   label = text.rpartition(':')[0].strip()
   terms = terms_of(text)
   if sorted(sign for sign, _, _ in terms) != ['+', '-']:
-    return f'| {label} | – | – | – (two arms, +A − B, only) |'
+    return f'| {label} | – | – | – | – (two arms, +A − B, only) |'
   counts = []
   for sign in '+-':
     _, sweep, name = next(t for t in terms if t[0] == sign)
     values = arm(results, sweep, name)['report'][metric]['values']
     counts.append((sum(v < threshold for v in values), len(values)))
   (a, n_a), (b, n_b) = counts
+  looks = looks_of(results, terms, looks_at_least)
+  level = protocol.interval_level(looks)
+  out = protocol.fraction_difference_interval(a, n_a, b, n_b, level)
+  note = f' ({looks} looks: a {100 * level:.4g}% interval)' if looks > 1 else ''
   p = stats.fisher_exact([[a, n_a - a], [b, n_b - b]], alternative='greater').pvalue
-  return f'| {label} | {a} of {n_a} | {b} of {n_b} | {p:.3g} |'
+  return (
+    f'| {label} | {a} of {n_a} | {b} of {n_b} | '
+    f'{out["difference"]:+.3f} [{out["low"]:+.3f}, {out["high"]:+.3f}]{note} | {p:.3g} |'
+  )
 
 
 def gather(sweeps: list[str], loops: list[str]) -> dict[str, dict]:
@@ -195,6 +207,12 @@ def terms_of(text: str) -> list[tuple[str, str, str]]:
   return terms
 
 
+def looks_of(results: dict[str, dict], terms: list[tuple[str, str, str]], looks_at_least: int) -> int:
+  """The looks a contrast has had: a sweep whose seeds were added after an earlier look is judged at
+  Pocock's level for that many (docs/sweeps.md)."""
+  return max([looks_at_least] + [1 + len(results[s].get('earlier_seeds', [])) for _, s, _ in terms])
+
+
 def contrast_row(results: dict[str, dict], text: str, metric: str, looks_at_least: int = 1) -> str:
   label, _, expression = text.rpartition(':')
   terms = terms_of(text)
@@ -203,8 +221,7 @@ def contrast_row(results: dict[str, dict], text: str, metric: str, looks_at_leas
     raise ValueError(f'--metric={metric}: not reported by every arm of {text!r}')
   groups = [a['report'][metric]['values'] for a in arms]
   weights = [1.0 if sign == '+' else -1.0 for sign, _, _ in terms]
-  # A sweep whose seeds were added after an earlier look is judged at Pocock's level (docs/sweeps.md).
-  looks = max([looks_at_least] + [1 + len(results[s].get('earlier_seeds', [])) for _, s, _ in terms])
+  looks = looks_of(results, terms, looks_at_least)
   level = protocol.interval_level(looks)
   out = protocol.contrast_interval(groups, weights, level)
   unsettled = [f'{s}/{n}' for (_, s, n), a in zip(terms, arms) if not a['settled']]
@@ -242,7 +259,8 @@ def _define_flags():
     'below',
     None,
     'Also count the seeds of each arm of a two-arm contrast (+A − B) whose value ends below this, with the '
-    "one-sided Fisher exact p that A's do more often.",
+    "difference of the fractions (Newcombe's interval) and the one-sided Fisher exact p that A's do more "
+    'often.',
   )
   flags.DEFINE_integer(
     'looks',
@@ -269,9 +287,9 @@ def main(argv):
   if args.seeds is not None:
     results = only_seeds(results, sweep_lib.parse_seeds(args.seeds))
   rows = [contrast_row(results, c, args.metric, args.looks) for c in args.contrast]
-  below = (
-    [below_row(results, c, args.metric, args.below) for c in args.contrast] if args.below is not None else []
-  )
+  below = []
+  if args.below is not None:
+    below = [below_row(results, c, args.metric, args.below, args.looks) for c in args.contrast]
   if args.out:
     cli.create_output_file('--out', args.out)
   where = "each arm's selected lr" if args.lr is None else f'lr {args.lr:g} in every arm (no selection)'
@@ -289,8 +307,8 @@ def main(argv):
     lines += [
       '',
       f'| contrast | seeds of +A below {args.below:g} | seeds of −B below {args.below:g} | '
-      'one-sided Fisher exact p (+A more often) |',
-      '|---|---|---|---|',
+      "fraction +A − −B [Newcombe's interval] | one-sided Fisher exact p (+A more often) |",
+      '|---|---|---|---|---|',
       *below,
     ]
   text = '\n'.join(lines) + '\n'

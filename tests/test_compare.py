@@ -108,9 +108,14 @@ def test_at_lr_takes_every_arm_at_that_lr_and_below_counts_with_fishers_p():
   ]
   assert all(a['selected_lr'] == 0.1 and a['settled'] for a in moved['a']['arms'])
   # Three of x's four seeds end below 3.0 against none of y's: all three below-seeds in x's four of eight,
-  # p = C(3,3)·C(5,1)/C(8,4) = 5/70.
+  # p = C(3,3)·C(5,1)/C(8,4) = 5/70; the difference of fractions 3/4 − 0/4 with protocol's Newcombe interval.
   row = compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0)
-  assert row == f'| x − y | 3 of 4 | 0 of 4 | {5 / 70:.3g} |'
+  ci = protocol.fraction_difference_interval(3, 4, 0, 4)
+  assert row == f'| x − y | 3 of 4 | 0 of 4 | +0.750 [{ci["low"]:+.3f}, {ci["high"]:+.3f}] | {5 / 70:.3g} |'
+  # Seeds added after an earlier look widen it to Pocock's level, named in the row.
+  grown = compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0, looks_at_least=2)
+  wide = protocol.fraction_difference_interval(3, 4, 0, 4, protocol.interval_level(2))
+  assert f'[{wide["low"]:+.3f}, {wide["high"]:+.3f}] (2 looks: a 97.06% interval)' in grown
   assert '(two arms, +A − B, only)' in compare.below_row(moved, 'x: a/x', 'eval/loss', 3.0)
   with pytest.raises(ValueError, match=r'--lr=0.5: arm a/x has not trained it'):
     compare.at_lr(results, 0.5)

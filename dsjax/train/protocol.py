@@ -20,6 +20,8 @@ best of several noisy runs on the data they are scored on):
     max over seeds, and each arm's difference of means to the baseline arm with a 95% Welch interval;
     `contrast_interval` the same for any linear combination of arms' means (e.g. a difference of
     differences: whether one arm's optimizer penalty is smaller than another's).
+  * `fraction_difference_interval`: where each seed either leaves a plateau or stays on it, a difference
+    of the fractions that leave it, with Newcombe's score interval.
   * `seeds_to_resolve`: for an interval that contains zero, the budget a decision would take — at how
     many seeds per arm the interval's half-width, at the measured sds, would equal the measured value.
   * `interval_level`: seeds added because an interval did not decide make a second look at the same
@@ -180,6 +182,26 @@ def contrast_interval(
   df = sum(parts) ** 2 / sum(p * p / (g.size - 1) for p, g in zip(parts, arrays) if p > 0)
   half = float(stats.t.ppf(0.5 + level / 2, df)) * se
   return {'difference': value, 'low': value - half, 'high': value + half, 'se': se, 'df': df}
+
+
+def fraction_difference_interval(
+  k_a: int, n_a: int, k_b: int, n_b: int, level: float = 0.95
+) -> dict[str, float]:
+  """k_a/n_a − k_b/n_b, the difference of two independent fractions (e.g. of seeds that leave a loss
+  plateau), with its `level` interval by Newcombe's hybrid score method: each fraction's Wilson score
+  interval, combined as a square root of summed squares on each side (Newcombe 1998, "Interval estimation
+  for the difference between independent proportions: comparison of eleven methods", Statistics in
+  Medicine 17:873–890, method 10). Unlike the Wald interval it stays inside [−1, 1] and keeps its
+  coverage at fractions of 0 or 1 and at a few dozen seeds."""
+  if not (0 <= k_a <= n_a and 0 <= k_b <= n_b and n_a > 0 and n_b > 0):
+    raise ValueError(f'fractions need 0 <= k <= n and n > 0, got {k_a}/{n_a} and {k_b}/{n_b}')
+  p_a, p_b = k_a / n_a, k_b / n_b
+  wilson_a = stats.binomtest(k_a, n_a).proportion_ci(confidence_level=level, method='wilson')
+  wilson_b = stats.binomtest(k_b, n_b).proportion_ci(confidence_level=level, method='wilson')
+  difference = p_a - p_b
+  below = math.hypot(p_a - wilson_a.low, wilson_b.high - p_b)
+  above = math.hypot(wilson_a.high - p_a, p_b - wilson_b.low)
+  return {'difference': difference, 'low': difference - below, 'high': difference + above}
 
 
 def interval_level(looks: int) -> float:

@@ -127,6 +127,25 @@ def test_welch_interval_needs_two_seeds_and_allows_no_spread():
   assert (ci['low'], ci['difference'], ci['high']) == (0.5, 0.5, 0.5)
 
 
+def test_fraction_difference_interval_is_newcombes():
+  # Newcombe (1998), Table II, method 10 (the hybrid score interval), to the four decimals printed there.
+  for (k_a, n_a, k_b, n_b), (low, high) in [
+    ((56, 70, 48, 80), (0.0524, 0.3339)),
+    ((9, 10, 3, 10), (0.1705, 0.8090)),
+    ((0, 10, 0, 20), (-0.1611, 0.2775)),
+    ((10, 10, 0, 20), (0.6791, 1.0000)),
+  ]:
+    ci = protocol.fraction_difference_interval(k_a, n_a, k_b, n_b)
+    assert ci['difference'] == pytest.approx(k_a / n_a - k_b / n_b)
+    assert (round(ci['low'], 4), round(ci['high'], 4)) == (low, high)
+  # A wider level widens it on both sides.
+  narrow = protocol.fraction_difference_interval(10, 28, 3, 28)
+  wide = protocol.fraction_difference_interval(10, 28, 3, 28, level=0.9706)
+  assert wide['low'] < narrow['low'] and wide['high'] > narrow['high']
+  with pytest.raises(ValueError, match='0 <= k <= n'):
+    protocol.fraction_difference_interval(3, 2, 0, 2)
+
+
 def test_contrast_interval_with_two_groups_is_welch():
   a, b = [1.0, 1.2, 0.9], [0.5, 0.9, 0.4, 0.6]
   contrast = protocol.contrast_interval([a, b], [1, -1])
