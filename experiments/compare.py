@@ -307,7 +307,7 @@ def main(argv):
     lines += [
       '',
       f'| contrast | seeds of +A below {args.below:g} | seeds of −B below {args.below:g} | '
-      "fraction +A − −B [Newcombe's interval] | one-sided Fisher exact p (+A more often) |",
+      "fraction below: +A − B [Newcombe's interval] | one-sided Fisher exact p (+A more often) |",
       '|---|---|---|---|---|',
       *below,
     ]

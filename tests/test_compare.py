@@ -112,10 +112,14 @@ def test_at_lr_takes_every_arm_at_that_lr_and_below_counts_with_fishers_p():
   row = compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0)
   ci = protocol.fraction_difference_interval(3, 4, 0, 4)
   assert row == f'| x − y | 3 of 4 | 0 of 4 | +0.750 [{ci["low"]:+.3f}, {ci["high"]:+.3f}] | {5 / 70:.3g} |'
-  # Seeds added after an earlier look widen it to Pocock's level, named in the row.
-  grown = compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0, looks_at_least=2)
+  # Seeds added after an earlier look widen it to Pocock's level, named in the row, as --looks=2 does.
   wide = protocol.fraction_difference_interval(3, 4, 0, 4, protocol.interval_level(2))
-  assert f'[{wide["low"]:+.3f}, {wide["high"]:+.3f}] (2 looks: a 97.06% interval)' in grown
+  grown = dict(moved, a=dict(moved['a'], earlier_seeds=[[0, 1]]))
+  for row in (
+    compare.below_row(grown, 'x − y: a/x - a/y', 'eval/loss', 3.0),
+    compare.below_row(moved, 'x − y: a/x - a/y', 'eval/loss', 3.0, looks_at_least=2),
+  ):
+    assert f'[{wide["low"]:+.3f}, {wide["high"]:+.3f}] (2 looks: a 97.06% interval)' in row
   assert '(two arms, +A − B, only)' in compare.below_row(moved, 'x: a/x', 'eval/loss', 3.0)
   with pytest.raises(ValueError, match=r'--lr=0.5: arm a/x has not trained it'):
     compare.at_lr(results, 0.5)
