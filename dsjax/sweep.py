@@ -764,6 +764,22 @@ def recorded_sweep(out: str) -> dict | None:
     return json.load(f)
 
 
+def with_keys_added_since(recorded: dict, current: dict, defaults: dict) -> dict:
+  """The recorded config with each key that dsjax gained after the sweep started filled in, where the
+  current config holds that key's default: the default is how the sweep's runs were trained (a new key
+  keeps the earlier behaviour at its default), so such a sweep is the same sweep. A new key set to
+  anything else stays missing, and the sweep differs."""
+  filled = dict(recorded)
+  for key, value in current.items():
+    default = defaults.get(key) if isinstance(defaults, dict) else None
+    if key not in recorded:
+      if key in defaults and value == default:
+        filled[key] = value
+    elif isinstance(value, dict) and isinstance(recorded[key], dict):
+      filled[key] = with_keys_added_since(recorded[key], value, default if isinstance(default, dict) else {})
+  return filled
+
+
 def check_resumable(plan: Plan) -> None:
   """That OUT holds nothing or this sweep, with the same seeds or fewer (seeds may be added, never
   dropped); one-line ValueErrors."""
@@ -771,6 +787,10 @@ def check_resumable(plan: Plan) -> None:
   if recorded is None:
     return
   this_sweep = identity(plan.base, plan.arms, plan.lrs, plan.seeds, plan.splits)
+  defaults = identity(config_lib.base_config(plan.base.model.name, plan.base.optimizer.name), [], [], [], {})[
+    'config'
+  ]
+  recorded = dict(recorded, config=with_keys_added_since(recorded['config'], this_sweep['config'], defaults))
   if {k: v for k, v in recorded.items() if k not in SEED_KEYS} != {
     k: v for k, v in this_sweep.items() if k not in SEED_KEYS
   }:

@@ -399,3 +399,12 @@ def test_the_summary_names_the_seeds_that_would_resolve_an_interval_containing_z
   splits = {'train': 'train', 'select': 'validation[:50%]', 'report': 'validation[50%:]'}
   text = sweep.summary('python -m dsjax.sweep …', results, 'a', splits, [0, 1, 2], [0.1], 10)
   assert text.rstrip().endswith(f'that difference is the true one): b eval/loss: {seeds}.')
+
+
+def test_a_key_added_to_the_config_since_a_sweep_started_resumes_it_at_its_default():
+  defaults = {'model': {'depth': 4, 'matmul_cast': 'none'}, 'seed': 0}
+  recorded = {'model': {'depth': 16}, 'seed': 0}
+  at_default = {'model': {'depth': 16, 'matmul_cast': 'none'}, 'seed': 0}
+  changed = {'model': {'depth': 16, 'matmul_cast': 'float8_e4m3fn'}, 'seed': 0}
+  assert sweep.with_keys_added_since(recorded, at_default, defaults) == at_default
+  assert sweep.with_keys_added_since(recorded, changed, defaults) == recorded
