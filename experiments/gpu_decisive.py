@@ -177,8 +177,10 @@ def machine() -> dict:
     'jax': jax.__version__,
     'python': platform.python_version(),
     'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-    # A copy of the working tree without .git (e.g. on a GPU machine) names its commit in DSJAX_COMMIT.
-    'commit': source_commit() or os.environ.get('DSJAX_COMMIT', 'unknown'),
+    # The caller names the commit it sent in DSJAX_COMMIT (experiments/gpu_decisive_device.sh): a copy
+    # of the working tree may lack .git, or carry a .git whose HEAD is another commit than its files.
+    'commit': os.environ.get('DSJAX_COMMIT') or source_commit() or 'unknown',
+    'checkout_head': source_commit(),
   }
 
 
