@@ -25,13 +25,14 @@ of dsjax's model, gradient or optimizer code on the path and sets them beside th
       $OUT/dsjax_float32_cpu*/preln_lr1e-2_s0  # runs of one member that differ only in rounding
 
 `--study=bytes` is §1's AdamW sweep (`experiments/configs/dnt.py:gpt,adamw`; train on 'train', select on
-'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one
-H200 (`experiments/configs/gpu_stdlib.py:dnt,adamw` with the tokenizer it used, committed in
-results/gpu_decisive/tokenizer/; 'train', 'validation', 'test'), run there with bfloat16 branches and
-cuDNN's attention (jax 0.11.2), here in float32 (jax 0.10.2): a difference between the two is what
-the GPU's precision, kernels and jax version do. `--steps=K` trains the first K steps of the run (the
-same schedule, which still ends at the run's last step) and evaluates nothing: the sweep evaluates only
-at the end, so the logged training losses are what the two share then.
+'validation[:50%]', report on 'validation[50%:]'). `--study=stdlib` is §11's DNT AdamW sweep on one H200
+(`experiments/configs/gpu_stdlib.py:dnt,adamw` with the tokenizer it used, committed in
+results/gpu_decisive/tokenizer/; 'train', 'validation', 'test'), and `--study=stdlib_msgdw` its mSGDW half
+(`gpu_stdlib.py:dnt,msgdw`: momentum 0.9, weight decay 1e-4, the same warm-up), run there with bfloat16
+branches and cuDNN's attention (jax 0.11.2), here in float32 (jax 0.10.2): a difference between the two is
+what the GPU's precision, kernels and jax version do. `--steps=K` trains the first K steps of the run (the
+same schedule, which still ends at the run's last step) and evaluates nothing: the sweep evaluates only at
+the end, so the logged training losses are what the two share then.
 
 The loop is experiments/independent_loop.py: the model is `experiments/plain_reference.py` (plain `jnp`,
 RMSNorm and DNT's norm placements written out; `jax.grad` alone, no custom derivative rule), started from
@@ -80,10 +81,10 @@ class Study:
   sweep: str  # the sweep's folder (its `arms/ARM/lr_LR.json`)
 
 
-def _stdlib_config():
+def _stdlib_config(optimizer: str = 'adamw'):
   """§11's config with the tokenizer the GPU sweep used, refused where this Python's standard library is
   not the text it was trained on (the GPU machine read this machine's library, packed)."""
-  c = gpu_stdlib.get_config('dnt,adamw')
+  c = gpu_stdlib.get_config(f'dnt,{optimizer}')
   tokenizer_dir = os.path.join(RESULTS, 'gpu_decisive', 'tokenizer')
   c.data.tokenizer = os.path.join(tokenizer_dir, 'tokenizer.json')
   with open(os.path.join(tokenizer_dir, 'tokenizer_info.json')) as f:
@@ -110,11 +111,17 @@ STUDIES = {
     {'train': 'train', 'select': 'validation', 'report': 'test'},
     os.path.join(RESULTS, 'gpu_decisive', 'dnt_adamw'),
   ),
+  # §11's mSGDW half: the same model and data, mSGDW with the same warm-up.
+  'stdlib_msgdw': Study(
+    lambda: _stdlib_config('msgdw'),
+    {'train': 'train', 'select': 'validation', 'report': 'test'},
+    os.path.join(RESULTS, 'gpu_decisive', 'dnt_msgdw'),
+  ),
 }
 
 
 def arm_config(arm: str, lr: float, seed: int, study: str = 'bytes'):
-  """The study's AdamW member with the arm's setting, lr and seed, trained on its train split and
+  """The study's member with the arm's setting, lr and seed, trained on its train split and
   evaluated (by dsjax) on its selection split."""
   c = STUDIES[study].get_config()
   c.model.dnt_setting, c.optimizer.lr, c.seed = SETTINGS[arm], lr, seed
@@ -483,7 +490,12 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.DEFINE_enum('study', 'bytes', list(STUDIES), "The sweep retrained: 'bytes' (§1) or 'stdlib' (§11).")
+  flags.DEFINE_enum(
+    'study',
+    'bytes',
+    list(STUDIES),
+    "The sweep retrained: 'bytes' (§1), 'stdlib' or 'stdlib_msgdw' (§11's AdamW or mSGDW half).",
+  )
   flags.DEFINE_enum('arm', 'dnt', list(SETTINGS), "'preln' (S1) or 'dnt' (S5).")
   flags.DEFINE_float('lr', 1e-2, "Peak learning rate (§1's selected lr for both arms, §11's for Pre-LN).")
   flags.DEFINE_integer('seed', 0, 'Parameter and data seed.')
