@@ -14,7 +14,9 @@
 # too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
 # into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
 # GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (3-4 minutes
-# on 2 cores) before device time is spent on it.
+# on 2 cores) before device time is spent on it. Resumable: a row whose JSON is already in OUTDIR is not
+# rerun, so a second call with the same OUTDIR (on a machine still warm, OUTDIR inside the git-ignored tmp/)
+# runs what the first skipped. ROW_LIMIT=SECONDS stops any one row after that long (default: no limit).
 set -uo pipefail
 if [[ $# -lt 1 || $# -gt 3 ]]; then
   echo "usage: benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]" >&2; exit 2
@@ -39,11 +41,16 @@ if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
 fi
 skipped=() missing=()
 
-row() {  # row NAME COMMAND...: one measurement, unless the budget is spent
-  local name=$1; shift
+row() {  # row NAME COMMAND...: one measurement, unless its JSON is there already or the budget is spent
+  local name=$1 arg result=; shift
+  for arg in "$@"; do  # the row's result: its --out= (profile_traffic.py reads a --json=), else its --json=
+    [[ $arg == --json=* && -z $result ]] && result=${arg#--json=}
+    [[ $arg == --out=* ]] && result=${arg#--out=}
+  done
+  if [[ -n $result && -s $result ]]; then echo "=== ${prefix}_$name: done already"; return; fi
   if (( SECONDS > budget )); then skipped+=("$name"); echo "=== ${prefix}_$name: skipped (${SECONDS}s)"; return; fi
   echo "=== ${prefix}_$name (${SECONDS}s): $*"
-  "$@" || echo "=== ${prefix}_$name FAILED (status $?)"
+  timeout -s INT "${ROW_LIMIT:-0}" "$@" || echo "=== ${prefix}_$name FAILED (status $?)"
 }
 bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
@@ -74,14 +81,14 @@ bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sample
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
-bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench vit_b16_b128 "${vit[@]}" --instrument=off
+peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
+bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
   --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
-peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
 bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32
 peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32

@@ -85,7 +85,7 @@ def main():
   args, config = paired.parse_config_timing_args(__doc__)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
   results = paired.report(
-    args, seconds, 'off', jax.devices()[0].device_kind, bench.source_commit(), jax.__version__
+    args, seconds, 'off', jax.devices()[0].device_kind, bench.recorded_commit(), jax.__version__
   )
   paired.write_json(args.json, results)
 

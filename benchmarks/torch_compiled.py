@@ -267,7 +267,7 @@ def main():
     'torch': torch.__version__,
     'config': args.config,
     'overrides': args.set,
-    'commit': bench.source_commit(),
+    'commit': bench.recorded_commit(),
     'date': time.strftime('%Y-%m-%d'),
     'steps': args.steps,
     'first_step_s': first_step_s,

@@ -178,6 +178,13 @@ def source_commit() -> str | None:
   return head.stdout.strip() + ('+dirty' if status.stdout.strip() else '')
 
 
+def recorded_commit() -> str | None:
+  """The commit a JSON names: DSJAX_COMMIT where the caller sets it, else `source_commit()`. A copy of
+  the tree sent to another machine may carry an older .git than its files; its sender names the commit,
+  and the JSONs keep the copy's own HEAD beside it (`checkout_head`)."""
+  return os.environ.get('DSJAX_COMMIT') or source_commit()
+
+
 def measured_matmul_tflops(dtype: str, device) -> float:
   """TFLOP/s of a square matmul in `dtype` on `device`, a peak: the fastest of 10 timed runs, after one
   warm-up. (On a shared CPU the median of a few runs of a smaller matmul came out below the rate of the
@@ -500,7 +507,8 @@ def run_benchmark(
     # Set (JAX_COMPILATION_CACHE_DIR), a compile may load an earlier process's program or autotuning:
     # then compile_s is not the cold compile time.
     'compilation_cache': jax.config.jax_compilation_cache_dir,
-    'commit': source_commit(),
+    'commit': recorded_commit(),
+    'checkout_head': source_commit(),
     'inputs': inputs,
     'steps': num_steps,
     'sample_rows': config.instrument.sample_rows if 'sampled' in modes else 0,

@@ -129,6 +129,20 @@ assert bench.peak_tflops_for(kind('cpu'), 'float32') is None
   assert result.returncode == 0, result.stderr
 
 
+def test_the_recorded_commit_is_the_one_the_caller_names_with_the_checkout_head_beside_it():
+  check = """
+import os
+from dsjax import bench
+head = bench.source_commit()
+os.environ['DSJAX_COMMIT'] = 'f' * 40
+assert bench.recorded_commit() == 'f' * 40 and bench.source_commit() == head
+del os.environ['DSJAX_COMMIT']
+assert bench.recorded_commit() == head
+"""
+  result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+
+
 def test_matmul_ops_are_the_dots_and_the_fusions_around_one():
   check = """
 import jax, jax.numpy as jnp
