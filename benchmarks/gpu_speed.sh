@@ -9,7 +9,8 @@
 #
 #   benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]
 #
-# Run from the repository root where jax sees the GPU; benchmarks/gpu_env.sh makes dsjax importable (from
+# Run from the repository root where jax sees the GPU; every row runs `python3`, the interpreter that has
+# jax (and torch and timm for the peers); benchmarks/gpu_env.sh makes dsjax importable (from
 # the wheels of benchmarks/gpu_wheels.sh where the image lacks some). The output goes to OUTDIR/gpu_speed.log
 # too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
 # into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
@@ -54,22 +55,24 @@ row() {  # row NAME COMMAND...: one measurement, unless its JSON is there alread
 }
 bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
-  row "$name" python -m dsjax.bench "$@" --steps=$steps --json="$out/${prefix}_$name.json"
+  row "$name" python3 -m dsjax.bench "$@" --steps=$steps --json="$out/${prefix}_$name.json"
 }
 peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
   local needs=(torch) library
   [[ " $* " == *" --vit=timm "* ]] && needs+=(timm)
   for library in "${needs[@]}"; do
-    if ! python -c "import $library" 2>/dev/null; then
+    if ! python3 -c "import $library" 2>/dev/null; then
       missing+=("$name"); echo "=== ${prefix}_$name: not run, $library is not installed"; return
     fi
   done
-  row "$name" python benchmarks/torch_compiled.py "$@" --device=$peer_device --steps=$steps \
+  row "$name" python3 benchmarks/torch_compiled.py "$@" --device=$peer_device --steps=$steps \
     --json="$out/${prefix}_$name.json"
 }
+# The plain math named, since model.fused_ops=auto takes the kernels at these widths on a GPU.
 gpt2=(--config=configs/gpt2_small.py "${tiny_gpt[@]}")
 vit=(--config=configs/vit_b16.py "${tiny_vit[@]}")
+plain=(--config.model.fused_ops=none)
 gpt2_peer=(--config=configs/gpt2_small.py "${tiny_gpt_peer[@]}")
 vit_peer=(--config=configs/vit_b16.py "${tiny_vit_peer[@]}")
 deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4 --config.model.depth=$deep_depth
@@ -77,19 +80,19 @@ deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_
 fused=(--config.model.fused_ops=pallas)
 sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
 
-bench gpt2_small_b16 "${gpt2[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
+bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
-bench vit_b16_b128 "${vit[@]}" --instrument=off
+bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
 peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
-row instrument_deliveries_gpt_192x256 python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
+row instrument_deliveries_gpt_192x256 python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
   --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
-bench gpt2_small_b32 "${gpt2[@]}" --instrument=off --config.batch_size=32
+bench gpt2_small_b32 "${gpt2[@]}" "${plain[@]}" --instrument=off --config.batch_size=32
 bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --config.batch_size=32
 peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
@@ -99,7 +102,7 @@ peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written pla
 # kernel ran at (benchmarks/profile_traffic.py; reads files, a second each).
 traffic_device=h100; [[ $prefix == h200 ]] && traffic_device=h200
 traffic() {  # traffic NAME PROFILE_DIR: the profile of ${prefix}_NAME.json beside PROFILE_DIR/step.hlo.txt
-  row "${1}_traffic" python benchmarks/profile_traffic.py --json="$out/${prefix}_$1.json" \
+  row "${1}_traffic" python3 benchmarks/profile_traffic.py --json="$out/${prefix}_$1.json" \
     --hlo="$out/$2/step.hlo.txt" --device=$traffic_device --out="$out/${prefix}_${1}_traffic.json"
 }
 traffic gpt2_small_b16 profile_gpt2_small

@@ -18,11 +18,12 @@ mkdir -p "$out"
 
 bench() {  # bench NAME ARGS...: one README row (or rows), its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
-  echo "=== ${prefix}_$name: python -m dsjax.bench $*"
-  python -m dsjax.bench "$@" --steps=20 --json="$out/${prefix}_$name.json"
+  echo "=== ${prefix}_$name: python3 -m dsjax.bench $*"
+  python3 -m dsjax.bench "$@" --steps=20 --json="$out/${prefix}_$name.json"
 }
-gpt2=(--config=configs/gpt2_small.py)
-vit=(--config=configs/vit_b16.py)
+# The plain math named (model.fused_ops=none), since 'auto' takes the fused kernels at these widths on a GPU.
+gpt2=(--config=configs/gpt2_small.py --config.model.fused_ops=none)
+vit=(--config=configs/vit_b16.py --config.model.fused_ops=none)
 deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_heads=4
       --config.data.seq_len=256 --config.batch_size=16 --config.model.scan_unroll=1)
 
@@ -38,10 +39,10 @@ bench gpt_192x256 "${deep[@]}" --config.model.depth=192  # off, 'return' and 'ca
 
 # The instrumentation's deliveries timed in turns, the per-site callbacks (several devices) included.
 echo "=== ${prefix}_instrument_deliveries_gpt2_small"
-python benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py --rounds=20 \
+python3 benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py --set=model.fused_ops=none --rounds=20 \
   --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
 echo "=== ${prefix}_instrument_deliveries_gpt_192x256"
-python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=model.depth=192 \
+python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=model.depth=192 \
   --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 --set=batch_size=16 \
   --set=model.scan_unroll=1 --rounds=20 --json="$out/${prefix}_instrument_deliveries_gpt_192x256.json"
 
@@ -49,17 +50,18 @@ python benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py --set=m
 # the ViT-B/16 peer the ViT target is set against, the ViT written plainly beside it).
 peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift
-  echo "=== ${prefix}_$name: python benchmarks/torch_compiled.py $*"
-  python benchmarks/torch_compiled.py "$@" --steps=20 --json="$out/${prefix}_$name.json"
+  echo "=== ${prefix}_$name: python3 benchmarks/torch_compiled.py $*"
+  python3 benchmarks/torch_compiled.py "$@" --steps=20 --json="$out/${prefix}_$name.json"
 }
-peer torch_gpt2_small_b16 "${gpt2[@]}"
-peer torch_gpt2_small_b32 "${gpt2[@]}" --set=batch_size=32
-peer torch_vit_b16_b128_timm "${vit[@]}" --vit=timm
-peer torch_vit_b16_b128 "${vit[@]}"
+peer torch_gpt2_small_b16 --config=configs/gpt2_small.py
+peer torch_gpt2_small_b32 --config=configs/gpt2_small.py --set=batch_size=32
+peer torch_vit_b16_b128_timm --config=configs/vit_b16.py --vit=timm
+peer torch_vit_b16_b128 --config=configs/vit_b16.py
 
-# Not yet in the table: the fused norm and GELU kernels (model.fused_ops=pallas) side by side with the
+# The fused norm and GELU kernels (model.fused_ops=pallas, what 'auto' takes here) side by side with the
 # plain math, profiled, on this machine (the plain rows are gpt2_small_b16_profile and vit_b16_b128_profile).
-bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" --instrument=off --config.model.fused_ops=pallas \
+fused=(--instrument=off --config.model.fused_ops=pallas)
+bench gpt2_small_b16_fused_ops_profile --config=configs/gpt2_small.py "${fused[@]}" \
   --profile="$out/profile_gpt2_small_fused_ops"
-bench vit_b16_b128_fused_ops_profile "${vit[@]}" --instrument=off --config.model.fused_ops=pallas \
+bench vit_b16_b128_fused_ops_profile --config=configs/vit_b16.py "${fused[@]}" \
   --profile="$out/profile_vit_b16_fused_ops"

@@ -187,3 +187,31 @@ def test_steps_compiled_from_shapes_only(tmp_path):
   steps = json.loads(out.read_text())['steps']
   assert sorted(steps) == ['off', 'return', 'sampled_8']
   assert steps['return']['bytes_accessed'] > steps['off']['bytes_accessed'] > 0
+
+
+def test_the_host_cost_of_the_statistics_is_timed_per_sink(tmp_path):
+  """benchmarks/instrument_host_cost.py: one tiny instrumented step's statistics handed to the collector
+  in its three sinks, in turns; the JSON has each sink's times and its ratio to the records alone."""
+  out = tmp_path / 'host.json'
+  proc = subprocess.run(
+    [
+      sys.executable,
+      'benchmarks/instrument_host_cost.py',
+      '--config=configs/gpt_preln.py',
+      *(f'--set={key}={value}' for key, value in (('model.depth', DEPTH), ('model.width', WIDTH))),
+      f'--set=batch_size={BATCH}',
+      f'--set=data.seq_len={SEQ_LEN}',
+      '--rounds=2',
+      '--pause=0',
+      f'--json={out}',
+    ],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = json.loads(out.read_text())
+  assert sorted(results['step_ms']) == ['jsonl', 'jsonl_tensorboard', 'records']
+  assert all(len(times) == 2 for times in results['step_ms'].values())
+  assert sorted(results['ratio_to_records_median']) == ['jsonl', 'jsonl_tensorboard']

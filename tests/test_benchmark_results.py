@@ -24,7 +24,7 @@ DOCS = [
   *sorted((ROOT / 'experiments').rglob('*.md')),
 ]
 # A results name as the docs write it: a device prefix, then name characters, braces and wildcards.
-RESULT_NAME = re.compile(r'\b((?:h100|cpu)[\w*{},.]*)')
+RESULT_NAME = re.compile(r'\b((?:h100|h200|cpu)[\w*{},.]*)')
 
 
 def _expand(pattern: str) -> list[str]:

@@ -47,7 +47,7 @@ def model_config(model_name: str) -> ml_collections.ConfigDict:
   m.dtype = 'auto'  # branch compute: 'float32' | 'bfloat16' | 'auto' (bf16 on GPU/TPU, f32 on CPU)
   m.param_dtype = 'float32'  # storage of the weight matrices: 'float32' | 'bfloat16' (vectors stay f32)
   m.attention = 'auto'  # 'auto' | 'plain' (the math as written) | 'xla' | 'cudnn' | 'splash'
-  m.fused_ops = 'auto'  # 'auto' (= 'none' for now) | 'none' | 'pallas' (fused norm and GELU kernels)
+  m.fused_ops = 'auto'  # 'auto' (fused_ops_implementation) | 'none' | 'pallas' (fused norm and GELU kernels)
   # 'none' | 'float8_e4m3fn' | 'float8_e5m2': every weight matmul's inputs (activations and weights)
   # and the embedding, position and class-token tables rounded to this format unscaled, computed in
   # `dtype` (layers.direct_cast): FP8 inference by direct casting (Kedia et al. 2024, arXiv:2403.09635,
@@ -218,20 +218,35 @@ def attention_implementation(m, backend: str | None = None, *, head_dim: int | N
   return _fused_or_xla(m.attention, 'cudnn', blockers)
 
 
+# The narrowest model width at which the fused kernels have been measured faster than XLA's own fusions
+# on a GPU (benchmarks/README.md, "GPU: one H200": GPT-2 small and ViT-B/16, width 768, bfloat16).
+FUSED_OPS_AUTO_MIN_WIDTH = 768
+
+
 def fused_ops_implementation(m, backend: str | None = None) -> str:
   """`model.fused_ops` resolved: 'none' (the plain math, fused by XLA as it chooses) or 'pallas'
   (`dsjax.models.fused_ops`: a Pre-LN or DNT layer's residual add with the norm and cast after it, a
   layer's first norm with its cast, and the FFN's bias with its exact GELU, each one Pallas kernel
   forward and one backward; the same math up to rounding).
 
-  'auto' resolves to 'none' on every backend, a GPU included: no GPU measurement has yet shown the
-  kernels faster than XLA's own fusions (benchmarks/README.md says how to measure them side by side).
-  An explicit 'pallas' off a GPU runs the kernels in Pallas' interpreter: the same function, many
-  times slower (for checking them, as the tests do on a CPU). `backend`: resolved for that backend.
+  'auto' takes the kernels where a GPU measurement has shown them faster: an NVIDIA GPU of compute
+  capability ≥ 8.0 (Triton's), branches in bfloat16, and a width of at least
+  `FUSED_OPS_AUTO_MIN_WIDTH` (at width 768 the step was 5% shorter; narrower models are unmeasured);
+  elsewhere, a TPU and the CPU included, the plain math. An explicit 'pallas' off a GPU runs the
+  kernels in Pallas' interpreter: the same function, many times slower (for checking them, as the
+  tests do on a CPU). `backend`: resolved for that backend.
   """
-  if m.fused_ops != 'pallas':
+  if m.fused_ops == 'none':
     return 'none'
   backend = backend or target_backend()
+  if m.fused_ops == 'auto':
+    measured_faster = (
+      backend == 'gpu'
+      and compute_dtype(m, backend) == 'bfloat16'
+      and m.width >= FUSED_OPS_AUTO_MIN_WIDTH
+      and _flash_attention_gpu()
+    )
+    return 'pallas' if measured_faster else 'none'
   if backend != 'gpu':
     _warn_fused_ops_interpreted(backend)
   return 'pallas'

@@ -21,6 +21,7 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from dsjax import models, schemes
+from dsjax.models import config as config_lib
 from dsjax.models import fused_ops
 from dsjax.models.config import RESUMABLE_KEYS, model_config, validate_model
 from tests.helpers import TEXT_INFO
@@ -311,17 +312,26 @@ def test_an_instrumented_step_runs_the_plain_math():
   assert str(jax.make_jaxpr(lambda t: model(t))(tokens)).count('pallas_call') == 3
 
 
-def test_the_switch_resolves_auto_to_none_everywhere():
-  """'auto' is 'none' on every backend (no GPU measurement has shown the kernels faster yet); the
-  default config builds no kernel; an unknown value is refused in one line."""
+def test_the_switch_resolves_auto_to_the_kernels_only_where_a_gpu_measured_them_faster():
+  """'auto' takes the kernels on a GPU with bfloat16 branches at a width of at least 768 (measured faster
+  there) and the plain math elsewhere; an explicit value is taken as it is; an unknown one is refused in
+  one line."""
   m = model_config('gpt')
-  assert m.fused_ops == 'auto'
+  assert m.fused_ops == 'auto' and m.width < config_lib.FUSED_OPS_AUTO_MIN_WIDTH
   for backend in ('cpu', 'gpu', 'tpu'):
     assert models.fused_ops_implementation(m, backend) == 'none'
+  assert models.transformer_config(model_config('gpt')).fused_ops == 'none'  # on this CPU
+  m.width = config_lib.FUSED_OPS_AUTO_MIN_WIDTH
+  assert models.fused_ops_implementation(m, 'gpu') == 'pallas'
+  assert models.fused_ops_implementation(m, 'tpu') == 'none'
+  assert models.fused_ops_implementation(m, 'cpu') == 'none'
+  m.dtype = 'float32'  # unmeasured: the plain math
+  assert models.fused_ops_implementation(m, 'gpu') == 'none'
+  m.fused_ops = 'none'
+  assert models.fused_ops_implementation(m, 'gpu') == 'none'
   m.fused_ops = 'pallas'
   assert models.fused_ops_implementation(m, 'gpu') == 'pallas'
   assert models.fused_ops_implementation(m, 'cpu') == 'pallas'  # in the interpreter, with a warning
-  assert models.transformer_config(model_config('gpt')).fused_ops == 'none'
   m.fused_ops = 'triton'
   with pytest.raises(ValueError, match=r"model.fused_ops must be one of \['auto', 'none', 'pallas'\]"):
     validate_model(m)
