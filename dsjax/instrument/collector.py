@@ -15,7 +15,9 @@ host-callback thread, in any order) until the next `flush`, which drops any reco
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import math
 import os
 import threading
 from typing import Any, Iterable
@@ -37,6 +39,28 @@ def json_value(value: float) -> float | None:
   """JSON has no NaN/Inf: a non-finite statistic is written as null (valid JSON for every reader)."""
   value = float(value)
   return value if np.isfinite(value) else None
+
+
+@functools.cache
+def _json_string(text: str) -> str:
+  return json.dumps(text)
+
+
+def jsonl_line(record: dict[str, Any]) -> str:
+  """`json.dumps({**record, 'value': json_value(record['value'])}) + '\\n'`, byte for byte, for a record of
+  int step and layer, str site and stat and float value, without the encoder's per-call cost: at 192
+  layers a step has ~6,800 records, and json.dumps of each took ~40% of the host's writing."""
+  value = record['value']
+  value_json = float.__repr__(value) if math.isfinite(value) else 'null'
+  return (
+    f'{{"step": {record["step"]}, "layer": {record["layer"]}, "site": {_json_string(record["site"])}, '
+    f'"stat": {_json_string(record["stat"])}, "value": {value_json}}}\n'
+  )
+
+
+@functools.cache
+def _tensorboard_tag(site: str, stat: str, layer: int) -> str:
+  return f'moments/{site}/{stat}/{"all" if layer == NO_LAYER else f"layer_{layer:03d}"}'
 
 
 def first_nonfinite(moments: Moments) -> tuple[str, str, str] | None:
@@ -170,24 +194,25 @@ class Collector:
     if self.keep_records:
       self.records.extend(new)
     if self._jsonl is not None and new:
-      self._jsonl.writelines(json.dumps({**r, 'value': json_value(r['value'])}) + '\n' for r in new)
+      self._jsonl.writelines(jsonl_line(r) for r in new)
       self._jsonl.flush()
     if self._tensorboard is not None and new:
       from tensorboardX.proto.summary_pb2 import Summary
 
-      by_step = collections.defaultdict(list)
+      # One Summary per step, filled in place (`value.add()`: about half the time of building each
+      # Summary.Value and passing the list, at ~6,800 records a step at 192 layers).
+      by_step = collections.defaultdict(Summary)
       for r in new:
-        if not np.isfinite(r['value']):
+        if not math.isfinite(r['value']):
           continue
-        where = 'all' if r['layer'] == NO_LAYER else f'layer_{r["layer"]:03d}'
-        by_step[r['step']].append(
-          Summary.Value(tag=f'moments/{r["site"]}/{r["stat"]}/{where}', simple_value=r['value'])
-        )
+        value = by_step[r['step']].value.add()
+        value.tag = _tensorboard_tag(r['site'], r['stat'], r['layer'])
+        value.simple_value = r['value']
       for r in new:
         self._summary_pending[r['step']].append(r)
       self._write_step_summaries(complete_before=max(r['step'] for r in new))
-      for step, values in sorted(by_step.items()):
-        self._tensorboard.add_summary(Summary(value=values), step)
+      for step, summary in sorted(by_step.items()):
+        self._tensorboard.add_summary(summary, step)
       self._tensorboard.flush()
 
   def _write_step_summaries(self, complete_before: int | None):

@@ -311,6 +311,15 @@ def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
   assert {'step': 4, 'layer': -1, 'site': 'weight/q', 'stat': 'grad_kurtosis', 'value': 3.0} in rows
 
 
+def test_a_jsonl_line_is_json_dumps_of_its_record_byte_for_byte():
+  values = [0.1, -0.0, 1e16, 1.5e-320, 3.0, np.nan, np.inf, -np.inf, float(np.float32(0.1))]
+  for value in values:
+    for site in ('embedding', 'weight/qkv'):
+      record = {'step': 12, 'layer': -1, 'site': site, 'stat': 'grad_norm', 'value': float(value)}
+      expected = json.dumps({**record, 'value': instrument_lib.json_value(value)}) + '\n'
+      assert instrument_lib.collector.jsonl_line(record) == expected
+
+
 def _tensorboard_scalars(directory):
   """{(step, tag): value} of every scalar in the event files of `directory` (TFRecord framing: length,
   its CRC, the serialized Event, its CRC)."""
