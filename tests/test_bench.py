@@ -160,23 +160,17 @@ assert any('exp' in line for op, line in entry.items() if op not in ops), hlo
   assert result.returncode == 0, result.stderr
 
 
-# Slow (30 s): compiles three steps. By default `bench.prepare(shapes_only=True)` is compiled for an H100
-# by tests/test_gpu_compiled_traffic.py where jax's CUDA plugin is installed.
-@pytest.mark.slow
-def test_steps_compiled_from_shapes_only(tmp_path):
-  """`bench.prepare(shapes_only=True)`, as benchmarks/instrument_sampling_cost.py uses it: the plain,
-  instrumented and sampled steps compiled with nothing computed, and XLA's cost analysis of each."""
-  out = tmp_path / 'cost.json'
+def _run_tiny_script(script: str, *flags: str) -> None:
+  """A script of benchmarks/ on the tiny GPT of TINY_BENCH (its `--config` and `--set` flags), on the CPU;
+  checked to have succeeded."""
+  sizes = {'model.depth': DEPTH, 'model.width': WIDTH, 'batch_size': BATCH, 'data.seq_len': SEQ_LEN}
   proc = subprocess.run(
     [
       sys.executable,
-      'benchmarks/instrument_sampling_cost.py',
+      script,
       '--config=configs/gpt_preln.py',
-      *(f'--set={key}={value}' for key, value in (('model.depth', DEPTH), ('model.width', WIDTH))),
-      f'--set=batch_size={BATCH}',
-      f'--set=data.seq_len={SEQ_LEN}',
-      '--rows=8',
-      f'--json={out}',
+      *(f'--set={k}={v}' for k, v in sizes.items()),
+      *flags,
     ],
     capture_output=True,
     text=True,
@@ -184,6 +178,16 @@ def test_steps_compiled_from_shapes_only(tmp_path):
     timeout=300,
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# Slow (30 s): compiles three steps. By default `bench.prepare(shapes_only=True)` is compiled for an H100
+# by tests/test_gpu_compiled_traffic.py where jax's CUDA plugin is installed.
+@pytest.mark.slow
+def test_steps_compiled_from_shapes_only(tmp_path):
+  """`bench.prepare(shapes_only=True)`, as benchmarks/instrument_sampling_cost.py uses it: the plain,
+  instrumented and sampled steps compiled with nothing computed, and XLA's cost analysis of each."""
+  out = tmp_path / 'cost.json'
+  _run_tiny_script('benchmarks/instrument_sampling_cost.py', '--rows=8', f'--json={out}')
   steps = json.loads(out.read_text())['steps']
   assert sorted(steps) == ['off', 'return', 'sampled_8']
   assert steps['return']['bytes_accessed'] > steps['off']['bytes_accessed'] > 0
@@ -193,24 +197,7 @@ def test_the_host_cost_of_the_statistics_is_timed_per_sink(tmp_path):
   """benchmarks/instrument_host_cost.py: one tiny instrumented step's statistics handed to the collector
   in its three sinks, in turns; the JSON has each sink's times and its ratio to the records alone."""
   out = tmp_path / 'host.json'
-  proc = subprocess.run(
-    [
-      sys.executable,
-      'benchmarks/instrument_host_cost.py',
-      '--config=configs/gpt_preln.py',
-      *(f'--set={key}={value}' for key, value in (('model.depth', DEPTH), ('model.width', WIDTH))),
-      f'--set=batch_size={BATCH}',
-      f'--set=data.seq_len={SEQ_LEN}',
-      '--rounds=2',
-      '--pause=0',
-      f'--json={out}',
-    ],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  _run_tiny_script('benchmarks/instrument_host_cost.py', '--rounds=2', '--pause=0', f'--json={out}')
   results = json.loads(out.read_text())
   assert sorted(results['step_ms']) == ['jsonl', 'jsonl_tensorboard', 'records']
   assert all(len(times) == 2 for times in results['step_ms'].values())
