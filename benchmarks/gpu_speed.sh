@@ -31,8 +31,9 @@ exec > >(tee -a "$out/gpu_speed.log") 2>&1
 source benchmarks/gpu_env.sh || exit 1
 sample_rows=${SAMPLE_ROWS:-1024}
 steps=20 rounds=10 deep_depth=192 tiny_gpt=() tiny_vit=() peer_device=cuda tiny_gpt_peer=() tiny_vit_peer=()
+tiny_tiles=()
 if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
-  steps=2 rounds=2 deep_depth=2 peer_device=cpu
+  steps=2 rounds=2 deep_depth=2 peer_device=cpu tiny_tiles=(--tiny)
   tiny_gpt=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.seq_len=64
             --config.model.scan_unroll=1)
   tiny_vit=(--config.model.depth=2 --config.model.width=64 --config.model.num_heads=4 --config.data.image_size=32
@@ -82,11 +83,15 @@ sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,
 
 bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
+# The GELU kernels at other tile sizes (on the H200 they ran at 50-58% of the bandwidth).
+row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
 bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
 peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
+# Where the returned statistics' device time goes at 192 layers.
+bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$out/profile_gpt_192x256_return"
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \

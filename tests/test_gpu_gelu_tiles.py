@@ -1,0 +1,33 @@
+"""`benchmarks/gpu_gelu_tiles.py` at its tiny size on the CPU (the kernels in Pallas' interpreter): every
+tiling is checked against the plain math and timed, and the JSON names the fastest."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_the_tiny_grid_runs_and_matches_the_plain_math(tmp_path):
+  out = tmp_path / 'tiles.json'
+  proc = subprocess.run(
+    [sys.executable, 'benchmarks/gpu_gelu_tiles.py', '--tiny', f'--json={out}'],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = json.loads(out.read_text())
+  tilings = [row['tiles'] for row in results['tilings']]
+  assert len(tilings) == 2 and tilings[0] != tilings[1] and results['fastest'] in tilings
+  for row in results['tilings']:
+    assert row['max_relative_difference'] < 0.02  # bfloat16 outputs of the same float32 math
+    assert row['forward']['median_ms'] > 0 and row['forward_backward']['median_ms'] > 0
+  assert results['xla']['forward']['median_ms'] > 0
+
+
+def test_bad_sizes_are_one_line():
+  proc = subprocess.run(
+    [sys.executable, 'benchmarks/gpu_gelu_tiles.py', '--rows=0'], capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 2 and 'must be positive' in proc.stderr.strip().splitlines()[-1]
