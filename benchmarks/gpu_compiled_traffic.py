@@ -7,8 +7,9 @@ kernels.
 
 Needs jax's CUDA plugin (`pip install '.[cuda]'`), not a GPU. `jax.experimental.topologies` describes
 the target device (`hlo_traffic.DEVICES`, from the data sheets); the model is built and traced for a GPU
-(`dsjax.models.compiling_for`: 'auto' takes bfloat16 and cuDNN's attention, `model.fused_ops=pallas`
-lowers its Triton kernels rather than interpreting them) and XLA's GPU compiler compiles the step of
+(`dsjax.models.compiling_for`: 'auto' takes bfloat16, cuDNN's attention and, at width ≥ 768, the fused
+kernels; `model.fused_ops=pallas` lowers its Triton kernels rather than interpreting them, `none` keeps
+the plain math) and XLA's GPU compiler compiles the step of
 `dsjax.bench` (the loop's own, donated state, optimizer included) as it would on that device, with one
 difference: without a device it cannot autotune, so the matmuls stay Triton GEMM fusions with default
 tiles where a device picks cuBLAS or other tiles. The kernels around them are fused as on the device.
