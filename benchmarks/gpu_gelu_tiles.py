@@ -9,10 +9,12 @@ step, where the norms' backward kernel reached 88% (benchmarks/README.md). For e
 (`fused_ops.GeluTiles`: elements per block, columns per block, backward programs at most, warps) this
 compiles GELU(z + b) forward, and forward with backward (`jax.vjp`), at the shape of GPT-2 small's FFN
 (batch 16 × 1024 positions, 3072 hidden units; ViT-B/16's is 25216 × 3072), checks the result against
-the plain math, and times each (median of `--repeats` calls after 3 warm-up ones). The bandwidth counts
-the forward pass as reading z and writing the activation, the backward as reading z and the activation's
-gradient and writing z's: 2 and 3 passes over an (rows, cols) array of `--dtype`. `--tiny`: a small
-shape, two tilings and 2 repeats, run in Pallas' interpreter off a GPU (a check that the script runs).
+the plain math, and times each: the median (and min–max) over `--repeats` timings of 10 calls issued
+back to back and waited for once, per call, after 3 warm-up calls, so that no call waits for the host.
+The bandwidth counts the forward pass as reading z and writing the activation, the backward (the
+forward with backward less the forward) as reading z and the activation's gradient and writing z's: 2
+and 3 passes over an (rows, cols) array of `--dtype`. `--tiny`: a small shape, two tilings and 2
+repeats, run in Pallas' interpreter off a GPU (a check that the script runs).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from dsjax import bench
 from dsjax.models import fused_ops
 
 WARMUP = 3
+CALLS_PER_TIMING = 10
+# Memory bandwidth by device kind (the longest matching prefix), from the data sheets.
+BANDWIDTH = {
+  'NVIDIA H100 PCIe': 2.0e12,
+  'NVIDIA H100 NVL': 3.9e12,
+  'NVIDIA H100': 3.35e12,
+  'NVIDIA H200': 4.8e12,
+}
 
 
 def tilings(tiny: bool) -> list[fused_ops.GeluTiles]:
@@ -44,20 +54,25 @@ def tilings(tiny: bool) -> list[fused_ops.GeluTiles]:
 
 
 def timed_ms(fn, args, repeats: int) -> dict:
+  """Milliseconds per call: median and min–max of `repeats` timings of CALLS_PER_TIMING calls each."""
   for _ in range(WARMUP):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - start))
+    outputs = [fn(*args) for _ in range(CALLS_PER_TIMING)]
+    jax.block_until_ready(outputs)
+    times.append(1e3 * (time.perf_counter() - start) / CALLS_PER_TIMING)
   return {'median_ms': statistics.median(times), 'min_ms': min(times), 'max_ms': max(times)}
 
 
 def forward_and_backward(gelu):
+  """The activation and the gradients: the activation returned too, or XLA would drop the forward
+  kernel, whose output the backward pass does not read."""
+
   def fn(z, bias, da):
-    _, vjp = jax.vjp(gelu, z, bias)
-    return vjp(da)
+    a, vjp = jax.vjp(gelu, z, bias)
+    return a, *vjp(da)
 
   return jax.jit(fn)
 
@@ -68,13 +83,14 @@ def measure(gelu, args, repeats: int) -> dict:
   return {
     'forward': timed_ms(forward, args[:2], repeats),
     'forward_backward': timed_ms(both, args, repeats),
-    'outputs': (forward(*args[:2]), *both(*args)),
+    'outputs': both(*args),
   }
 
 
 def bandwidth(row: dict, nbytes: int, device_bandwidth: float | None) -> dict:
   forward_s = row['forward']['median_ms'] / 1e3
-  backward_s = max(row['forward_backward']['median_ms'] / 1e3 - forward_s, 1e-9)
+  # The backward pass by difference; below a microsecond the two timings cannot separate it.
+  backward_s = max(row['forward_backward']['median_ms'] / 1e3 - forward_s, 1e-6)
   out = {
     'forward_tb_per_s': 2 * nbytes / forward_s / 1e12,
     'backward_tb_per_s': 3 * nbytes / backward_s / 1e12,
@@ -97,10 +113,8 @@ def main():
     parser.error('--rows, --cols and --repeats must be positive')
   rows, cols, repeats = (64, 96, 2) if args.tiny else (args.rows, args.cols, args.repeats)
   device = jax.devices()[0]
-  # Memory bandwidth by device kind, from the data sheets, for the fraction column (None elsewhere).
-  device_bandwidth = {'NVIDIA H100': 3.35e12, 'NVIDIA H200': 4.8e12}.get(
-    next((k for k in ('NVIDIA H200', 'NVIDIA H100') if device.device_kind.startswith(k)), None)
-  )
+  matches = [kind for kind in BANDWIDTH if device.device_kind.startswith(kind)]
+  device_bandwidth = BANDWIDTH[max(matches, key=len)] if matches else None
   keys = jax.random.split(jax.random.key(0), 3)
   dtype = jnp.dtype(args.dtype)
   z = (2 * jax.random.normal(keys[0], (rows, cols))).astype(dtype)
@@ -127,6 +141,10 @@ def main():
     fused_ops.GELU_TILES = tiles
     try:  # A new function per tiling, so that no trace of another tiling is reused.
       row = measure(lambda z, b: fused_ops.bias_gelu(z, b), (z, bias, da), repeats)
+    except Exception as error:  # a tiling Triton cannot compile: named, and the grid goes on
+      print(f'{str(dataclasses.astuple(tiles)):42s} failed: {type(error).__name__}: {str(error)[:200]}')
+      results.append({'tiles': list(dataclasses.astuple(tiles)), 'error': f'{type(error).__name__}: {error}'})
+      continue
     finally:
       fused_ops.GELU_TILES = None
     # The same function up to rounding (the kernel's float32 sum and GELU, stored in `dtype`): of each
@@ -145,12 +163,15 @@ def main():
     'jax': jax.__version__,
     'date': time.strftime('%Y-%m-%d'),
     'commit': bench.recorded_commit(),
+    'checkout_head': bench.source_commit(),
     'shape': [rows, cols],
     'dtype': args.dtype,
     'repeats': repeats,
     'xla': reference,
     'tilings': results,
-    'fastest': min(results, key=lambda r: r['forward_backward']['median_ms'])['tiles'],
+    'fastest': min(
+      (r for r in results if 'error' not in r), key=lambda r: r['forward_backward']['median_ms']
+    )['tiles'],
   }
   print('fastest forward + backward:', out['fastest'])
   if args.json:

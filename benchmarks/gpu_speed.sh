@@ -17,7 +17,9 @@
 # GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (3-4 minutes
 # on 2 cores) before device time is spent on it. Resumable: a row whose JSON is already in OUTDIR is not
 # rerun, so a second call with the same OUTDIR (on a machine still warm, OUTDIR inside the git-ignored tmp/)
-# runs what the first skipped. ROW_LIMIT=SECONDS stops any one row after that long (default: no limit).
+# runs what the first skipped (and reruns a row whose JSON does not parse). ROW_LIMIT=SECONDS stops any
+# one row after that long (default: no limit). A GPU_SPEED_TINY=1 call's JSONs are tiny-size ones: give it
+# its own OUTDIR or PREFIX.
 set -uo pipefail
 if [[ $# -lt 1 || $# -gt 3 ]]; then
   echo "usage: benchmarks/gpu_speed.sh OUTDIR [PREFIX] [BUDGET]" >&2; exit 2
@@ -49,10 +51,14 @@ row() {  # row NAME COMMAND...: one measurement, unless its JSON is there alread
     [[ $arg == --json=* && -z $result ]] && result=${arg#--json=}
     [[ $arg == --out=* ]] && result=${arg#--out=}
   done
-  if [[ -n $result && -s $result ]]; then echo "=== ${prefix}_$name: done already"; return; fi
+  # Done already: its result is there and whole (a JSON cut off by a kill is rerun).
+  if [[ -n $result && -s $result ]] && python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$result" 2>/dev/null
+  then echo "=== ${prefix}_$name: done already"; return; fi
   if (( SECONDS > budget )); then skipped+=("$name"); echo "=== ${prefix}_$name: skipped (${SECONDS}s)"; return; fi
   echo "=== ${prefix}_$name (${SECONDS}s): $*"
-  timeout -s INT "${ROW_LIMIT:-0}" "$@" || echo "=== ${prefix}_$name FAILED (status $?)"
+  local limit=()  # an interrupt first, so that a row keeps what it has; a kill 30 s later if it must
+  [[ -n ${ROW_LIMIT:-} ]] && limit=(timeout -k 30 -s INT "$ROW_LIMIT")
+  "${limit[@]}" "$@" || echo "=== ${prefix}_$name FAILED (status $?)"
 }
 bench() {  # bench NAME ARGS...: python -m dsjax.bench ARGS, its JSON as $out/${prefix}_NAME.json
   local name=$1; shift

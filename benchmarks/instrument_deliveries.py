@@ -84,9 +84,9 @@ def _deliver_to(collector):
 def main():
   args, config = paired.parse_config_timing_args(__doc__)
   seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
-  results = paired.report(
-    args, seconds, 'off', jax.devices()[0].device_kind, bench.recorded_commit(), jax.__version__
-  )
+  device = jax.devices()[0].device_kind
+  commit, head = bench.recorded_commit(), bench.source_commit()
+  results = paired.report(args, seconds, 'off', device, commit, jax.__version__, head)
   paired.write_json(args.json, results)
 
 

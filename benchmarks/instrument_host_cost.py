@@ -68,7 +68,9 @@ def main():
   moments = one_steps_moments(config)
   with tempfile.TemporaryDirectory() as workdir:
     seconds = paired.alternate(collector_steps(moments, workdir), args.rounds, WARMUP_ROUNDS, args.pause)
-  results = paired.report(args, seconds, 'records', 'host', bench.recorded_commit(), jax.__version__)
+  results = paired.report(
+    args, seconds, 'records', 'host', bench.recorded_commit(), jax.__version__, bench.source_commit()
+  )
   paired.write_json(args.json, results)
 
 

@@ -117,10 +117,12 @@ def report(
   device: str,
   commit: str,
   jax_version: str,
+  checkout_head: str | None = None,
 ) -> dict:
   """Prints and returns (for `--json`) the results of a script that times config variants of one step
   in turns (`--config`, `--set`, `--rounds`): each arm's step times, and per round its ratio to
-  `base`'s."""
+  `base`'s. `commit`: the one the JSON names (`bench.recorded_commit`); `checkout_head`: the source
+  tree's own (`bench.source_commit`), where the two may differ."""
   times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   summary = ratio_summary(times, base)
   results = {
@@ -130,6 +132,7 @@ def report(
     'overrides': args.set,
     'device': device,
     'commit': commit,
+    'checkout_head': checkout_head,
     'rounds': args.rounds,
     'pause_s': args.pause,
     'step_ms': times,

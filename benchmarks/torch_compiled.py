@@ -268,6 +268,7 @@ def main():
     'config': args.config,
     'overrides': args.set,
     'commit': bench.recorded_commit(),
+    'checkout_head': bench.source_commit(),
     'date': time.strftime('%Y-%m-%d'),
     'steps': args.steps,
     'first_step_s': first_step_s,

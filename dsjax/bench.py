@@ -27,7 +27,8 @@ measured matmul peak.
 into matmul, attention and other kernels (`KERNEL_KINDS`) with the busiest kernels, and writes the
 step's HLO to DIR/step.hlo.txt. Memory is the compiled step's `memory_analysis()` (and on GPUs the
 device's peak bytes in use). `--json` writes everything printed, with the device, the peak's source and
-the git commit of the dsjax source that ran (`source_commit`).
+the git commit of the dsjax source that ran (`recorded_commit`: DSJAX_COMMIT where a caller names the
+commit of a copy it sent, with the copy's own HEAD beside it).
 
 What each count includes and leaves out, and the measured rows: benchmarks/README.md.
 """

@@ -140,12 +140,14 @@ def _sum_sq(x: jax.Array) -> jax.Array:
 
 
 def with_xla_attention(config):
-  """A copy of `config` whose model runs the XLA attention. Forward-mode derivatives (`jax.linearize`)
-  need an attention that JAX differentiates both ways: the fused kernels (cuDNN's, the TPU's splash)
-  define only a backward pass; the XLA path computes the same function
-  (tests/models/test_precision_attention.py)."""
+  """A copy of `config` whose model runs the XLA attention and the plain norms and GELU. Forward-mode
+  derivatives (`jax.linearize`) need functions that JAX differentiates both ways: the fused kernels
+  (cuDNN's attention, the TPU's splash, `model.fused_ops`' Pallas kernels) define only a backward pass;
+  the XLA attention and the plain math compute the same functions
+  (tests/models/test_precision_attention.py, tests/models/test_fused_ops.py)."""
   config = config.copy_and_resolve_references()
   config.model.attention = 'xla'
+  config.model.fused_ops = 'none'
   return config
 
 

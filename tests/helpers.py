@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 import types
 
 import jax
@@ -26,6 +28,18 @@ def subprocess_env(**overrides: str) -> dict[str, str]:
   of any PYTHONPATH already set (where the dependencies may be installed outside site-packages)."""
   path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get('PYTHONPATH')]))
   return {**os.environ, 'PYTHONPATH': path, **overrides}
+
+
+def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  """`python ARGS` in the repository's root on the CPU (`subprocess_env`), its output captured."""
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    env=subprocess_env(JAX_PLATFORMS='cpu'),
+    timeout=timeout,
+  )
 
 
 IMAGE_INFO = types.SimpleNamespace(kind='image', image_shape=(8, 8, 1), num_classes=10)

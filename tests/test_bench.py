@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.helpers import run_python
+
 DEPTH, WIDTH, SEQ_LEN, BATCH, VOCAB = 2, 32, 16, 8, 256
 
 # One timed step of a tiny GPT, as every test here runs the benchmark.
@@ -164,18 +166,8 @@ def _run_tiny_script(script: str, *flags: str) -> None:
   """A script of benchmarks/ on the tiny GPT of TINY_BENCH (its `--config` and `--set` flags), on the CPU;
   checked to have succeeded."""
   sizes = {'model.depth': DEPTH, 'model.width': WIDTH, 'batch_size': BATCH, 'data.seq_len': SEQ_LEN}
-  proc = subprocess.run(
-    [
-      sys.executable,
-      script,
-      '--config=configs/gpt_preln.py',
-      *(f'--set={k}={v}' for k, v in sizes.items()),
-      *flags,
-    ],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
-    timeout=300,
+  proc = run_python(
+    script, '--config=configs/gpt_preln.py', *(f'--set={k}={v}' for k, v in sizes.items()), *flags
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -2,20 +2,13 @@
 tiling is checked against the plain math and timed, and the JSON names the fastest."""
 
 import json
-import os
-import subprocess
-import sys
+
+from tests.helpers import run_python
 
 
 def test_the_tiny_grid_runs_and_matches_the_plain_math(tmp_path):
   out = tmp_path / 'tiles.json'
-  proc = subprocess.run(
-    [sys.executable, 'benchmarks/gpu_gelu_tiles.py', '--tiny', f'--json={out}'],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
-    timeout=300,
-  )
+  proc = run_python('benchmarks/gpu_gelu_tiles.py', '--tiny', f'--json={out}')
   assert proc.returncode == 0, proc.stderr[-2000:]
   results = json.loads(out.read_text())
   tilings = [row['tiles'] for row in results['tilings']]
@@ -27,7 +20,5 @@ def test_the_tiny_grid_runs_and_matches_the_plain_math(tmp_path):
 
 
 def test_bad_sizes_are_one_line():
-  proc = subprocess.run(
-    [sys.executable, 'benchmarks/gpu_gelu_tiles.py', '--rows=0'], capture_output=True, text=True, timeout=120
-  )
+  proc = run_python('benchmarks/gpu_gelu_tiles.py', '--rows=0', timeout=120)
   assert proc.returncode == 2 and 'must be positive' in proc.stderr.strip().splitlines()[-1]

@@ -86,6 +86,8 @@ def test_a_second_call_into_the_same_outdir_reruns_no_row_whose_json_is_there(tm
     )
   assert 'skipped: none' in proc.stdout
   (out / 'cpu_gpt2_small_b16_traffic.json').unlink()
+  (out / 'cpu_vit_b16_b128.json').write_text('{"cut off')  # a JSON a kill left half-written
   proc = _run([str(out), 'cpu', '0'], env=env)
   assert '=== cpu_gpt2_small_b16_traffic: skipped' in proc.stdout
-  assert 'skipped: gpt2_small_b16_traffic' in proc.stdout
+  assert '=== cpu_vit_b16_b128: skipped' in proc.stdout
+  assert 'skipped: vit_b16_b128 gpt2_small_b16_traffic' in proc.stdout

@@ -148,6 +148,16 @@ def test_a_fused_attention_is_measured_by_the_xla_one():
   assert config.model.attention == 'splash'
 
 
+def test_the_fused_norm_and_gelu_kernels_are_measured_by_the_plain_math():
+  """The Pallas kernels of `model.fused_ops` define only a backward pass too ('auto' takes them on a GPU
+  at width 768): the measurement runs the plain math, and the caller's config is left as it was."""
+  config = tiny_config('gpt', depth=2, fused_ops='pallas')
+  assert sensitivity.with_xla_attention(config).model.fused_ops == 'none'
+  per_draw, _ = sensitivity.measure(config, 1)  # jax.linearize would refuse the kernels' custom_vjp
+  assert np.isfinite(per_draw[0]['all'])
+  assert config.model.fused_ops == 'pallas'
+
+
 def test_jvp_is_the_finite_difference_limit(small_postln):
   config, measurement, inputs = small_postln
   key = jax.random.key(7)

@@ -238,13 +238,14 @@ def fused_ops_implementation(m, backend: str | None = None) -> str:
   """
   if m.fused_ops == 'none':
     return 'none'
+  gpu_capable = _flash_attention_gpu() if backend is None else True  # as attention_implementation
   backend = backend or target_backend()
   if m.fused_ops == 'auto':
     measured_faster = (
       backend == 'gpu'
+      and gpu_capable
       and compute_dtype(m, backend) == 'bfloat16'
       and m.width >= FUSED_OPS_AUTO_MIN_WIDTH
-      and _flash_attention_gpu()
     )
     return 'pallas' if measured_faster else 'none'
   if backend != 'gpu':

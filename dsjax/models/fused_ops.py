@@ -73,6 +73,12 @@ class GeluTiles:
   backward_programs: int
   num_warps: int
 
+  def __post_init__(self):
+    for name, value in dataclasses.asdict(self).items():
+      if value < 1 or (name != 'backward_programs' and value & (value - 1)):  # Triton's sizes
+        kind = 'positive integer' if name == 'backward_programs' else 'positive power of two'
+        raise ValueError(f'GeluTiles.{name} must be a {kind}, got {value}')
+
 
 # None: the constants above. Read when a kernel is traced.
 GELU_TILES: GeluTiles | None = None

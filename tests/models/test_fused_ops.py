@@ -337,6 +337,16 @@ def test_the_switch_resolves_auto_to_the_kernels_only_where_a_gpu_measured_them_
     validate_model(m)
 
 
+def test_a_gelu_tiling_of_sizes_triton_cannot_take_is_refused():
+  assert fused_ops.gelu_tiles() == fused_ops.GeluTiles(
+    fused_ops.BLOCK_ELEMENTS, fused_ops.COLUMN_BLOCK, fused_ops.BACKWARD_PROGRAMS, fused_ops.NUM_WARPS
+  )
+  with pytest.raises(ValueError, match='GeluTiles.column_block must be a positive power of two, got 768'):
+    fused_ops.GeluTiles(4096, 768, 256, 4)
+  with pytest.raises(ValueError, match='GeluTiles.num_warps must be a positive power of two, got 0'):
+    fused_ops.GeluTiles(4096, 1024, 256, 0)
+
+
 def test_the_switch_is_resumable():
   """The kernels compute the same function: a run may resume with another model.fused_ops."""
   assert 'fused_ops' in RESUMABLE_KEYS
