@@ -238,12 +238,13 @@ def fused_ops_implementation(m, backend: str | None = None) -> str:
   """
   if m.fused_ops == 'none':
     return 'none'
-  gpu_capable = _flash_attention_gpu() if backend is None else True  # as attention_implementation
+  asked_for = backend
   backend = backend or target_backend()
   if m.fused_ops == 'auto':
     measured_faster = (
       backend == 'gpu'
-      and gpu_capable
+      # Triton's GPUs; a backend named by the caller is taken as one (as attention_implementation does).
+      and (asked_for is not None or _flash_attention_gpu())
       and compute_dtype(m, backend) == 'bfloat16'
       and m.width >= FUSED_OPS_AUTO_MIN_WIDTH
     )
