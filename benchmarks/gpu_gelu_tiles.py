@@ -50,7 +50,7 @@ def tilings(tiny: bool) -> list[fused_ops.GeluTiles]:
   if tiny:
     return [current, fused_ops.GeluTiles(256, 64, 2, 4)]
   grid = itertools.product((4096, 8192, 16384), (512, 1024), (256, 1024), (4, 8))
-  return [current] + [fused_ops.GeluTiles(*sizes) for sizes in grid if fused_ops.GeluTiles(*sizes) != current]
+  return [current] + [tiles for tiles in itertools.starmap(fused_ops.GeluTiles, grid) if tiles != current]
 
 
 def timed_ms(fn, args, repeats: int) -> dict:
@@ -138,12 +138,13 @@ def main():
 
   report("XLA's fusions (the plain math)", reference)
   for tiles in tilings(args.tiny):
+    sizes = list(dataclasses.astuple(tiles))
     fused_ops.GELU_TILES = tiles
     try:  # A new function per tiling, so that no trace of another tiling is reused.
       row = measure(lambda z, b: fused_ops.bias_gelu(z, b), (z, bias, da), repeats)
     except Exception as error:  # a tiling Triton cannot compile: named, and the grid goes on
-      print(f'{str(dataclasses.astuple(tiles)):42s} failed: {type(error).__name__}: {str(error)[:200]}')
-      results.append({'tiles': list(dataclasses.astuple(tiles)), 'error': f'{type(error).__name__}: {error}'})
+      print(f'{str(sizes):42s} failed: {type(error).__name__}: {str(error)[:200]}')
+      results.append({'tiles': sizes, 'error': f'{type(error).__name__}: {error}'})
       continue
     finally:
       fused_ops.GELU_TILES = None
@@ -153,17 +154,14 @@ def main():
       float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
       for a, b in zip(row['outputs'], reference['outputs'])
     )
-    report(str(dataclasses.astuple(tiles)), row)
-    results.append(
-      {'tiles': list(dataclasses.astuple(tiles)), **{k: v for k, v in row.items() if k != 'outputs'}}
-    )
+    report(str(sizes), row)
+    results.append({'tiles': sizes, **{k: v for k, v in row.items() if k != 'outputs'}})
   reference.pop('outputs')
   out = {
     'device': device.device_kind,
     'jax': jax.__version__,
     'date': time.strftime('%Y-%m-%d'),
-    'commit': bench.recorded_commit(),
-    'checkout_head': bench.source_commit(),
+    **bench.commit_fields(),
     'shape': [rows, cols],
     'dtype': args.dtype,
     'repeats': repeats,

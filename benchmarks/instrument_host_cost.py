@@ -15,6 +15,7 @@ work runs while the device computes the next step: where it takes longer than a 
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import sys
@@ -42,32 +43,35 @@ def one_steps_moments(config):
   return jax.device_get(metrics['moments'])
 
 
-def collector_steps(moments, workdir: str) -> dict:
-  """One function per sink that hands the collector one more step of `moments` and flushes it."""
-  sinks = {
+def sinks(workdir: str) -> dict:
+  return {
     'records': instrument_lib.Collector(keep_records=False),
     'jsonl': instrument_lib.Collector(os.path.join(workdir, 'jsonl'), tensorboard=False, keep_records=False),
     'jsonl_tensorboard': instrument_lib.Collector(os.path.join(workdir, 'tb'), keep_records=False),
   }
-  calls = {}
-  for name, collector in sinks.items():
-    step = 0
 
-    def call(collector=collector):
-      nonlocal step
-      step += 1  # new keys each step, as a run's steps have
-      collector.add(step, moments)
-      collector.flush()
 
-    calls[name] = call
-  return calls
+def collector_step(collector, moments):
+  """A function that hands `collector` one more step of `moments` (new keys each step, as a run's steps
+  have) and flushes it."""
+  steps = itertools.count(1)
+
+  def call():
+    collector.add(next(steps), moments)
+    collector.flush()
+
+  return call
 
 
 def main():
   args, config = paired.parse_config_timing_args(__doc__)
   moments = one_steps_moments(config)
   with tempfile.TemporaryDirectory() as workdir:
-    seconds = paired.alternate(collector_steps(moments, workdir), args.rounds, WARMUP_ROUNDS, args.pause)
+    collectors = sinks(workdir)
+    calls = {name: collector_step(collector, moments) for name, collector in collectors.items()}
+    seconds = paired.alternate(calls, args.rounds, WARMUP_ROUNDS, args.pause)
+    for collector in collectors.values():
+      collector.close()
   results = paired.report(
     args, seconds, 'records', 'host', bench.recorded_commit(), jax.__version__, bench.source_commit()
   )

@@ -186,6 +186,12 @@ def recorded_commit() -> str | None:
   return os.environ.get('DSJAX_COMMIT') or source_commit()
 
 
+def commit_fields() -> dict[str, str | None]:
+  """A results JSON's record of its code: the commit it names (`recorded_commit`) and the checkout's own
+  HEAD (`source_commit`), which differ where a caller sent a copy whose .git is older than its files."""
+  return {'commit': recorded_commit(), 'checkout_head': source_commit()}
+
+
 def measured_matmul_tflops(dtype: str, device) -> float:
   """TFLOP/s of a square matmul in `dtype` on `device`, a peak: the fastest of 10 timed runs, after one
   warm-up. (On a shared CPU the median of a few runs of a smaller matmul came out below the rate of the
@@ -508,8 +514,7 @@ def run_benchmark(
     # Set (JAX_COMPILATION_CACHE_DIR), a compile may load an earlier process's program or autotuning:
     # then compile_s is not the cold compile time.
     'compilation_cache': jax.config.jax_compilation_cache_dir,
-    'commit': recorded_commit(),
-    'checkout_head': source_commit(),
+    **commit_fields(),
     'inputs': inputs,
     'steps': num_steps,
     'sample_rows': config.instrument.sample_rows if 'sampled' in modes else 0,

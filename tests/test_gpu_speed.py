@@ -34,6 +34,13 @@ def test_usage_and_an_outdir_that_is_a_file_are_one_line_and_exit_2(tmp_path):
   assert proc.returncode == 2 and proc.stderr.strip() == f'OUTDIR: {a_file} exists and is not a directory'
 
 
+def _row_names():
+  """Every row the script names: its bench, row and peer rows, and its traffic rows ('<name>_traffic')."""
+  script = SCRIPT.read_text()
+  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
+  return named | {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
+
+
 @pytest.mark.slow
 def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
   out = tmp_path / 'out'
@@ -45,9 +52,7 @@ def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert 'FAILED' not in proc.stdout and 'skipped: none' in proc.stdout
   # Every JSON a row names is written, under the names benchmarks/README.md cites (with PREFIX 'cpu').
-  script = SCRIPT.read_text()
-  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
-  named |= {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
+  named = _row_names()
   assert {'torch_gpt2_small_b16', 'torch_vit_b16_b128_timm'} <= named
   # A peer row whose library is missing here is left out, and named as such.
   for library, left_out in (
@@ -61,12 +66,6 @@ def test_the_whole_call_runs_at_a_tiny_size_on_the_cpu(tmp_path):
       named = {name for name in named if not left_out(name)}
   written = {p.name for p in out.glob('cpu_*.json')}
   assert written == {f'cpu_{name}.json' for name in named}, (written, named)
-
-
-def _row_names():
-  script = SCRIPT.read_text()
-  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
-  return named | {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
 
 
 def test_a_second_call_into_the_same_outdir_reruns_no_row_whose_json_is_there(tmp_path):
