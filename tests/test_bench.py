@@ -194,3 +194,14 @@ def test_the_host_cost_of_the_statistics_is_timed_per_sink(tmp_path):
   assert sorted(results['step_ms']) == ['jsonl', 'jsonl_tensorboard', 'records']
   assert all(len(times) == 2 for times in results['step_ms'].values())
   assert sorted(results['ratio_to_records_median']) == ['jsonl', 'jsonl_tensorboard']
+
+
+def test_a_long_runs_collector_is_timed_early_and_late(tmp_path):
+  """benchmarks/instrument_long_run.py: a tiny step's statistics handed to one collector as many steps;
+  the JSON has the first and last quarters' times, the full collections and the memory's growth."""
+  out = tmp_path / 'long.json'
+  _run_tiny_script('benchmarks/instrument_long_run.py', '--steps=8', f'--json={out}')
+  results = json.loads(out.read_text())
+  assert results['steps'] == 8 and results['sink'] == 'records'
+  assert sorted(results['step_ms_by_quarter']) == ['first', 'last']
+  assert results['full_collections'] >= 0 and 'resident_mib_growth' in results

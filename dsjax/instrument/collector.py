@@ -9,7 +9,8 @@ them, so an instrumented step never waits for the host: the training loop flushe
 earlier steps while the current one runs.
 `receive` (one probe site's statistics) and `receive_table` (a step's whole table) are the
 `jax.debug.callback` targets of `instrument.delivery='callback'`: they buffer what arrives (from XLA's
-host-callback thread, in any order) until the next `flush`, which drops any record already seen.
+host-callback thread, in any order) until the next `flush`, which drops any record already seen among
+the two newest steps' (`SEEN_STEPS`): what it remembers for that stays the same size however long a run is.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ Key = tuple[int, int, str, str]  # (step, layer, site, statistic)
 
 NO_LAYER = -1
 MOMENTS_FILE = 'moments.jsonl'
+# The steps whose keys `flush` remembers to drop a record it has already seen: the newest step and the one
+# before it. The devices of a mesh stay within a step of each other (each step's collectives wait for all
+# of them), so a second copy of a record comes from one of those two; remembering every step instead grew
+# by ~0.5 MiB per instrumented step at 192 layers, without bound.
+SEEN_STEPS = 2
 
 
 def json_value(value: float) -> float | None:
@@ -129,7 +135,7 @@ class Collector:
     # and images are written (with per-site callbacks a step can arrive over several flushes).
     self._summary_pending: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     self.num_duplicates = 0
-    self._seen: set[Key] = set()
+    self._seen: dict[int, set[Key]] = collections.defaultdict(set)  # step -> its keys seen
     self._pending: list[tuple[int, Moments]] = []
     self._received: list[tuple[Key, float]] = []
     self._lock = threading.Lock()
@@ -180,15 +186,21 @@ class Collector:
     for key, value in received + [
       r for step, moments in ready for r in moments_to_records(step, jax.device_get(moments))
     ]:
-      if key in self._seen:
+      seen = self._seen[key[0]]
+      if key in seen:
         self.num_duplicates += 1
         continue
-      self._seen.add(key)
+      seen.add(key)
       new.append({'step': key[0], 'layer': key[1], 'site': key[2], 'stat': key[3], 'value': float(value)})
+    self._forget_old_steps()
     self._write(new)
     if self.monitor is not None:
       self.monitor.observe(new)
     return new
+
+  def _forget_old_steps(self):
+    for step in sorted(self._seen)[:-SEEN_STEPS]:
+      del self._seen[step]
 
   def _write(self, new: list[dict[str, Any]]):
     if self.keep_records:

@@ -311,6 +311,19 @@ def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
   assert {'step': 4, 'layer': -1, 'site': 'weight/q', 'stat': 'grad_kurtosis', 'value': 3.0} in rows
 
 
+def test_collector_remembers_the_keys_of_its_newest_steps_only():
+  """A long run's de-duplication keeps SEEN_STEPS steps of keys, not every step's; a second copy of a
+  record of one of those steps (per-site callbacks of two devices) is still dropped."""
+  collector = instrument_lib.Collector(keep_records=False)
+  for step in range(1, 51):
+    collector.add(step, _fake_moments(depth=2))
+    collector.flush()
+  assert sorted(collector._seen) == [49, 50] and collector.num_duplicates == 0
+  table = _fake_moments(depth=2)['activations']
+  collector.receive(49, 0, SITES.index('attn_branch'), table[1, SITES.index('attn_branch')])
+  assert collector.flush() == [] and collector.num_duplicates == len(probe_lib.ACTIVATION_STATS)
+
+
 def test_a_jsonl_line_is_json_dumps_of_its_record_byte_for_byte():
   values = [0.1, -0.0, 1e16, 1.5e-320, 3.0, np.nan, np.inf, -np.inf, float(np.float32(0.1))]
   for value in values:
