@@ -13,7 +13,7 @@
 # jax (and torch and timm for the peers); benchmarks/gpu_env.sh makes dsjax importable (from
 # the wheels of benchmarks/gpu_wheels.sh where the image lacks some). The output goes to OUTDIR/gpu_speed.log
 # too, and with $OUT set, the JSONs, the log and the profiles' kernel tables (not their traces) are packed
-# into $OUT/gpu_speed.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
+# into $OUT/<OUTDIR name>.tgz. Most of the time is compilation: ~46 s per GPT-2-small step (12 layers unrolled).
 # GPU_SPEED_TINY=1 runs every row at a tiny size for 2 steps: the whole call checked on a CPU (3-4 minutes
 # on 2 cores) before device time is spent on it. Resumable: a row whose JSON is already in OUTDIR is not
 # rerun, so a second call with the same OUTDIR (on a machine still warm, OUTDIR inside the git-ignored tmp/)
@@ -108,6 +108,11 @@ bench gpt2_small_b32_fused_ops "${gpt2[@]}" "${fused[@]}" --instrument=off --con
 peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
 peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written plainly (timm's is the target's)
+# GPT-2 small's deliveries in turns, its one-callback-per-step table among them (fused_ops 'auto', as run;
+# four steps to compile, ~3 minutes: last).
+row instrument_deliveries_gpt2_small python3 benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py \
+  "${tiny_gpt_peer[@]}" --rounds=$rounds \
+  --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
 
 # The profiled steps' kernels beside their memory traffic, read from each step's HLO: the bandwidth each
 # kernel ran at (benchmarks/profile_traffic.py; reads files, a second each).
@@ -120,6 +125,8 @@ traffic gpt2_small_b16 profile_gpt2_small
 traffic gpt2_small_b16_fused_ops_profile profile_gpt2_small_fused_ops
 echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}; not installed: ${missing[*]:-none}"
 if [[ -n ${OUT:-} ]]; then
-  tar czf "$OUT/gpu_speed.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' -C "$(dirname "$out")" \
-    "$(basename "$out")" && echo "packed $out into $OUT/gpu_speed.tgz"
+  # Named after OUTDIR, so that a second OUTDIR in the same call does not overwrite the first's archive.
+  archive="$OUT/$(basename "$out").tgz"
+  tar czf "$archive" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' -C "$(dirname "$out")" \
+    "$(basename "$out")" && echo "packed $out into $archive"
 fi

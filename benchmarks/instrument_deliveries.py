@@ -9,12 +9,16 @@ table sent in one `jax.debug.callback` per step: `instrument.delivery='callback'
 'callback_per_site' (a callback per probe site from the backward pass of the layer scan, as on several
 devices); with `--set=instrument.sample_rows=N` (N > 0) also 'return_sampled' (the returned statistics
 from N rows per probe site, `docs/instrumentation.md`; the others use whole tensors). Each timed call
-runs one step, waits for it and for its callbacks (`jax.effects_barrier`), and turns its statistics
-into records (`Collector.flush`, in memory). The steps take turns, one each
-per round, in alternating order, with `--pause` seconds of idle before each; the ratio of each
-instrumented step to the plain one of the same round cancels the machine's drift (benchmarks/README.md,
-"Instrumentation overhead"). Reported: each step's median and min–max time, and per round the ratio to
-'off' (median and quartiles). `--set=model.depth=192` (repeatable) overrides a config key, as
+runs one step, waits for it and for its callbacks (`jax.effects_barrier`), and turns its statistics into
+records (`Collector.flush`, in memory). The steps take turns, one each per round, in alternating order,
+with `--pause` seconds of idle before each; the ratio of each instrumented step to the plain one of the
+same round cancels the machine's drift (benchmarks/README.md, "Instrumentation overhead"). Reported: each
+step's median and min–max time, and per round the ratio to 'off' (median and quartiles). Each call's
+records are also timed on their own (`records_ms`): the train loop makes them while the device runs the
+next step, so the call without them (`ratio_to_off_without_records`) is what an instrumented step costs
+the device, and the records what it costs the host. (With a callback delivery the statistics reach the
+host during the step and are made into records there, in the callback: `records_ms` is then only the part
+after the step.) `--set=model.depth=192` (repeatable) overrides a config key, as
 `--config.model.depth=192` does for the dsjax commands.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import time
 
 from dsjax.train import host_memory
 
@@ -45,10 +50,11 @@ DELIVERIES = {
 }
 
 
-def timed_steps(config) -> dict:
-  """One function per delivery that runs one step of it and waits for everything it delivers."""
+def timed_steps(config) -> tuple[dict, dict[str, list[float]]]:
+  """One function per delivery that runs one step of it and waits for everything it delivers, and the
+  seconds each instrumented call spends making its records, appended call by call."""
   prepared = bench.prepare(config, ['off', 'return', 'callback'], 'random')
-  calls = {}
+  calls, records_s = {}, {}
   deliveries = dict(DELIVERIES)
   if config.instrument.sample_rows:
     deliveries['return_sampled'] = (True, False, False)
@@ -56,13 +62,15 @@ def timed_steps(config) -> dict:
     collector = instrument_lib.Collector(keep_records=False)
     sample_rows = config.instrument.sample_rows if name == 'return_sampled' else 0
     step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site, sample_rows)
+    if instrument:
+      records_s[name] = []
     calls[name] = bench.step_runner(
       prepared,
       step_fn,
       jax.jit(prepared.setup.create_state)(),
-      _deliver_to(collector) if instrument else _wait_for_callbacks,
+      _deliver_to(collector, records_s[name]) if instrument else _wait_for_callbacks,
     )
-  return calls
+  return calls, records_s
 
 
 def _wait_for_callbacks(step, metrics):
@@ -70,23 +78,32 @@ def _wait_for_callbacks(step, metrics):
   jax.effects_barrier()  # the callbacks of this step have run
 
 
-def _deliver_to(collector):
-  """After a step: its statistics turned into records, the callbacks' and the returned ones."""
+def _deliver_to(collector, records_s: list[float]):
+  """After a step: its statistics turned into records, the callbacks' and the returned ones; the time
+  that takes appended to `records_s`."""
 
   def deliver(step, metrics):
     _wait_for_callbacks(step, metrics)
+    start = time.perf_counter()
     collector.add(step, metrics['moments'])  # new keys each step, as the callbacks' records are
     collector.flush()
+    records_s.append(time.perf_counter() - start)
 
   return deliver
 
 
 def main():
   args, config = paired.parse_config_timing_args(__doc__)
-  seconds = paired.alternate(timed_steps(config), args.rounds, WARMUP_ROUNDS, args.pause)
+  calls, records_s = timed_steps(config)
+  seconds = paired.alternate(calls, args.rounds, WARMUP_ROUNDS, args.pause)
   device = jax.devices()[0].device_kind
   commit, head = bench.recorded_commit(), bench.source_commit()
   results = paired.report(args, seconds, 'off', device, commit, jax.__version__, head)
+  records_ms = {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in records_s.items()}
+  results.update(paired.without_part(results['step_ms'], records_ms, 'off', 'records'))
+  print('  without making the records (what the loop overlaps with the next step):')
+  for name, ratio in results['ratio_to_off_without_records_median'].items():
+    print(f'    {name:18s} {ratio:.3f} x off; the records {results["records_ms_median"][name]:.1f} ms')
   paired.write_json(args.json, results)
 
 

@@ -110,6 +110,28 @@ def ratio_summary(times_ms: dict[str, list[float]], base: str) -> dict:
   }
 
 
+def without_part(
+  times_ms: dict[str, list[float]], part_ms: dict[str, list[float]], base: str, part: str
+) -> dict:
+  """Each arm's times less a part of them timed on its own (`part_ms`, call by call, for the arms that
+  have the part), and per round their ratio to `base`'s (`ratio_summary`): e.g. an instrumented step
+  less the host's making of its records, which the train loop overlaps with the next step. Keys name
+  the part: '{part}_ms', '{part}_ms_median', 'step_ms_without_{part}',
+  'ratio_to_{base}_without_{part}_median' and '..._quartiles'."""
+  rest_ms = {
+    name: [t - p for t, p in zip(ts, part_ms.get(name, [0.0] * len(ts)), strict=True)]
+    for name, ts in times_ms.items()
+  }
+  summary = ratio_summary(rest_ms, base)
+  return {
+    f'{part}_ms': part_ms,
+    f'{part}_ms_median': {name: statistics.median(t) for name, t in part_ms.items()},
+    f'step_ms_without_{part}': rest_ms,
+    f'ratio_to_{base}_without_{part}_median': summary[f'ratio_to_{base}_median'],
+    f'ratio_to_{base}_without_{part}_quartiles': summary[f'ratio_to_{base}_quartiles'],
+  }
+
+
 def report(
   args: argparse.Namespace,
   seconds: dict[str, list[float]],

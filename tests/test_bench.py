@@ -7,12 +7,16 @@ session define too.
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import run_python
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'benchmarks'))
+import paired  # noqa: E402 (benchmarks/paired.py)
 
 DEPTH, WIDTH, SEQ_LEN, BATCH, VOCAB = 2, 32, 16, 8, 256
 
@@ -205,3 +209,13 @@ def test_a_long_runs_collector_is_timed_early_and_late(tmp_path):
   assert results['steps'] == 8 and results['sink'] == 'records'
   assert sorted(results['step_ms_by_quarter']) == ['first', 'last']
   assert results['full_collections'] >= 0 and 'resident_mib_growth' in results
+
+
+def test_a_part_timed_on_its_own_is_taken_out_of_the_ratios():
+  """benchmarks/paired.py `without_part`: what instrument_deliveries.py reports as the step less the
+  making of its records, round by round, against the plain step that has no such part."""
+  times = {'off': [10.0, 20.0], 'return': [15.0, 26.0]}
+  out = paired.without_part(times, {'return': [3.0, 4.0]}, 'off', 'records')
+  assert out['step_ms_without_records'] == {'off': [10.0, 20.0], 'return': [12.0, 22.0]}
+  assert out['ratio_to_off_without_records_median']['return'] == pytest.approx((1.2 + 1.1) / 2)
+  assert out['records_ms_median'] == {'return': 3.5}
