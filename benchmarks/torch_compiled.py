@@ -26,7 +26,9 @@ model and the loss are compiled by `torch.compile` (default mode); the optimizer
 the fused kernel it already is. `--device=cpu --compile=off` runs the same step eagerly in float32 (a check).
 
 Timing: the first step, compilation included, is reported as `first_step_s`; 2 warm-up steps follow, then
-`--steps` timed steps, each waited for (its loss read back): median and min–max. Model FLOPs as
+`--steps` timed steps, each waited for (its loss read back): median and min–max. Then, as `dsjax.bench`
+does, 3 runs of `--steps` steps pipelined (`pipelined_*`: each loss read back after the next step is
+queued): per run its mean step, the median and min–max of the runs. Model FLOPs as
 `dsjax.bench` counts them (PaLM, Chowdhery et al. 2022, arXiv:2204.02311, App. B: 6·N + 12·depth·d·L per
 position, N every parameter but the token and position embeddings and the class token), MFU against the
 peaks `dsjax.bench` uses for the device, and peak device memory (`torch.cuda.max_memory_allocated`).
@@ -61,6 +63,7 @@ from dsjax.train import config as config_lib  # noqa: E402
 
 nn, F = torch.nn, torch.nn.functional
 WARMUP_STEPS = 2
+PIPELINED_RUNS = 3  # as dsjax.bench
 # Parameters that are looked up, not multiplied: left out of N as `dsjax.bench.LOOKED_UP_PARAMS` does.
 LOOKED_UP = ('token_embed', 'pos_embed', 'cls_token')
 
@@ -189,14 +192,15 @@ def make_train_step(config, data_info, args):
   # The loss compiled with the model, as a torch.compile training script would.
   compiled_loss_fn = torch.compile(loss_fn) if args.compile == 'on' else loss_fn
 
-  def step() -> float:
+  def step():
+    """One step, queued on the device; its loss (a tensor, not read back)."""
     optimizer.zero_grad(set_to_none=True)
     loss = compiled_loss_fn(inputs, targets)
     loss.backward()
     if o.clip_norm:
       torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
     optimizer.step()
-    return loss.item()
+    return loss.detach()
 
   return step, matmul_params(model), dims['positions']
 
@@ -233,33 +237,52 @@ def parse_args():
 
 def time_steps(step, steps: int) -> tuple[float, list[float]]:
   """Seconds of the first step (compilation included), and of each of `steps` steps timed after
-  `WARMUP_STEPS` more."""
+  `WARMUP_STEPS` more, each waited for (its loss read back)."""
   start = time.perf_counter()
-  step()
+  step().item()
   first_step_s = time.perf_counter() - start
   times = []
   for i in range(WARMUP_STEPS + steps):
     start = time.perf_counter()
-    step()
+    step().item()
     if i >= WARMUP_STEPS:
       times.append(time.perf_counter() - start)
   return first_step_s, times
+
+
+def time_pipelined(step, steps: int, wait_for_device) -> list[float]:
+  """Seconds per step of `PIPELINED_RUNS` runs of `steps` steps timed as `dsjax.bench` times its
+  pipelined steps: each step's loss read back only after the next step is queued."""
+  per_step = []
+  for _ in range(PIPELINED_RUNS):
+    start, previous = time.perf_counter(), None
+    for _ in range(steps):
+      loss = step()
+      if previous is not None:
+        previous.item()
+      previous = loss
+    previous.item()
+    wait_for_device()  # the last optimizer update too
+    per_step.append((time.perf_counter() - start) / steps)
+  return per_step
 
 
 def main():
   args, config, data_info = parse_args()
   step, num_params, positions = make_train_step(config, data_info, args)
   first_step_s, times = time_steps(step, args.steps)
+  wait_for_device = torch.cuda.synchronize if args.device == 'cuda' else lambda: None
+  pipelined = time_pipelined(step, args.steps, wait_for_device)
   m = config.model
   flops = (6 * num_params + 12 * m.depth * m.width * positions) * positions * config.batch_size
   median_s = statistics.median(times)
   device = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
   peaks = [kind for kind in bench.PEAK_TFLOPS if device.startswith(kind)]
   peak = bench.PEAK_TFLOPS[max(peaks, key=len)]['bfloat16'] if peaks else None
-  if m.name == 'gpt':
-    per_s, unit = config.batch_size * positions / median_s, 'tokens'
-  else:
-    per_s, unit = config.batch_size / median_s, 'images'
+  per_example = positions if m.name == 'gpt' else 1
+  unit = 'tokens' if m.name == 'gpt' else 'images'
+  per_s = config.batch_size * per_example / median_s
+  pipelined_per_s = config.batch_size * per_example / statistics.median(pipelined)
   results = {
     'peer': f'torch.compile, {args.vit} ViT' if m.name == 'vit' else 'torch.compile',
     'compile': args.compile,
@@ -273,6 +296,8 @@ def main():
     'first_step_s': first_step_s,
     **paired.step_ms(times),
     f'{unit}_per_s': per_s,
+    **{f'pipelined_{k}': v for k, v in paired.step_ms(pipelined).items()},
+    f'pipelined_{unit}_per_s': pipelined_per_s,
     'matmul_params': num_params,
     'model_tflops_per_step': flops / 1e12,
     'peak_tflops': peak,
@@ -284,6 +309,11 @@ def main():
     f'PyTorch {torch.__version__} ({"compiled" if args.compile == "on" else "eager"}) on {device}, '
     f'{args.config} {" ".join(args.set)}: first step {first_step_s:.1f} s; '
     f'{paired.step_ms_line(results, args.steps)}, {per_s:,.0f} {unit}/s{mfu}'
+  )
+  print(
+    f'  pipelined ({PIPELINED_RUNS} runs of {args.steps} steps, each loss read after the next step is '
+    f'queued): {statistics.median(pipelined) * 1e3:.1f} ms/step median of the runs (min '
+    f'{min(pipelined) * 1e3:.1f}, max {max(pipelined) * 1e3:.1f}), {pipelined_per_s:,.0f} {unit}/s'
   )
   paired.write_json(args.json, results)
 

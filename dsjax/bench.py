@@ -14,7 +14,10 @@ as the loop does by default; beside 'return' it shows the monitor's cost) and 's
 with its statistics from `--config.instrument.sample_rows` rows per site, which it needs; the other modes
 compute them from whole tensors). Each mode is compiled ahead of
 time, run for 2 warm-up steps, then for `--steps` timed steps, each one waited for; the median and the
-spread (min–max) are reported. `--inputs=random` (the default) times random tokens / images of the
+spread (min–max) are reported. Waiting for each step leaves the device idle while the host dispatches
+the next one, so each mode is then also timed as the train loop runs it (`pipelined_*`): 3 runs of
+`--steps` steps, each step's metrics read only after the next step is dispatched; per run its mean step,
+and the median and min–max of the runs. `--inputs=random` (the default) times random tokens / images of the
 configured shape, so no dataset is read; `--inputs=real` times one real batch of the dataset.
 
 Model FLOPs per step follow PaLM's Appendix B (Chowdhery et al. 2022, arXiv:2204.02311): per token
@@ -242,6 +245,8 @@ def memory_of(compiled) -> dict[str, float]:
 
 
 PROFILED_STEPS = 3
+# Runs of `--steps` steps timed as the train loop runs them (`time_mode`), after the steps timed one by one.
+PIPELINED_RUNS = 3
 REPORTED_KERNELS = 30  # in the printed report; the JSON lists every kernel
 
 
@@ -267,18 +272,40 @@ def time_mode(
       times.append(time.perf_counter() - start)
     return times
 
+  def run_pipelined(first: int, count: int) -> float:
+    """Seconds per step of `count` steps run as the train loop runs them: step i's metrics read after
+    step i + 1 is dispatched, so the device does not wait for the host between steps."""
+    nonlocal state
+    start, previous = time.perf_counter(), None
+    for i in range(first, first + count):
+      state, metrics = compiled(state, batch)
+      if mode != 'off':
+        collector.add(i, metrics.pop('moments'))
+        collector.flush(before_step=i)
+      if previous is not None:
+        jax.device_get(previous)
+      previous = metrics
+    jax.block_until_ready((state, previous))
+    return (time.perf_counter() - start) / count
+
   run_steps(0, WARMUP_STEPS)
   times = run_steps(WARMUP_STEPS, num_steps)
+  first = WARMUP_STEPS + num_steps
+  pipelined = [run_pipelined(first + run * num_steps, num_steps) for run in range(PIPELINED_RUNS)]
   results = {
     'compile_s': compile_s,
     'step_ms_median': 1e3 * statistics.median(times),
     'step_ms_min': 1e3 * min(times),
     'step_ms_max': 1e3 * max(times),
+    # Per run of `num_steps` pipelined steps, its mean step; the median and min–max of the runs.
+    'pipelined_step_ms_median': 1e3 * statistics.median(pipelined),
+    'pipelined_step_ms_min': 1e3 * min(pipelined),
+    'pipelined_step_ms_max': 1e3 * max(pipelined),
     'memory': memory_of(compiled),
   }
   if profile_dir:
     with jax.profiler.trace(profile_dir):
-      run_steps(WARMUP_STEPS + num_steps, PROFILED_STEPS)
+      run_steps(first + PIPELINED_RUNS * num_steps, PROFILED_STEPS)
     hlo_text = compiled.as_text()
     with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
       f.write(hlo_text)
@@ -550,6 +577,8 @@ def run_benchmark(
     r['model_tflops_per_s'] = flops / seconds / 1e12
     r['mfu'] = None if spec_peak is None else r['model_tflops_per_s'] / spec_peak
     r['fraction_of_measured_matmul_peak'] = r['model_tflops_per_s'] / measured_peak
+    r['pipelined_examples_per_s'] = config.batch_size / (r['pipelined_step_ms_median'] / 1e3)
+    r['pipelined_tokens_per_s'] = tokens / (r['pipelined_step_ms_median'] / 1e3)
     results['modes'][mode] = r
   if device.platform == 'gpu':
     stats = device.memory_stats() or {}
@@ -587,6 +616,16 @@ def report(results: dict) -> str:
       f'MFU {mfu}  ({100 * r["fraction_of_measured_matmul_peak"]:.1f}% of measured matmul)  '
       f'compile {r["compile_s"]:.1f} s  step memory '
       f'{"n/a" if mem is None else f"{mem:.2f} GiB"}'
+    )
+  lines.append(
+    f"as the train loop runs them ({PIPELINED_RUNS} runs of {results['steps']} steps, each step's "
+    "metrics read after the next is dispatched; median and min-max of the runs' mean step):"
+  )
+  for mode, r in results['modes'].items():
+    per_s = r['pipelined_examples_per_s'] if unit == 'images' else r['pipelined_tokens_per_s']
+    lines.append(
+      f'  instrument {mode:8s} {r["pipelined_step_ms_median"]:9.2f} ms/step (min '
+      f'{r["pipelined_step_ms_min"]:.2f}, max {r["pipelined_step_ms_max"]:.2f})  {per_s:12,.0f} {unit}/s'
     )
   off = results['modes'].get('off')
   for mode in ('return', 'callback', 'monitor', 'sampled'):

@@ -69,6 +69,8 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert results['model_flops_per_step'] == (6 * num_params + 12 * DEPTH * WIDTH * SEQ_LEN) * positions
   for r in results['modes'].values():
     assert r['step_ms_min'] <= r['step_ms_median'] <= r['step_ms_max']
+    assert r['pipelined_step_ms_min'] <= r['pipelined_step_ms_median'] <= r['pipelined_step_ms_max']
+    assert math.isclose(r['pipelined_tokens_per_s'], positions / r['pipelined_step_ms_median'] * 1e3)
     assert r['compile_s'] > 0 and r['memory']['total_gib'] > 0
     assert math.isclose(r['mfu'], r['model_tflops_per_s'])  # peak 1 TFLOP/s
   # --profile traces the first mode: the time per XLA op (the CPU's ops stand in for kernels) and the HLO.

@@ -92,3 +92,5 @@ def test_the_peer_counts_the_matmul_parameters_and_flops_dsjax_counts(tmp_path, 
   assert peer['matmul_params'] == ours['matmul_params']
   assert peer['model_tflops_per_step'] * 1e12 == pytest.approx(ours['model_flops_per_step'], rel=1e-12)
   assert peer['step_ms_median'] > 0 and peer['compile'] == 'off'
+  assert peer['pipelined_step_ms_min'] <= peer['pipelined_step_ms_median'] <= peer['pipelined_step_ms_max']
+  assert peer['pipelined_tokens_per_s' if config.startswith('gpt') else 'pipelined_images_per_s'] > 0
