@@ -9,8 +9,9 @@ the depth, not the width: `--set=model.width=32` keeps that step quick at 192 la
 and in turns, the collector's work for one step (`Collector.add` and `flush`, what `dsjax.bench` and the
 train loop call after each step) is timed in three sinks: records only (no workdir; what
 `benchmarks/instrument_deliveries.py` times), the JSONL file, and the JSONL file with TensorBoard (scalars
-per record, the step's histograms and images; the train loop's and `dsjax.bench`'s sink). In the loop this
-work runs while the device computes the next step: where it takes longer than a step, the step waits.
+per record, the step's histograms and images; `dsjax.bench`'s sink), and the train loop's sink, which is
+that one with the stability monitor checking each step (`loop`). In the loop this work runs while the
+device computes the next step: where it takes longer than a step, the step waits.
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def one_steps_moments(config):
   return jax.device_get(metrics['moments'])
 
 
-def sinks(workdir: str) -> dict:
+def sinks(workdir: str, config) -> dict:
+  """The collectors timed, by name; 'loop' is the train loop's own (with the stability monitor, as
+  `instrument.monitor` sets it, without the comparison with the theory, which happens at step 1 only)."""
+  monitor = instrument_lib.Monitor(
+    config.instrument.monitor, config.model.depth, config.model.dropout, workdir=os.path.join(workdir, 'loop')
+  )
   return {
     'records': instrument_lib.Collector(keep_records=False),
     'jsonl': instrument_lib.Collector(os.path.join(workdir, 'jsonl'), tensorboard=False, keep_records=False),
     'jsonl_tensorboard': instrument_lib.Collector(os.path.join(workdir, 'tb'), keep_records=False),
+    'loop': instrument_lib.Collector(os.path.join(workdir, 'loop'), keep_records=False, monitor=monitor),
   }
 
 
@@ -67,7 +74,7 @@ def main():
   args, config = paired.parse_config_timing_args(__doc__)
   moments = one_steps_moments(config)
   with tempfile.TemporaryDirectory() as workdir:
-    collectors = sinks(workdir)
+    collectors = sinks(workdir, config)
     calls = {name: collector_step(collector, moments) for name, collector in collectors.items()}
     seconds = paired.alternate(calls, args.rounds, WARMUP_ROUNDS, args.pause)
     for collector in collectors.values():

@@ -3,7 +3,7 @@ early and late in `--steps` steps, the pauses of Python's full garbage collectio
 process's resident memory grew over those steps.
 
   python benchmarks/instrument_long_run.py [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...]
-                                           [--steps=2000] [--sink=records|jsonl|jsonl_tensorboard]
+                                           [--steps=2000] [--sink=records|jsonl|jsonl_tensorboard|loop]
                                            [--json=FILE]
 
 As `benchmarks/instrument_host_cost.py` does, one instrumented step of the config runs first for real
@@ -79,7 +79,7 @@ def parse_args():
   parser.add_argument(
     '--sink',
     default='records',
-    choices=('records', 'jsonl', 'jsonl_tensorboard'),
+    choices=('records', 'jsonl', 'jsonl_tensorboard', 'loop'),
     help="The collector's sink, as instrument_host_cost.py names them (records: no file).",
   )
   parser.add_argument('--json', default=None, help='Also write the results to this file.')
@@ -96,7 +96,7 @@ def main():
   moments = instrument_host_cost.one_steps_moments(config)
   pauses = FullCollections()
   with tempfile.TemporaryDirectory() as workdir:
-    collectors = instrument_host_cost.sinks(workdir)
+    collectors = instrument_host_cost.sinks(workdir, config)
     collector = collectors.pop(args.sink)
     for other in collectors.values():
       other.close()

@@ -202,8 +202,10 @@ class Monitor:
   def _table(self, values) -> Table:
     out: Table = {}
     for (layer, site, stat), value in values.items():
-      n = 1 if site == EMBEDDING else self.depth
-      out.setdefault((site, stat), np.full(n, np.nan))[max(layer, 0)] = value
+      column = out.get((site, stat))
+      if column is None:  # (not `setdefault`, which would build an array for every value)
+        column = out[(site, stat)] = np.full(1 if site == EMBEDDING else self.depth, np.nan)
+      column[max(layer, 0)] = value
     return out
 
   def _check_step(self, step: int, values) -> list[Flag]:
