@@ -76,6 +76,15 @@ peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $o
   row "$name" python3 benchmarks/torch_compiled.py "$@" --device=$peer_device --steps=$steps \
     --json="$out/${prefix}_$name.json"
 }
+tuned() {  # tuned NAME ARGS...: bench NAME ARGS with the fastest tiling of the GELU kernels the gelu_tiles row found
+  local name=$1 tiles; shift
+  tiles=$(python3 -c 'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["fastest"])))' \
+    "$out/${prefix}_gelu_tiles.json" 2>/dev/null) || tiles=
+  if [[ -z $tiles && ! -s $out/${prefix}_$name.json ]]; then
+    skipped+=("$name"); echo "=== ${prefix}_$name: not run, no GELU tiling was timed"; return
+  fi
+  bench "$name" "$@" ${tiles:+--gelu_tiles=$tiles}
+}
 # The plain math named, since model.fused_ops=auto takes the kernels at these widths on a GPU.
 gpt2=(--config=configs/gpt2_small.py "${tiny_gpt[@]}")
 vit=(--config=configs/vit_b16.py "${tiny_vit[@]}")
@@ -93,12 +102,15 @@ peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
+# The fused step again with that fastest tiling (the JSON's config.gelu_tiles names it).
+tuned gpt2_small_b16_fused_ops_tuned "${gpt2[@]}" "${fused[@]}" --instrument=off
 bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
 peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 # Where the returned statistics' device time goes at 192 layers.
 bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$out/profile_gpt_192x256_return"
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
+tuned vit_b16_b128_fused_ops_tuned "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
   --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \

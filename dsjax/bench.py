@@ -38,6 +38,7 @@ What each count includes and leaves out, and the measured rows: benchmarks/READM
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -59,6 +60,7 @@ from ml_collections import config_flags
 from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
+from dsjax.models import fused_ops
 from dsjax.train import cli
 from dsjax.train import config as config_lib
 from dsjax.train import history as history_lib
@@ -87,6 +89,32 @@ flags.register_validator(
   lambda v: v is None or math.isfinite(v),
   message='--peak_tflops must be a finite positive number of TFLOP/s',
 )
+_GELU_TILES = flags.DEFINE_list(
+  'gelu_tiles',
+  None,
+  "With model.fused_ops=pallas: the fused GELU kernels' tiling, as benchmarks/gpu_gelu_tiles.py names "
+  'it (block elements, columns per block, backward programs, warps; default: fused_ops.gelu_tiles()).',
+)
+
+
+def _gelu_tiles_or_error(values) -> fused_ops.GeluTiles | str:
+  """The tiling `--gelu_tiles` names, or what is wrong with it."""
+  if len(values) != 4 or not all(v.strip().isdigit() for v in values):
+    return 'expected 4 integers (block elements, columns per block, backward programs, warps)'
+  try:
+    return fused_ops.GeluTiles(*(int(v) for v in values))
+  except ValueError as e:  # a size GeluTiles refuses
+    return str(e)
+
+
+def _check_gelu_tiles(values) -> bool:
+  error = None if values is None else _gelu_tiles_or_error(values)
+  if isinstance(error, str):
+    raise flags.ValidationError(error)
+  return True
+
+
+flags.register_validator('gelu_tiles', _check_gelu_tiles)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
 _PROFILE = flags.DEFINE_string(
   'profile',
@@ -526,6 +554,7 @@ def run_benchmark(
       'param_dtype': config.model.param_dtype,
       'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
       'fused_ops': models.fused_ops_implementation(config.model),
+      'gelu_tiles': list(dataclasses.astuple(fused_ops.gelu_tiles())),
       'remat': config.model.remat,
       'scan_layers': config.model.scan_layers,
       'scan_unroll': config.model.scan_unroll,
@@ -671,6 +700,8 @@ def main(argv):
     cli.create_output_file('--json', json_path)
   if profile_dir:
     cli.create_output_dir('--profile', os.path.abspath(profile_dir))
+  if _GELU_TILES.value:
+    fused_ops.GELU_TILES = _gelu_tiles_or_error(_GELU_TILES.value)
   if tuple(config.mesh.shape) != tuple(sharding_lib.mesh_config().shape):
     print(f'note: mesh.shape {tuple(config.mesh.shape)} is not used: the benchmark times one device')
   with tempfile.TemporaryDirectory() as workdir:

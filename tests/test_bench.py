@@ -121,6 +121,23 @@ def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compile
   assert not out.exists()
 
 
+@pytest.mark.parametrize(
+  'tiles, expected',
+  [
+    ('1,2,3', 'expected 4 integers (block elements, columns per block, backward programs, warps)'),
+    ('4096,1000,256,4', 'GeluTiles.column_block must be a positive power of two, got 1000'),
+  ],
+)
+def test_a_bad_gelu_tiling_is_one_line_and_writes_nothing(tmp_path, tiles, expected):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  command = [*TINY_BENCH, f'--gelu_tiles={tiles}', f'--json={out}']
+  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+  assert refused.returncode == 2 and 'Traceback' not in refused.stderr
+  assert refused.stderr.strip().splitlines()[-1].endswith(expected)
+  assert not out.exists()
+
+
 def test_peak_lookup_takes_the_longest_matching_device_kind():
   check = """
 import types

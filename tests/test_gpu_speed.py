@@ -35,9 +35,10 @@ def test_usage_and_an_outdir_that_is_a_file_are_one_line_and_exit_2(tmp_path):
 
 
 def _row_names():
-  """Every row the script names: its bench, row and peer rows, and its traffic rows ('<name>_traffic')."""
+  """Every row the script names: its bench, row, peer and tuned rows, and its traffic rows
+  ('<name>_traffic')."""
   script = SCRIPT.read_text()
-  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
+  named = set(re.findall(r'^(?:bench|row|peer|tuned) (\w+) ', script, re.M))
   return named | {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
 
 
