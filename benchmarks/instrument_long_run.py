@@ -4,7 +4,7 @@ process's resident memory grew over those steps.
 
   python benchmarks/instrument_long_run.py [--config=configs/gpt_preln.py] [--set=KEY=VALUE ...]
                                            [--steps=2000] [--sink=records|jsonl|jsonl_tensorboard|loop]
-                                           [--json=FILE]
+                                           [--gc_freeze=on|off] [--json=FILE]
 
 As `benchmarks/instrument_host_cost.py` does, one instrumented step of the config runs first for real
 statistics of its shape (`--set=model.width=32` keeps it quick at 192 layers; the records depend on the
@@ -12,12 +12,15 @@ depth only). Then the collector is handed those statistics as step 1, 2, ..., `-
 `flush`, what the train loop calls after each instrumented step), one step at a time, each timed. What
 grows with the number of steps a collector has seen shows as a later quarter slower than the first, as
 longer pauses, or as memory (resident memory read from /proc, so on Linux). The default sink keeps no
-file (`--sink=records`): what it measures is the collector's own bookkeeping, not the disk.
+file (`--sink=records`): what it measures is the collector's own bookkeeping, not the disk. As the train
+loop does, what is built is frozen before the steps (`--gc_freeze=on`), so that the full garbage
+collections do not walk it; `--gc_freeze=off` shows what they cost without that.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import pathlib
@@ -32,6 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsjax import bench  # noqa: E402
+from dsjax.train import host_memory  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import instrument_host_cost  # noqa: E402 (beside this script)
@@ -82,6 +86,13 @@ def parse_args():
     choices=('records', 'jsonl', 'jsonl_tensorboard', 'loop'),
     help="The collector's sink, as instrument_host_cost.py names them (records: no file).",
   )
+  parser.add_argument(
+    '--gc_freeze',
+    default='on',
+    choices=('on', 'off'),
+    help='on: what is built frozen before the steps (host_memory.built_objects_frozen), as the train loop '
+    'does; off: not frozen.',
+  )
   parser.add_argument('--json', default=None, help='Also write the results to this file.')
   paired.add_config_args(parser)
   args = parser.parse_args()
@@ -100,15 +111,17 @@ def main():
     collector = collectors.pop(args.sink)
     for other in collectors.values():
       other.close()
+    frozen = host_memory.built_objects_frozen() if args.gc_freeze == 'on' else contextlib.nullcontext()
     gc.collect()
     rss_before = resident_mib()
     gc.callbacks.append(pauses)
     step_ms = []
-    for step in range(1, args.steps + 1):
-      t0 = time.perf_counter()
-      collector.add(step, moments)
-      collector.flush()
-      step_ms.append(1e3 * (time.perf_counter() - t0))
+    with frozen:
+      for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        collector.add(step, moments)
+        collector.flush()
+        step_ms.append(1e3 * (time.perf_counter() - t0))
     gc.callbacks.remove(pauses)
     rss_growth = resident_mib() - rss_before
     collector.close()
@@ -120,6 +133,7 @@ def main():
     'device': 'host',
     **bench.commit_fields(),
     'sink': args.sink,
+    'gc_freeze': args.gc_freeze,
     'steps': args.steps,
     'step_ms_by_quarter': quarter_summary(np.array(step_ms)),
     'full_collections': len(pauses.pauses_ms),

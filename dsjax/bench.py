@@ -61,7 +61,7 @@ from dsjax import data as data_lib
 from dsjax import instrument as instrument_lib
 from dsjax import models
 from dsjax.models import fused_ops
-from dsjax.train import cli
+from dsjax.train import cli, host_memory
 from dsjax.train import config as config_lib
 from dsjax.train import history as history_lib
 from dsjax.train import sharding as sharding_lib
@@ -582,37 +582,49 @@ def run_benchmark(
     'measured_matmul_tflops': measured_peak,
     'modes': {},
   }
-  for mode in modes:
-    # One collector per mode, so that no mode de-duplicates another's records.
-    mode_dir = os.path.join(workdir, mode)
-    monitor = None
-    if mode == 'monitor':  # Without the theory's comparison: that happens once, at step 1, untimed.
-      monitor = instrument_lib.Monitor(
-        config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
+  with host_memory.built_objects_frozen():  # as the train loop runs its steps
+    for mode in modes:
+      # One collector per mode, so that no mode de-duplicates another's records.
+      mode_dir = os.path.join(workdir, mode)
+      monitor = None
+      if mode == 'monitor':  # Without the theory's comparison: that happens once, at step 1, untimed.
+        monitor = instrument_lib.Monitor(
+          config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
+        )
+      collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
+      step_fn = make_step(
+        mode != 'off',
+        collector if mode == 'callback' else None,
+        sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0,
       )
-    collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
-    step_fn = make_step(
-      mode != 'off',
-      collector if mode == 'callback' else None,
-      sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0,
-    )
-    r, state = time_mode(
-      mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
-    )
-    collector.close()
-    seconds = r['step_ms_median'] / 1e3
-    r['examples_per_s'] = config.batch_size / seconds
-    r['tokens_per_s'] = tokens / seconds
-    r['model_tflops_per_s'] = flops / seconds / 1e12
-    r['mfu'] = None if spec_peak is None else r['model_tflops_per_s'] / spec_peak
-    r['fraction_of_measured_matmul_peak'] = r['model_tflops_per_s'] / measured_peak
-    r['pipelined_examples_per_s'] = config.batch_size / (r['pipelined_step_ms_median'] / 1e3)
-    r['pipelined_tokens_per_s'] = tokens / (r['pipelined_step_ms_median'] / 1e3)
-    results['modes'][mode] = r
+      r, state = time_mode(
+        mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
+      )
+      collector.close()
+      results['modes'][mode] = r | throughput(r, config.batch_size, tokens, flops, spec_peak, measured_peak)
   if device.platform == 'gpu':
     stats = device.memory_stats() or {}
     results['device_peak_memory_gib'] = stats.get('peak_bytes_in_use', 0) / 2**30
   return results
+
+
+def throughput(
+  r: dict, examples: int, tokens: int, flops: float, spec_peak: float | None, measured_peak: float
+) -> dict:
+  """What a mode's median step times (`time_mode`'s results `r`) make of a step of `examples` examples,
+  `tokens` positions and `flops` model FLOPs: examples and tokens per second, TFLOP/s and MFU (against
+  the data sheet's peak, and the measured matmul's), and the same throughput from the pipelined steps."""
+  seconds, pipelined_seconds = r['step_ms_median'] / 1e3, r['pipelined_step_ms_median'] / 1e3
+  tflops = flops / seconds / 1e12
+  return {
+    'examples_per_s': examples / seconds,
+    'tokens_per_s': tokens / seconds,
+    'model_tflops_per_s': tflops,
+    'mfu': None if spec_peak is None else tflops / spec_peak,
+    'fraction_of_measured_matmul_peak': tflops / measured_peak,
+    'pipelined_examples_per_s': examples / pipelined_seconds,
+    'pipelined_tokens_per_s': tokens / pipelined_seconds,
+  }
 
 
 def report(results: dict) -> str:

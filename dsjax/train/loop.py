@@ -24,7 +24,7 @@ from dsjax.instrument import monitor as monitor_lib
 from dsjax.instrument import theory_adapter
 from dsjax.models.transformer import no_probe
 from dsjax.train import checkpoint as checkpoint_lib
-from dsjax.train import cli, interrupts, run_guard
+from dsjax.train import cli, host_memory, interrupts, run_guard
 from dsjax.train import config as config_lib
 from dsjax.train import history as history_lib
 from dsjax.train import metrics as metrics_lib
@@ -209,7 +209,8 @@ def _train_and_evaluate(
     )
     steps = _compile_steps(run, model, state, first_batch, moments)
     training = Training(run, steps, train_data, eval_data, moments, signals, first_step, model.num_params)
-    state = training.run_steps(state, first_step, first_batch)
+    with host_memory.built_objects_frozen():
+      state = training.run_steps(state, first_step, first_batch)
     return training.finish(state, guard)
 
 
