@@ -113,16 +113,16 @@ def main():
       other.close()
     frozen = host_memory.built_objects_frozen() if args.gc_freeze == 'on' else contextlib.nullcontext()
     gc.collect()
-    rss_before = resident_mib()
-    gc.callbacks.append(pauses)
     step_ms = []
-    with frozen:
+    with frozen:  # (its own collection on entry is not one of the steps')
+      rss_before = resident_mib()
+      gc.callbacks.append(pauses)
       for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         collector.add(step, moments)
         collector.flush()
         step_ms.append(1e3 * (time.perf_counter() - t0))
-    gc.callbacks.remove(pauses)
+      gc.callbacks.remove(pauses)
     rss_growth = resident_mib() - rss_before
     collector.close()
   results = {

@@ -84,7 +84,7 @@ def built_objects_frozen():
   compiled steps and data pipeline the run has built; moved back when the steps end (`gc.unfreeze`), so
   that a process that runs several runs frees what one of them left. With the per-layer statistics at
   192 layers every step, a full collection (one in about 130 steps) took 150–230 ms and stalled that
-  step; frozen, 2 ms at most (benchmarks/README.md, "Instrumentation overhead"). Objects made meanwhile
+  step; frozen, 3 ms at most (benchmarks/README.md, "Instrumentation overhead"). Objects made meanwhile
   are collected as before."""
   gc.collect()
   gc.freeze()
