@@ -45,6 +45,9 @@ if [[ ${GPU_SPEED_TINY:-0} == 1 ]]; then
 fi
 skipped=() missing=()
 
+whole() {  # whole FILE: FILE is there and parses as JSON (a JSON cut off by a kill does not)
+  [[ -s $1 ]] && python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$1" 2>/dev/null
+}
 row() {  # row NAME COMMAND...: one measurement, unless its JSON is there already or the budget is spent
   local name=$1 arg result=; shift
   for arg in "$@"; do  # the row's result: its --out= (profile_traffic.py reads a --json=), else its --json=
@@ -52,8 +55,7 @@ row() {  # row NAME COMMAND...: one measurement, unless its JSON is there alread
     [[ $arg == --out=* ]] && result=${arg#--out=}
   done
   # Done already: its result is there and whole (a JSON cut off by a kill is rerun).
-  if [[ -n $result && -s $result ]] && python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$result" 2>/dev/null
-  then echo "=== ${prefix}_$name: done already"; return; fi
+  if [[ -n $result ]] && whole "$result"; then echo "=== ${prefix}_$name: done already"; return; fi
   if (( SECONDS > budget )); then skipped+=("$name"); echo "=== ${prefix}_$name: skipped (${SECONDS}s)"; return; fi
   echo "=== ${prefix}_$name (${SECONDS}s): $*"
   local limit=()  # an interrupt first, so that a row keeps what it has; a kill 30 s later if it must
@@ -80,7 +82,7 @@ tuned() {  # tuned NAME ARGS...: bench NAME ARGS with the fastest tiling of the 
   local name=$1 tiles; shift
   tiles=$(python3 -c 'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["fastest"])))' \
     "$out/${prefix}_gelu_tiles.json" 2>/dev/null) || tiles=
-  if [[ -z $tiles && ! -s $out/${prefix}_$name.json ]]; then
+  if [[ -z $tiles ]] && ! whole "$out/${prefix}_$name.json"; then
     skipped+=("$name"); echo "=== ${prefix}_$name: not run, no GELU tiling was timed"; return
   fi
   bench "$name" "$@" ${tiles:+--gelu_tiles=$tiles}

@@ -41,8 +41,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import instrument_host_cost  # noqa: E402 (beside this script)
 import paired  # noqa: E402
 
-QUARTERS = ('first', 'last')
-
 
 class FullCollections:
   """The pauses of Python's full (generation 2) garbage collections while it is installed, in ms."""
@@ -67,14 +65,19 @@ def resident_mib() -> float:
   return pages * os.sysconf('SC_PAGE_SIZE') / 2**20
 
 
-def quarter_summary(step_ms: np.ndarray) -> dict[str, dict[str, float]]:
-  """Median, 99th percentile and max of the first and the last quarter of the steps."""
-  n = max(len(step_ms) // 4, 1)
-  parts = {'first': step_ms[:n], 'last': step_ms[-n:]}
+def summary(step_ms: np.ndarray) -> dict[str, float]:
+  """Median, 99th percentile and max of step times."""
   return {
-    name: {'median': float(np.median(t)), 'p99': float(np.percentile(t, 99)), 'max': float(t.max())}
-    for name, t in parts.items()
+    'median': float(np.median(step_ms)),
+    'p99': float(np.percentile(step_ms, 99)),
+    'max': float(step_ms.max()),
   }
+
+
+def quarter_summary(step_ms: np.ndarray) -> dict[str, dict[str, float]]:
+  """`summary` of the first and of the last quarter of the steps."""
+  n = max(len(step_ms) // 4, 1)
+  return {'first': summary(step_ms[:n]), 'last': summary(step_ms[-n:])}
 
 
 def parse_args():
@@ -136,6 +139,7 @@ def main():
     'gc_freeze': args.gc_freeze,
     'steps': args.steps,
     'step_ms_by_quarter': quarter_summary(np.array(step_ms)),
+    'step_ms_all': summary(np.array(step_ms)),
     'full_collections': len(pauses.pauses_ms),
     'full_collection_ms_max': max(pauses.pauses_ms, default=0.0),
     'full_collection_ms_total': sum(pauses.pauses_ms),
@@ -144,6 +148,8 @@ def main():
   print(f'{args.config} {" ".join(args.set)}: {args.steps} instrumented steps, sink {args.sink}')
   for name, q in results['step_ms_by_quarter'].items():
     print(f'  {name} quarter: {q["median"]:.2f} ms/step median, p99 {q["p99"]:.1f}, max {q["max"]:.1f}')
+  q = results['step_ms_all']
+  print(f'  all steps: {q["median"]:.2f} ms/step median, p99 {q["p99"]:.1f}, max {q["max"]:.1f}')
   print(
     f'  full garbage collections: {results["full_collections"]}, '
     f'{results["full_collection_ms_total"]:.0f} ms in all, longest {results["full_collection_ms_max"]:.1f} ms'

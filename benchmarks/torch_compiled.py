@@ -255,6 +255,7 @@ def time_pipelined(step, steps: int, wait_for_device) -> list[float]:
   pipelined steps: each step's loss read back only after the next step is queued."""
   per_step = []
   for _ in range(PIPELINED_RUNS):
+    wait_for_device()  # the last update of the steps before, not counted here
     start, previous = time.perf_counter(), None
     for _ in range(steps):
       loss = step()

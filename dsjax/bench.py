@@ -100,7 +100,7 @@ _GELU_TILES = flags.DEFINE_list(
 def _gelu_tiles_or_error(values) -> fused_ops.GeluTiles | str:
   """The tiling `--gelu_tiles` names, or what is wrong with it."""
   if len(values) != 4 or not all(v.strip().isdigit() for v in values):
-    return 'expected 4 integers (block elements, columns per block, backward programs, warps)'
+    return 'expected 4 positive integers (block elements, columns per block, backward programs, warps)'
   try:
     return fused_ops.GeluTiles(*(int(v) for v in values))
   except ValueError as e:  # a size GeluTiles refuses
@@ -142,6 +142,13 @@ PEAK_TFLOPS = {
   'TPU v5': {'bfloat16': 459.0, 'float32': 459.0},
   'TPU v6 lite': {'bfloat16': 918.0, 'float32': 918.0},
 }
+
+
+def fused_gelu_tiles(model_config) -> list[int] | None:
+  """The tiling of the fused GELU kernels the step runs (`fused_ops.gelu_tiles()`), None without them."""
+  if models.fused_ops_implementation(model_config) != 'pallas':
+    return None
+  return list(dataclasses.astuple(fused_ops.gelu_tiles()))
 
 
 def check_args(config, modes: list[str], inputs: str):
@@ -304,6 +311,7 @@ def time_mode(
     """Seconds per step of `count` steps run as the train loop runs them: step i's metrics read after
     step i + 1 is dispatched, so the device does not wait for the host between steps."""
     nonlocal state
+    jax.block_until_ready(state)  # the last update of the steps before, not counted here
     start, previous = time.perf_counter(), None
     for i in range(first, first + count):
       state, metrics = compiled(state, batch)
@@ -554,7 +562,7 @@ def run_benchmark(
       'param_dtype': config.model.param_dtype,
       'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
       'fused_ops': models.fused_ops_implementation(config.model),
-      'gelu_tiles': list(dataclasses.astuple(fused_ops.gelu_tiles())),
+      'gelu_tiles': fused_gelu_tiles(config.model),
       'remat': config.model.remat,
       'scan_layers': config.model.scan_layers,
       'scan_unroll': config.model.scan_unroll,
@@ -705,6 +713,10 @@ def main(argv):
   del argv
   config = _CONFIG.value
   json_path, profile_dir = _JSON.value, _PROFILE.value
+  if _GELU_TILES.value and models.fused_ops_implementation(config.model) != 'pallas':
+    raise ValueError(
+      '--gelu_tiles needs the fused kernels: --config.model.fused_ops=pallas (or auto, where it takes them)'
+    )
   # The outputs are created before the measurement (and removed again if the program fails).
   if json_path:
     if os.path.basename(json_path) in history_lib.FILES:  # e.g. a run's config.json

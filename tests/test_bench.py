@@ -124,8 +124,12 @@ def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compile
 @pytest.mark.parametrize(
   'tiles, expected',
   [
-    ('1,2,3', 'expected 4 integers (block elements, columns per block, backward programs, warps)'),
+    ('1,2,3', 'expected 4 positive integers (block elements, columns per block, backward programs, warps)'),
     ('4096,1000,256,4', 'GeluTiles.column_block must be a positive power of two, got 1000'),
+    (
+      '4096,1024,256,4',
+      '--gelu_tiles needs the fused kernels: --config.model.fused_ops=pallas (or auto, where it takes them)',
+    ),
   ],
 )
 def test_a_bad_gelu_tiling_is_one_line_and_writes_nothing(tmp_path, tiles, expected):
@@ -227,7 +231,11 @@ def test_a_long_runs_collector_is_timed_early_and_late(tmp_path):
   results = json.loads(out.read_text())
   assert results['steps'] == 8 and results['sink'] == 'records'
   assert sorted(results['step_ms_by_quarter']) == ['first', 'last']
-  assert results['full_collections'] >= 0 and 'resident_mib_growth' in results
+  for part in [*results['step_ms_by_quarter'].values(), results['step_ms_all']]:
+    assert 0 < part['median'] <= part['p99'] <= part['max']
+  assert results['step_ms_all']['max'] >= results['step_ms_by_quarter']['last']['max']
+  assert isinstance(results['full_collections'], int) and results['gc_freeze'] == 'on'
+  assert results['full_collection_ms_total'] >= results['full_collection_ms_max'] >= 0
 
 
 def test_a_part_timed_on_its_own_is_taken_out_of_the_ratios():

@@ -35,9 +35,10 @@ Key = tuple[int, int, str, str]  # (step, layer, site, statistic)
 NO_LAYER = -1
 MOMENTS_FILE = 'moments.jsonl'
 # The steps whose keys `flush` remembers to drop a record it has already seen: the newest step and the one
-# before it. The devices of a mesh stay within a step of each other (each step's collectives wait for all
-# of them), so a second copy of a record comes from one of those two; remembering every step instead grew
-# by ~0.5 MiB per instrumented step at 192 layers, without bound.
+# before it. A second copy (a callback in a layer that remat recomputes sends its record again) comes from
+# the same step as the first, but callbacks arrive while later steps are dispatched, so a step's copies may
+# straddle a flush: one step of margin. Remembering every step instead grew by ~0.9 MiB per instrumented
+# step at 192 layers (benchmarks/README.md), without bound.
 SEEN_STEPS = 2
 
 

@@ -313,7 +313,7 @@ def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
 
 def test_collector_remembers_the_keys_of_its_newest_steps_only():
   """A long run's de-duplication keeps SEEN_STEPS steps of keys, not every step's; a second copy of a
-  record of one of those steps (per-site callbacks of two devices) is still dropped."""
+  record of one of those steps (a callback that remat re-ran) is still dropped."""
   collector = instrument_lib.Collector(keep_records=False)
   for step in range(1, 51):
     collector.add(step, _fake_moments(depth=2))

@@ -79,17 +79,32 @@ def test_every_tool_applies_it_before_running():
 
 
 def test_what_is_built_is_frozen_while_the_steps_run_and_thawed_after():
-  """`built_objects_frozen`: the objects there are when the steps start stay out of full collections until
-  the steps end; a cycle made meanwhile is collected as before."""
-  before = gc.get_freeze_count()
+  """`built_objects_frozen`: the objects there are when the steps start stay out of full collections
+  (`gc.get_objects()` no longer lists them) until the steps end, an exception included; a cycle made
+  meanwhile is collected as before."""
 
   class Node:
     pass
 
+  built = Node()
+  collected = []
   with host_memory.built_objects_frozen():
-    assert gc.get_freeze_count() > before
+    assert gc.get_freeze_count() > 0 and not any(o is built for o in gc.get_objects())
     cycle = Node()
     cycle.self = cycle
+    gc.callbacks.append(lambda phase, info: collected.append(info.get('collected', 0)))
     del cycle
-    assert gc.collect() >= 1  # the cycle made while frozen
+    gc.collect()
+    gc.callbacks.pop()
+    assert sum(collected) >= 1  # the cycle made while frozen
+  assert gc.get_freeze_count() == 0 and any(o is built for o in gc.get_objects())
+  with pytest.raises(RuntimeError), host_memory.built_objects_frozen():
+    raise RuntimeError('a step failed')
   assert gc.get_freeze_count() == 0
+
+
+def test_the_train_loop_and_the_benchmark_run_their_steps_frozen():
+  loop_source = (ROOT / 'dsjax' / 'train' / 'loop.py').read_text()
+  assert 'with host_memory.built_objects_frozen():\n      state = training.run_steps(' in loop_source
+  bench_source = (ROOT / 'dsjax' / 'bench.py').read_text()
+  assert 'with host_memory.built_objects_frozen():' in bench_source.split('def run_benchmark(', 1)[1]
