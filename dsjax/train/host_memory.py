@@ -83,8 +83,8 @@ def built_objects_frozen():
   collector's permanent generation (`gc.freeze`), so that a full collection does not walk the model,
   compiled steps and data pipeline the run has built; moved back when the steps end (`gc.unfreeze`), so
   that a process that runs several runs frees what one of them left. With the per-layer statistics at
-  192 layers every step, a full collection (one in about 130 steps) took up to ~230 ms and stalled that
-  step; frozen, 3 ms at most (benchmarks/README.md, "Instrumentation overhead"). Objects made meanwhile
+  192 layers every step, a full collection (one in about 130 steps) took up to ~200 ms and stalled that
+  step; frozen, 2.4 ms at most (benchmarks/README.md, "Instrumentation overhead"). Objects made meanwhile
   are collected as before. Not to be nested: leaving it thaws everything frozen, a caller's too."""
   gc.collect()
   gc.freeze()
