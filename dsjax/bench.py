@@ -285,49 +285,58 @@ PIPELINED_RUNS = 3
 REPORTED_KERNELS = 30  # in the printed report; the JSON lists every kernel
 
 
-def time_mode(
-  mode: str, step_fn, state, batch, num_steps: int, collector, profile_dir: str | None = None
-) -> tuple[dict, object]:
-  """Compiles `step_fn` ahead of time, runs warm-up + timed steps (then, with `profile_dir`, traced
-  steps); returns (results, final state)."""
-  start = time.perf_counter()
-  compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
+class ModeSteps:
+  """The compiled step of one mode, run from `state` on `batch` as the train loop runs it: each step's
+  moments (modes other than 'off') handed to `collector`, earlier steps' written while this one runs."""
 
-  def run_steps(first: int, count: int) -> list[float]:
-    nonlocal state
+  def __init__(self, mode: str, compiled, state, batch, collector):
+    self.mode, self.compiled, self.state, self.batch, self.collector = mode, compiled, state, batch, collector
+
+  def dispatch(self, step: int) -> dict:
+    """Dispatches step `step`; its metrics (device arrays, not waited for)."""
+    self.state, metrics = self.compiled(self.state, self.batch)
+    if self.mode != 'off':
+      self.collector.add(step, metrics.pop('moments'))
+      self.collector.flush(before_step=step)
+    return metrics
+
+  def one_by_one(self, first: int, count: int) -> list[float]:
+    """Seconds of each of `count` steps, each waited for before the next is dispatched."""
     times = []
-    for i in range(first, first + count):
+    for step in range(first, first + count):
       start = time.perf_counter()
-      state, metrics = compiled(state, batch)
-      if mode != 'off':  # As in the loop: the previous steps' moments are written while this one runs.
-        collector.add(i, metrics.pop('moments'))
-        collector.flush(before_step=i)
-      jax.block_until_ready(metrics)
+      jax.block_until_ready(self.dispatch(step))
       times.append(time.perf_counter() - start)
     return times
 
-  def run_pipelined(first: int, count: int) -> float:
-    """Seconds per step of `count` steps run as the train loop runs them: step i's metrics read after
-    step i + 1 is dispatched, so the device does not wait for the host between steps."""
-    nonlocal state
-    jax.block_until_ready(state)  # the last update of the steps before, not counted here
+  def pipelined(self, first: int, count: int) -> float:
+    """Seconds per step of `count` steps, each step's metrics read after the next is dispatched, so that
+    the device does not wait for the host between steps."""
+    jax.block_until_ready(self.state)  # the last update of the steps before, not counted here
     start, previous = time.perf_counter(), None
-    for i in range(first, first + count):
-      state, metrics = compiled(state, batch)
-      if mode != 'off':
-        collector.add(i, metrics.pop('moments'))
-        collector.flush(before_step=i)
+    for step in range(first, first + count):
+      metrics = self.dispatch(step)
       if previous is not None:
         jax.device_get(previous)
       previous = metrics
-    jax.block_until_ready((state, previous))
+    jax.block_until_ready((self.state, previous))
     return (time.perf_counter() - start) / count
 
-  run_steps(0, WARMUP_STEPS)
-  times = run_steps(WARMUP_STEPS, num_steps)
+
+def time_mode(
+  mode: str, step_fn, state, batch, num_steps: int, collector, profile_dir: str | None = None
+) -> tuple[dict, object]:
+  """Compiles `step_fn` ahead of time, runs warm-up steps, `num_steps` steps one by one, then
+  PIPELINED_RUNS runs of `num_steps` pipelined steps (then, with `profile_dir`, traced steps); returns
+  (results, final state)."""
+  start = time.perf_counter()
+  compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  steps = ModeSteps(mode, compiled, state, batch, collector)
+  steps.one_by_one(0, WARMUP_STEPS)
+  times = steps.one_by_one(WARMUP_STEPS, num_steps)
   first = WARMUP_STEPS + num_steps
-  pipelined = [run_pipelined(first + run * num_steps, num_steps) for run in range(PIPELINED_RUNS)]
+  pipelined = [steps.pipelined(first + run * num_steps, num_steps) for run in range(PIPELINED_RUNS)]
   results = {
     'compile_s': compile_s,
     'step_ms_median': 1e3 * statistics.median(times),
@@ -341,7 +350,7 @@ def time_mode(
   }
   if profile_dir:
     with jax.profiler.trace(profile_dir):
-      run_steps(first + PIPELINED_RUNS * num_steps, PROFILED_STEPS)
+      steps.one_by_one(first + PIPELINED_RUNS * num_steps, PROFILED_STEPS)
     hlo_text = compiled.as_text()
     with open(os.path.join(profile_dir, 'step.hlo.txt'), 'w') as f:
       f.write(hlo_text)
@@ -350,7 +359,7 @@ def time_mode(
     results['profile'] = device_time_per_kernel(
       profile_dir, PROFILED_STEPS, matmul_ops(hlo_text) if on_cpu else set()
     )
-  return results, state
+  return results, steps.state
 
 
 def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set[str]) -> dict:
