@@ -600,29 +600,38 @@ def run_benchmark(
     'modes': {},
   }
   with host_memory.built_objects_frozen():  # as the train loop runs its steps
-    for mode in modes:
-      # One collector per mode, so that no mode de-duplicates another's records.
-      mode_dir = os.path.join(workdir, mode)
-      monitor = None
-      if mode == 'monitor':  # Without the theory's comparison: that happens once, at step 1, untimed.
-        monitor = instrument_lib.Monitor(
-          config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
-        )
-      collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
-      step_fn = make_step(
-        mode != 'off',
-        collector if mode == 'callback' else None,
-        sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0,
-      )
-      r, state = time_mode(
-        mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
-      )
-      collector.close()
-      results['modes'][mode] = r | throughput(r, config.batch_size, tokens, flops, spec_peak, measured_peak)
+    timed = time_modes(config, modes, make_step, state, batch, num_steps, workdir, profile_dir)
+  for mode, r in timed.items():
+    results['modes'][mode] = r | throughput(r, config.batch_size, tokens, flops, spec_peak, measured_peak)
   if device.platform == 'gpu':
     stats = device.memory_stats() or {}
     results['device_peak_memory_gib'] = stats.get('peak_bytes_in_use', 0) / 2**30
   return results
+
+
+def time_modes(config, modes, make_step, state, batch, num_steps: int, workdir: str, profile_dir) -> dict:
+  """`time_mode`'s results for each of `modes` in turn, the state carried from one to the next (the
+  first mode profiled when `profile_dir` is given)."""
+  timed = {}
+  for mode in modes:
+    # One collector per mode, so that no mode de-duplicates another's records.
+    mode_dir = os.path.join(workdir, mode)
+    monitor = None
+    if mode == 'monitor':  # Without the theory's comparison: that happens once, at step 1, untimed.
+      monitor = instrument_lib.Monitor(
+        config.instrument.monitor, config.model.depth, config.model.dropout, workdir=mode_dir
+      )
+    collector = instrument_lib.Collector(mode_dir, keep_records=False, monitor=monitor)
+    step_fn = make_step(
+      mode != 'off',
+      collector if mode == 'callback' else None,
+      sample_rows=config.instrument.sample_rows if mode == 'sampled' else 0,
+    )
+    timed[mode], state = time_mode(
+      mode, step_fn, state, batch, num_steps, collector, profile_dir if mode == modes[0] else None
+    )
+    collector.close()
+  return timed
 
 
 def throughput(
