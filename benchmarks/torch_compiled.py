@@ -28,7 +28,8 @@ the fused kernel it already is. `--device=cpu --compile=off` runs the same step 
 Timing: the first step, compilation included, is reported as `first_step_s`; 2 warm-up steps follow, then
 `--steps` timed steps, each waited for (its loss read back): median and min–max. Then, as `dsjax.bench`
 does, 3 runs of `--steps` steps pipelined (`pipelined_*`: each loss read back after the next step is
-queued): per run its mean step, the median and min–max of the runs. Model FLOPs as
+queued, through pinned memory so that reading it does not wait for that next step, `LossReader`): per
+run its mean step, the median and min–max of the runs. Model FLOPs as
 `dsjax.bench` counts them (PaLM, Chowdhery et al. 2022, arXiv:2204.02311, App. B: 6·N + 12·depth·d·L per
 position, N every parameter but the token and position embeddings and the class token), MFU against the
 peaks `dsjax.bench` uses for the device, and peak device memory (`torch.cuda.max_memory_allocated`).
@@ -250,19 +251,45 @@ def time_steps(step, steps: int) -> tuple[float, list[float]]:
   return first_step_s, times
 
 
-def time_pipelined(step, steps: int, wait_for_device) -> list[float]:
+class LossReader:
+  """Reads a step's loss back without waiting for the steps queued after it, as `jax.device_get` of an
+  earlier step's metrics does: on a GPU the loss is copied into pinned host memory right after its step
+  is queued, and reading it waits for that copy alone. (`loss.item()` would queue its copy behind every
+  step queued since, and so wait for them too.) Two buffers, used in turn: the one being read is never
+  the one the newest step writes."""
+
+  def __init__(self, device):
+    self.on_gpu = device.type == 'cuda'
+    if self.on_gpu:
+      self.buffers = [torch.empty((), dtype=torch.float32).pin_memory() for _ in range(2)]
+      self.copied = [torch.cuda.Event() for _ in range(2)]
+    self.turn = 0
+
+  def queue(self, loss):
+    """Starts reading `loss`; returns a function that gives its value."""
+    if not self.on_gpu:
+      return loss.item
+    buffer, copied = self.buffers[self.turn], self.copied[self.turn]
+    self.turn = 1 - self.turn
+    buffer.copy_(loss.float(), non_blocking=True)
+    copied.record()
+    return lambda: (copied.synchronize(), buffer.item())[1]
+
+
+def time_pipelined(step, steps: int, device, wait_for_device) -> list[float]:
   """Seconds per step of `PIPELINED_RUNS` runs of `steps` steps timed as `dsjax.bench` times its
-  pipelined steps: each step's loss read back only after the next step is queued."""
+  pipelined steps: each step's loss read back (`LossReader`) only after the next step is queued."""
+  reader = LossReader(device)
   per_step = []
   for _ in range(PIPELINED_RUNS):
     wait_for_device()  # the last update of the steps before, not counted here
-    start, previous = time.perf_counter(), None
+    start, read_previous = time.perf_counter(), None
     for _ in range(steps):
-      loss = step()
-      if previous is not None:
-        previous.item()
-      previous = loss
-    previous.item()
+      read = reader.queue(step())
+      if read_previous is not None:
+        read_previous()
+      read_previous = read
+    read_previous()
     wait_for_device()  # the last optimizer update too
     per_step.append((time.perf_counter() - start) / steps)
   return per_step
@@ -273,7 +300,7 @@ def main():
   step, num_params, positions = make_train_step(config, data_info, args)
   first_step_s, times = time_steps(step, args.steps)
   wait_for_device = torch.cuda.synchronize if args.device == 'cuda' else lambda: None
-  pipelined = time_pipelined(step, args.steps, wait_for_device)
+  pipelined = time_pipelined(step, args.steps, torch.device(args.device), wait_for_device)
   m = config.model
   flops = (6 * num_params + 12 * m.depth * m.width * positions) * positions * config.batch_size
   median_s = statistics.median(times)
