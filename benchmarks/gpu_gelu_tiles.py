@@ -23,7 +23,9 @@ import argparse
 import dataclasses
 import itertools
 import json
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -33,15 +35,11 @@ import numpy as np
 from dsjax import bench
 from dsjax.models import fused_ops
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import hlo_traffic  # noqa: E402 (benchmarks/hlo_traffic.py, beside this script)
+
 WARMUP = 3
 CALLS_PER_TIMING = 10
-# Memory bandwidth by device kind (the longest matching prefix), from the data sheets.
-BANDWIDTH = {
-  'NVIDIA H100 PCIe': 2.0e12,
-  'NVIDIA H100 NVL': 3.9e12,
-  'NVIDIA H100': 3.35e12,
-  'NVIDIA H200': 4.8e12,
-}
 
 
 def tilings(tiny: bool) -> list[fused_ops.GeluTiles]:
@@ -113,8 +111,7 @@ def main():
     parser.error('--rows, --cols and --repeats must be positive')
   rows, cols, repeats = (64, 96, 2) if args.tiny else (args.rows, args.cols, args.repeats)
   device = jax.devices()[0]
-  matches = [kind for kind in BANDWIDTH if device.device_kind.startswith(kind)]
-  device_bandwidth = BANDWIDTH[max(matches, key=len)] if matches else None
+  device_bandwidth = hlo_traffic.memory_bandwidth(device.device_kind)
   keys = jax.random.split(jax.random.key(0), 3)
   dtype = jnp.dtype(args.dtype)
   z = (2 * jax.random.normal(keys[0], (rows, cols))).astype(dtype)

@@ -59,10 +59,35 @@ _SM90 = dict(
   shared_memory_per_core=228 * 2**10,
   shared_memory_per_block_optin=227 * 2**10,
 )
-DEVICES = {
-  'h100': dict(name='NVIDIA H100 80GB HBM3', memory_bandwidth=3.35e12, device_memory_size=80 << 30, **_SM90),
-  'h200': dict(name='NVIDIA H200', memory_bandwidth=4.8e12, device_memory_size=141 * 10**9, **_SM90),
+# Memory bandwidth by device kind (the longest matching prefix of `jax.Device.device_kind`).
+MEMORY_BANDWIDTH = {
+  'NVIDIA H100 PCIe': 2.0e12,
+  'NVIDIA H100 NVL': 3.9e12,
+  'NVIDIA H100': 3.35e12,
+  'NVIDIA H200': 4.8e12,
 }
+DEVICES = {
+  'h100': dict(
+    name='NVIDIA H100 80GB HBM3',
+    memory_bandwidth=MEMORY_BANDWIDTH['NVIDIA H100'],
+    device_memory_size=80 << 30,
+    **_SM90,
+  ),
+  'h200': dict(
+    name='NVIDIA H200',
+    memory_bandwidth=MEMORY_BANDWIDTH['NVIDIA H200'],
+    device_memory_size=141 * 10**9,
+    **_SM90,
+  ),
+}
+
+
+def memory_bandwidth(device_kind: str) -> float | None:
+  """The data sheet's memory bandwidth (bytes/s) of a device of this kind, None for a kind not listed."""
+  matches = [kind for kind in MEMORY_BANDWIDTH if device_kind.startswith(kind)]
+  return MEMORY_BANDWIDTH[max(matches, key=len)] if matches else None
+
+
 KINDS = ('matmul', 'attention', 'pallas', 'other')
 MEMORY_BOUND_KINDS = ('pallas', 'other')  # the matmuls and attention are compute-bound
 PHASES = ('forward', 'backward', 'update')
