@@ -146,10 +146,16 @@ def print_summary(mode: str, summary: dict, target: dict, compile_s: float, memo
   total = summary['memory_bound']
   phases = ', '.join(f'{p} {r["gb"]:.2f} GB' for p, r in summary['memory_bound_by_phase'].items())
   print(f'  memory-bound {total["gb"]:.2f} GB, {total["ms_at_bandwidth"]:.2f} ms: {phases}')
+  parts = ', '.join(
+    f'{part} {summary["by_part"][part]["kernels"]} kernels, '
+    f'{bound["gb"]:.2f} GB, {bound["ms_at_bandwidth"]:.2f} ms'
+    for part, bound in summary['memory_bound_by_part'].items()
+  )
+  print(f'  by part (all kernels; GB and ms of the memory-bound ones): {parts}')
   for row in summary['top_memory_bound']:
     print(
       f'    {row["gb"]:7.3f} GB {row["ms_at_bandwidth"]:6.3f} ms x{row["kernels"]:<3d} {row["kind"]:6s} '
-      f'{row["phase"]:8s} {row["group"]}  {row["op_name"][:70]}'
+      f'{row["phase"]:8s} {row["part"]:10s} {row["group"]}  {row["op_name"][:70]}'
     )
 
 

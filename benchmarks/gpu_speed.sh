@@ -98,21 +98,24 @@ deep=(--config=configs/gpt_preln.py --config.model.width=256 --config.model.num_
 fused=(--config.model.fused_ops=pallas)
 sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,sampled
 
-bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
-peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
-# The GELU kernels at other tile sizes (on the H200 they ran at 50-58% of the bandwidth).
-row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
+# First what the last call left open: the instrumented steps' device time beside the plain steps' (their
+# kernels told apart by the statistics' scope in the traffic rows below), and the loop's host work at 192
+# layers on this machine's own processor.
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
-# The fused step again with that fastest tiling (the JSON's config.gelu_tiles names it).
-tuned gpt2_small_b16_fused_ops_tuned "${gpt2[@]}" "${fused[@]}" --instrument=off
+bench gpt2_small_b16_return_profile "${gpt2[@]}" "${fused[@]}" --instrument=return \
+  --profile="$out/profile_gpt2_small_return"
+bench gpt_192x256_off_profile "${deep[@]}" --instrument=off --profile="$out/profile_gpt_192x256_off"
+bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$out/profile_gpt_192x256_return"
+row instrument_host_cost_192 python3 benchmarks/instrument_host_cost.py --set=model.depth=$deep_depth \
+  --set=model.width=32 --set=model.num_heads=4 --set=data.seq_len=16 --set=batch_size=2 \
+  --set=model.scan_unroll=1 --rounds=$rounds --json="$out/${prefix}_instrument_host_cost_192.json"
+bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
+peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
+bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
 peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
-# Where the returned statistics' device time goes at 192 layers.
-bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$out/profile_gpt_192x256_return"
-bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
-tuned vit_b16_b128_fused_ops_tuned "${vit[@]}" "${fused[@]}" --instrument=off
 row instrument_deliveries_gpt_192x256 python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
   --set=model.depth=$deep_depth --set=model.width=256 --set=model.num_heads=4 --set=data.seq_len=256 \
   --set=batch_size=16 --set=model.scan_unroll=1 --set=instrument.sample_rows=$sample_rows --rounds=$rounds \
@@ -123,20 +126,29 @@ peer torch_gpt2_small_b32 "${gpt2_peer[@]}" --set=batch_size=32
 bench gpt2_small_b16_fused_ops_sampled "${gpt2[@]}" "${fused[@]}" "${sampled[@]}" --instrument=off,sampled
 peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written plainly (timm's is the target's)
 # GPT-2 small's deliveries in turns, its one-callback-per-step table among them (fused_ops 'auto', as run;
-# four steps to compile, ~3 minutes: last).
+# four steps to compile, ~3 minutes).
 row instrument_deliveries_gpt2_small python3 benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py \
   "${tiny_gpt_peer[@]}" --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
+# The GELU kernels at other tile sizes, and the fused steps again with the fastest (the JSON's
+# config.gelu_tiles names it); on the H200 no tiling took them above 53% of the bandwidth.
+row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
+tuned gpt2_small_b16_fused_ops_tuned "${gpt2[@]}" "${fused[@]}" --instrument=off
+tuned vit_b16_b128_fused_ops_tuned "${vit[@]}" "${fused[@]}" --instrument=off
 
 # The profiled steps' kernels beside their memory traffic, read from each step's HLO: the bandwidth each
 # kernel ran at (benchmarks/profile_traffic.py; reads files, a second each).
 traffic_device=h100; [[ $prefix == h200 ]] && traffic_device=h200
-traffic() {  # traffic NAME PROFILE_DIR: the profile of ${prefix}_NAME.json beside PROFILE_DIR/step.hlo.txt
-  row "${1}_traffic" python3 benchmarks/profile_traffic.py --json="$out/${prefix}_$1.json" \
+traffic() {  # traffic NAME PROFILE_DIR [MODE]: the profile of mode MODE (default off) of ${prefix}_NAME.json
+  # beside PROFILE_DIR/step.hlo.txt
+  row "${1}_traffic" python3 benchmarks/profile_traffic.py --json="$out/${prefix}_$1.json" --mode="${3:-off}" \
     --hlo="$out/$2/step.hlo.txt" --device=$traffic_device --out="$out/${prefix}_${1}_traffic.json"
 }
-traffic gpt2_small_b16 profile_gpt2_small
 traffic gpt2_small_b16_fused_ops_profile profile_gpt2_small_fused_ops
+traffic gpt2_small_b16_return_profile profile_gpt2_small_return return
+traffic gpt_192x256_off_profile profile_gpt_192x256_off
+traffic gpt_192x256_return_profile profile_gpt_192x256_return return
+traffic gpt2_small_b16 profile_gpt2_small
 echo "=== done in ${SECONDS}s; skipped: ${skipped[*]:-none}; not installed: ${missing[*]:-none}"
 if [[ -n ${OUT:-} ]]; then
   # Named after OUTDIR, so that a second OUTDIR in the same call does not overwrite the first's archive.

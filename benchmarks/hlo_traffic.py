@@ -49,6 +49,11 @@ FREE_OPS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'a
 # only the slice).
 ELEMENTWISE_OPS = {'convert', 'bitcast', 'copy', 'negate', 'abs', 'multiply', 'add', 'subtract', 'reshape'}
 SLICE_OPS = {'slice', 'dynamic-slice'}
+# The name dsjax's instrumentation gives its operations (`dsjax.instrument.probe.STATISTICS_SCOPE`): a
+# kernel all of whose operations carry it is the statistics', one with some of them 'mixed' (XLA fused
+# statistics into one of the step's own kernels), the rest the step's own (PARTS).
+STATISTICS_SCOPE = 'instrument_statistics'
+PARTS = ('step', 'statistics', 'mixed')
 # GPUs (NVIDIA data sheets; SXM parts, boost clock): what XLA's GPU compiler reads of a device
 # (benchmarks/gpu_compiled_traffic.py) and the memory bandwidth that converts traffic to time.
 _SM90 = dict(
@@ -120,6 +125,7 @@ class Kernel:
   launches: int
   op_name: str  # the jax operation it was lowered from (metadata op_name)
   group: str  # what a profile reports it as: the deduplicated name, else the name
+  part: str = 'step'  # one of PARTS: whose operations it runs, the step's or the statistics'
 
 
 def _count(dims: str) -> int:
@@ -247,6 +253,24 @@ def phase_of(op_name: str) -> str:
   return 'forward' if 'jvp(' in op_name else 'update'
 
 
+def _op_name(instruction: Instruction) -> str:
+  """The jax operation an instruction was lowered from (its metadata's op_name), or ''."""
+  match = re.search(r'op_name="([^"]*)"', instruction.attributes)
+  return match.group(1) if match else ''
+
+
+def _in_scope(op_name: str) -> bool:
+  return re.search(rf'(^|/){STATISTICS_SCOPE}/', op_name) is not None
+
+
+def part_of(op_names: list[str]) -> str:
+  """'statistics', 'mixed' or 'step' (PARTS), from the op_names of a kernel's operations."""
+  scoped = [_in_scope(name) for name in op_names if name]
+  if scoped and all(scoped):
+    return 'statistics'
+  return 'mixed' if any(scoped) else 'step'
+
+
 def kernels(hlo_text: str) -> list[Kernel]:
   """Every kernel the program launches, with its traffic (see the module docstring)."""
   computations, entry = parse(hlo_text)
@@ -269,13 +293,13 @@ def kernels(hlo_text: str) -> list[Kernel]:
         continue
       operand_bytes = [array_bytes(shapes.get(o, '')) for o in instruction.operands]
       output_bytes = array_bytes(instruction.shape)
+      op_names = [_op_name(instruction)]  # its own, then those of the operations it fuses
       if instruction.op == 'fusion':
         fused = computations[re.search(r'calls=%([\w.\-]+)', instruction.attributes).group(1)]
         traffic = _fusion_reads(fused, operand_bytes) + _fusion_writes(fused, output_bytes)
+        op_names += [_op_name(i) for i in fused]
       else:
         traffic = sum(operand_bytes) + output_bytes
-      op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
-      op_name = op_name.group(1) if op_name else ''
       # A profile names a fusion by its deduplicated name (one per layer otherwise) and a Pallas kernel
       # by the kernel's own name.
       group = re.search(r'deduplicated_name="([^"]*)"|\bname = \\?"(\w+)', instruction.attributes)
@@ -283,11 +307,12 @@ def kernels(hlo_text: str) -> list[Kernel]:
         Kernel(
           name=instruction.name,
           kind=kind_of(instruction),
-          phase=phase_of(op_name),
+          phase=phase_of(op_names[0]),
           bytes=traffic * launches,
           launches=launches,
-          op_name=op_name,
+          op_name=op_names[0],
           group=next(filter(None, group.groups())) if group else instruction.name,
+          part=part_of(op_names),
         )
       )
 
@@ -296,8 +321,9 @@ def kernels(hlo_text: str) -> list[Kernel]:
 
 
 def summarize(found: list[Kernel], bandwidth_bytes_per_s: float, top: int = 15) -> dict:
-  """Traffic by kind and, outside the matmuls and attention, by phase, each with its bandwidth-bound
-  time; and the `top` groups of other and Pallas kernels by traffic."""
+  """Traffic by kind and by part (PARTS: the step's own kernels, the instrumentation's statistics')
+  and, outside the matmuls and attention, by phase and part, each with its bandwidth-bound time; and
+  the `top` groups of other and Pallas kernels by traffic."""
 
   def totals(selected) -> dict:
     selected = list(selected)
@@ -311,15 +337,17 @@ def summarize(found: list[Kernel], bandwidth_bytes_per_s: float, top: int = 15) 
   memory_bound = [k for k in found if k.kind in MEMORY_BOUND_KINDS]
   groups = collections.defaultdict(list)
   for k in memory_bound:
-    groups[(k.group, k.kind, k.phase, k.op_name)].append(k)
+    groups[(k.group, k.kind, k.phase, k.op_name, k.part)].append(k)
   ranked = sorted(groups.items(), key=lambda item: -sum(k.bytes for k in item[1]))[:top]
   return {
     'by_kind': {kind: totals(k for k in found if k.kind == kind) for kind in KINDS},
+    'by_part': {part: totals(k for k in found if k.part == part) for part in PARTS},
     'memory_bound': totals(memory_bound),
     'memory_bound_by_phase': {p: totals(k for k in memory_bound if k.phase == p) for p in PHASES},
+    'memory_bound_by_part': {part: totals(k for k in memory_bound if k.part == part) for part in PARTS},
     'top_memory_bound': [
-      {'group': g, 'kind': kind, 'phase': phase, 'op_name': op, **totals(ks)}
-      for (g, kind, phase, op), ks in ranked
+      {'group': g, 'kind': kind, 'phase': phase, 'op_name': op, 'part': part, **totals(ks)}
+      for (g, kind, phase, op, part), ks in ranked
     ],
   }
 
@@ -331,17 +359,20 @@ def _profile_name(name: str) -> str:
 
 def beside_profile(found: list[Kernel], measured: list[dict], bandwidth_bytes_per_s: float) -> dict:
   """The measured kernels (`dsjax.bench --profile`'s JSON: {'kernel', 'ms_per_step'} each) that are
-  memory-bound kernels of this program (MEMORY_BOUND_KINDS), matched by name, each with its traffic and
-  the bandwidth it ran at; and their totals.
+  memory-bound kernels of this program (MEMORY_BOUND_KINDS), matched by name, each with its traffic, the
+  bandwidth it ran at and its part (PARTS); and their totals, also by part.
   The HLO must be the profiled program's own (the profile's DIR/step.hlo.txt): fusion names are not
   stable from one compilation to the next."""
   traffic = collections.defaultdict(float)
+  parts = collections.defaultdict(set)
   for k in found:
     if k.kind in MEMORY_BOUND_KINDS:
       traffic[_profile_name(k.group)] += k.bytes
+      parts[_profile_name(k.group)].add(k.part)
   rows = []
   for kernel in measured:
-    gb = traffic.get(_profile_name(kernel['kernel']))
+    name = _profile_name(kernel['kernel'])
+    gb = traffic.get(name)
     if gb is None or kernel['ms_per_step'] <= 0:
       continue
     rows.append(
@@ -351,6 +382,8 @@ def beside_profile(found: list[Kernel], measured: list[dict], bandwidth_bytes_pe
         'gb': gb / 1e9,
         'tb_per_s': gb / 1e9 / kernel['ms_per_step'],
         'fraction_of_bandwidth': gb / (kernel['ms_per_step'] / 1e3) / bandwidth_bytes_per_s,
+        # A name that kernels of different parts share (deduplicated over the layers) is 'mixed'.
+        'part': next(iter(parts[name])) if len(parts[name]) == 1 else 'mixed',
       }
     )
   total_ms = sum(r['ms_per_step'] for r in rows)
@@ -360,5 +393,13 @@ def beside_profile(found: list[Kernel], measured: list[dict], bandwidth_bytes_pe
     'ms_per_step': total_ms,
     'gb': total_gb,
     'fraction_of_bandwidth': total_gb * 1e9 / (total_ms / 1e3) / bandwidth_bytes_per_s if total_ms else 0.0,
+    'by_part': {
+      part: {
+        'matched_kernels': sum(r['part'] == part for r in rows),
+        'ms_per_step': sum(r['ms_per_step'] for r in rows if r['part'] == part),
+        'gb': sum(r['gb'] for r in rows if r['part'] == part),
+      }
+      for part in PARTS
+    },
     'kernels': rows,
   }

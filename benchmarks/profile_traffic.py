@@ -8,8 +8,11 @@ traffic, read from the same step's HLO.
 the compiled step's HLO to DIR/step.hlo.txt (benchmarks/gpu_speed.sh keeps both). This matches the profile's
 kernels to the HLO's by name (XLA's fusions and the Pallas kernels; cuBLAS's and cuDNN's kernels have names
 of their own, and are compute-bound anyway), reads each one's traffic (`hlo_traffic.py`) and prints, by
-measured time, the traffic, the bandwidth it ran at and its fraction of the device's (`--device`). A kernel
-far below the bandwidth is where a rewrite of the kernel pays; one near it pays only by fewer bytes.
+measured time, the traffic, the bandwidth it ran at and its fraction of the device's (`--device`), and
+whose operations it runs: the step's own, the instrumentation's statistics' or both (`hlo_traffic.PARTS`,
+by the statistics' named scope in the HLO's metadata; code before that scope shows every kernel as the
+step's). A kernel far below the bandwidth is where a rewrite of the kernel pays; one near it pays only by
+fewer bytes.
 Nothing runs on a device: this reads files.
 """
 
@@ -64,10 +67,17 @@ def main():
     f'{result["fraction_of_bandwidth"]:.0%} of the '
     f'{device["memory_bandwidth"] / 1e12:.2f} TB/s of an {device["name"]}'
   )
+  print(
+    '  by part: '
+    + ', '.join(
+      f'{part} {row["matched_kernels"]} kernels {row["ms_per_step"]:.2f} ms {row["gb"]:.2f} GB'
+      for part, row in result['by_part'].items()
+    )
+  )
   for row in result['kernels'][: args.top]:
     print(
       f'  {row["ms_per_step"]:7.3f} ms {row["gb"]:7.3f} GB {row["tb_per_s"]:5.2f} TB/s '
-      f'{row["fraction_of_bandwidth"]:4.0%}  {row["kernel"]}'
+      f'{row["fraction_of_bandwidth"]:4.0%}  {row["part"]:10s} {row["kernel"]}'
     )
   if args.out:
     with open(args.out, 'w') as f:

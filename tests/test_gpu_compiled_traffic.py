@@ -119,6 +119,67 @@ def test_profiled_kernels_beside_their_traffic():
   assert found['fraction_of_bandwidth'] == pytest.approx((CAST + 2 * ACTIVATION) / (CAST + 4 * ACTIVATION))
 
 
+# Three fusions over one f32[1024]: the step's own add, a statistic's sum of squares alone, and the
+# step's add fused with a statistic's sum (a multi-output fusion, as XLA makes of a probed activation).
+SCOPED = 'jit(step)/jvp()/instrument_statistics'
+PARTS_MODULE = f"""HloModule jit_step
+
+%plain (p0: f32[1024]) -> f32[1024] {{
+  %p0 = f32[1024]{{0}} parameter(0)
+  ROOT %add.1 = f32[1024]{{0}} add(%p0, %p0), metadata={{op_name="jit(step)/jvp()/add"}}
+}}
+
+%sum_add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%squares (p0: f32[1024]) -> f32[] {{
+  %p0 = f32[1024]{{0}} parameter(0)
+  %sq = f32[1024]{{0}} multiply(%p0, %p0), metadata={{op_name="{SCOPED}/square"}}
+  %zero = f32[] constant(0)
+  ROOT %r = f32[] reduce(%sq, %zero), dimensions={{0}}, to_apply=%sum_add, metadata={{op_name="{SCOPED}/reduce_sum"}}
+}}
+
+%add_and_sum (p0: f32[1024]) -> (f32[1024], f32[]) {{
+  %p0 = f32[1024]{{0}} parameter(0)
+  %add.2 = f32[1024]{{0}} add(%p0, %p0), metadata={{op_name="jit(step)/jvp()/add"}}
+  %zero = f32[] constant(0)
+  %r = f32[] reduce(%add.2, %zero), dimensions={{0}}, to_apply=%sum_add, metadata={{op_name="{SCOPED}/reduce_sum"}}
+  ROOT %t = (f32[1024]{{0}}, f32[]) tuple(%add.2, %r)
+}}
+
+ENTRY %main (x: f32[1024]) -> (f32[1024], f32[], (f32[1024], f32[])) {{
+  %x = f32[1024]{{0}} parameter(0)
+  %own = f32[1024]{{0}} fusion(%x), kind=kLoop, calls=%plain, metadata={{op_name="jit(step)/jvp()/add" deduplicated_name="loop_add_fusion"}}
+  %stat = f32[] fusion(%own), kind=kInput, calls=%squares, metadata={{op_name="{SCOPED}/reduce_sum" deduplicated_name="input_reduce_fusion"}}
+  %both = (f32[1024]{{0}}, f32[]) fusion(%own), kind=kInput, calls=%add_and_sum, metadata={{op_name="jit(step)/jvp()/add" deduplicated_name="input_add_reduce_fusion"}}
+  ROOT %out = (f32[1024]{{0}}, f32[], (f32[1024]{{0}}, f32[])) tuple(%own, %stat, %both)
+}}
+"""  # noqa: E501 (an HLO instruction is one line)
+
+
+def test_kernels_are_told_apart_by_the_statistics_scope():
+  found = hlo_traffic.kernels(PARTS_MODULE)
+  assert {k.name: k.part for k in found} == {'own': 'step', 'stat': 'statistics', 'both': 'mixed'}
+  summary = hlo_traffic.summarize(found, bandwidth_bytes_per_s=1e9)
+  assert {part: row['kernels'] for part, row in summary['by_part'].items()} == {
+    'step': 1,
+    'statistics': 1,
+    'mixed': 1,
+  }
+  assert summary['memory_bound_by_part']['statistics']['gb'] == pytest.approx((4096 + 4) / 1e9)
+  measured = [
+    {'kernel': 'input_reduce_fusion', 'ms_per_step': 0.5},
+    {'kernel': 'input_add_reduce_fusion', 'ms_per_step': 0.25},
+  ]
+  beside = hlo_traffic.beside_profile(found, measured, bandwidth_bytes_per_s=1e12)
+  assert [row['part'] for row in beside['kernels']] == ['statistics', 'mixed']
+  assert beside['by_part']['statistics']['ms_per_step'] == 0.5
+  assert beside['by_part']['step']['matched_kernels'] == 0
+
+
 def test_module_without_entry_is_an_error():
   with pytest.raises(ValueError, match='no ENTRY computation'):
     hlo_traffic.parse('HloModule empty\n')
@@ -172,5 +233,9 @@ def test_tiny_gpt_compiled_for_an_h100(tmp_path):
     assert kinds['pallas']['kernels'] > 0 and kinds['matmul']['kernels'] > 0
     assert (tmp_path / f'{mode}.hlo.txt').exists()
     assert results['modes'][mode]['memory']['total_gib'] > 0
-  # The statistics add traffic to the step.
+  # The statistics add traffic to the step, in kernels of their own and fused into the step's.
   assert results['modes']['return']['memory_bound']['gb'] > results['modes']['off']['memory_bound']['gb']
+  assert results['modes']['off']['by_part']['step']['kernels'] == sum(
+    row['kernels'] for row in results['modes']['off']['by_kind'].values()
+  )
+  assert results['modes']['return']['by_part']['statistics']['kernels'] > 0

@@ -68,6 +68,22 @@ SITES = (EMBEDDING_SITE,) + LAYER_SITES
 ACTIVATION_STATS = stats_lib.FORWARD_STATS + stats_lib.GRAD_STATS
 # instrument.delivery: the statistics table returned from the step, or sent by jax.debug.callback.
 DELIVERIES = ('return', 'callback')
+# The name every operation of the statistics carries in the compiled program's metadata (its op_name):
+# a profile or a program compiled for a GPU then tells the statistics' kernels from the step's own
+# (benchmarks/hlo_traffic.py, which names it too). The taps' rules and the work after the backward pass
+# run inside it.
+STATISTICS_SCOPE = 'instrument_statistics'
+
+
+def statistics_scope(fn: Callable) -> Callable:
+  """`fn` traced inside `jax.named_scope(STATISTICS_SCOPE)`."""
+
+  @functools.wraps(fn)
+  def scoped(*args, **kwargs):
+    with jax.named_scope(STATISTICS_SCOPE):
+      return fn(*args, **kwargs)
+
+  return scoped
 
 
 def instrument_config() -> ml_collections.ConfigDict:
@@ -147,11 +163,13 @@ def _stats_tap(
   return x_BLD
 
 
+@statistics_scope
 def _stats_tap_fwd(site_index, sink_shape, x_BLD, sink, layer, sample_rows):
   del site_index, sink_shape, sink
   return x_BLD, (_forward_row(x_BLD, sample_rows), layer)
 
 
+@statistics_scope
 def _stats_tap_bwd(site_index, sink_shape, sample_rows, residuals, g_BLD):
   forward, layer = residuals
   row = _site_row(forward, g_BLD, sample_rows)
@@ -222,11 +240,13 @@ def _sums_tap(site_index: int, sample_rows: int, x_BLD: jax.Array, layer_sink: j
   return x_BLD
 
 
+@statistics_scope
 def _sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink):
   del site_index, layer_sink
   return x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))
 
 
+@statistics_scope
 def _sums_tap_bwd(site_index, sample_rows, forward_sums_BF, g_BLD):
   grad_sums_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
   return g_BLD, _site_row_ct(site_index, forward_sums_BF, grad_sums_BF)
@@ -269,11 +289,13 @@ def _grad_sums_tap(
   return _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink)[0]
 
 
+@statistics_scope
 def _grad_sums_tap_fwd(site_index, sample_rows, forward_size, x_BLD, layer_sink):
   del site_index, forward_size, layer_sink
   return (x_BLD, _pack(stats_lib.forward_sums(x_BLD, sample_rows))), None
 
 
+@statistics_scope
 def _grad_sums_tap_bwd(site_index, sample_rows, forward_size, residuals, cotangents):
   del residuals
   g_BLD, _ = cotangents  # the sums' cotangent is zero: they only reach the statistics
@@ -296,12 +318,14 @@ def _layer_sums_tap(
   return x_BLD
 
 
+@statistics_scope
 def _layer_sums_tap_fwd(site_index, sample_rows, x_BLD, layer_sink, earlier_SBF):
   del layer_sink
   own_BF = constrain_batch(_pack(stats_lib.forward_sums(x_BLD, sample_rows)))
   return x_BLD, jnp.where(_at_site(site_index), own_BF[None], earlier_SBF)
 
 
+@statistics_scope
 def _layer_sums_tap_bwd(site_index, sample_rows, forward_SBF, g_BLD):
   grad_BF = _pack(stats_lib.grad_sums(g_BLD, sample_rows))
   grad_SBF = jnp.where(_at_site(site_index), grad_BF[None], 0.0)
@@ -370,6 +394,7 @@ def _scanned_sink_probe(
   return ScannedProbe(outside=_sink_probe(sink, sample_rows), per_layer=layer_sink, in_layer=in_layer)
 
 
+@statistics_scope
 def _layer_table(sums_NSBF: jax.Array, like: tuple[dict, dict], tokens: int) -> jax.Array:
   """(depth, LAYER_SITES, ACTIVATION_STATS) statistics from the packed partial sums (depth, LAYER_SITES,
   B, size) the layer sink received (`_sums_tap_bwd`: the forward ones, then the gradient's); `tokens`:
@@ -433,6 +458,7 @@ def _callback_tap(
   return x_BLD
 
 
+@statistics_scope
 def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer, sample_rows):
   # The forward statistics wait, as a few scalars, for the backward rule's callback: one host round
   # trip per site instead of two, and none from the forward pass that remat re-runs in the backward.
@@ -440,6 +466,7 @@ def _callback_tap_fwd(site_index, receiver, x_BLD, step, layer, sample_rows):
   return x_BLD, (_forward_row(x_BLD, sample_rows), step, layer)
 
 
+@statistics_scope
 def _callback_tap_bwd(site_index, receiver, sample_rows, residuals, g_BLD):
   forward, step, layer = residuals
   jax.debug.callback(receiver.receive, step, layer, site_index, _site_row(forward, g_BLD, sample_rows))
@@ -498,7 +525,8 @@ def value_and_grad(
     )(params)
     moments = {}
   if weights:
-    moments['weights'] = stats_lib.weight_grad_stats(*layer_trees(grads), sample_rows=sample_rows)
+    with jax.named_scope(STATISTICS_SCOPE):
+      moments['weights'] = stats_lib.weight_grad_stats(*layer_trees(grads), sample_rows=sample_rows)
   return loss, grads, moments
 
 

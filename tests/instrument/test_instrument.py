@@ -4,6 +4,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import types
 
 import chex
@@ -545,6 +546,31 @@ def test_statistics_match_a_direct_computation():
     row = got[n + 1, SITES.index('ffn_residual')]
     for k, name in enumerate(names):
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
+
+
+def test_the_statistics_operations_carry_their_scope_in_the_compiled_program():
+  """Every operation the statistics add is named STATISTICS_SCOPE in the compiled step's metadata (what
+  benchmarks/hlo_traffic.py reads to tell their kernels from the step's); the plain step has none."""
+  config = tiny_config('gpt', depth=DEPTH)
+  model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
+
+  def loss_fn(params, probe):
+    return nnx.merge(graphdef, params, rest)(tokens, probe=probe).mean()
+
+  def op_names(fn) -> set[str]:
+    hlo = jax.jit(fn).lower(params).compile().as_text()
+    return set(re.findall(r'op_name="([^"]*)"', hlo))
+
+  scoped = f'{probe_lib.STATISTICS_SCOPE}/'
+  instrumented = op_names(lambda p: instrument_lib.value_and_grad(loss_fn, p)[2])
+  assert any(scoped in name for name in instrumented)
+  # The scope covers the statistics of each pass: the forward sums, the gradient's, the weights'.
+  assert any(scoped in name and 'transpose(' not in name for name in instrumented)
+  assert any(scoped in name and 'transpose(' in name for name in instrumented)
+  unprobed = lambda site, x, layer: x  # noqa: E731
+  assert not any(scoped in name for name in op_names(jax.grad(lambda p: loss_fn(p, unprobed))))
 
 
 # Slow (~10 s): by default the sampled table of the partial-sum path is checked against the whole
