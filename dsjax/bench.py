@@ -27,9 +27,10 @@ and class token), L the sequence length, causal attention counted in full. MFU d
 measured matmul peak.
 
 `--profile=DIR` traces 3 more steps with the JAX profiler, prints the device's busy time per step split
-into matmul, attention and other kernels (`KERNEL_KINDS`) with the busiest kernels, and writes the
-step's HLO to DIR/step.hlo.txt. Memory is the compiled step's `memory_analysis()` (and on GPUs the
-device's peak bytes in use). `--json` writes everything printed, with the device, the peak's source and
+into matmul, attention and other kernels (`KERNEL_KINDS`) with the busiest kernels and its idle time
+between kernels by the kernels either side (`idle_gaps`), and writes the step's HLO to
+DIR/step.hlo.txt. Memory is the compiled step's `memory_analysis()` (and on GPUs the device's peak
+bytes in use). `--json` writes everything printed, with the device, the peak's source and
 the git commit of the dsjax source that ran (`recorded_commit`: DSJAX_COMMIT where a caller names the
 commit of a copy it sent, with the copy's own HEAD beside it).
 
@@ -377,6 +378,7 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
   ]
   per_kernel_ns: dict[str, float] = {}
   op_of: dict[str, str] = {}
+  intervals = []  # (start, end, kernel) of the first device's kernels, for its idle time
   for plane in device_planes:
     lines = list(plane.lines)
     streams = [line for line in lines if line.name.startswith('Stream')] or lines
@@ -387,6 +389,8 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
           continue
         per_kernel_ns[event.name] = per_kernel_ns.get(event.name, 0.0) + event.duration_ns
         op_of.setdefault(event.name, hlo_op)
+        if plane is device_planes[0]:
+          intervals.append((event.start_ns, event.start_ns + event.duration_ns, event.name))
   ranked = sorted(per_kernel_ns.items(), key=lambda kv: -kv[1])
   kernels = [
     {'kernel': name[:90], 'hlo_op': op_of[name], 'ms_per_step': ns / num_steps / 1e6} for name, ns in ranked
@@ -395,7 +399,42 @@ def device_time_per_kernel(profile_dir: str, num_steps: int, matmul_hlo_ops: set
     'busy_ms_per_step': sum(per_kernel_ns.values()) / num_steps / 1e6,
     'trace': paths[-1],
     'ms_per_step_by_kind': ms_by_kind(kernels, matmul_hlo_ops),
+    'idle': idle_gaps(intervals, num_steps),
     'kernels': kernels,
+  }
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: int = 10) -> dict:
+  """The device's idle time among its kernels' (start_ns, end_ns, name) intervals, all its streams
+  together: each gap in their union named by the kernel that ended last before it and the one that
+  starts it, summed per such pair over the traced steps (per step), the `top` pairs by time. The traced
+  steps run one by one, so the gaps between them (the host's wait for each step) are among the pairs."""
+  if not intervals:
+    return {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'largest': []}
+  gaps_ns: dict[tuple[str, str], float] = {}
+  counts: dict[tuple[str, str], int] = {}
+  ordered = sorted(intervals)
+  busy_until, last = ordered[0][1], ordered[0][2]
+  for start, end, name in ordered[1:]:
+    if start > busy_until:
+      pair = (last[:60], name[:60])
+      gaps_ns[pair] = gaps_ns.get(pair, 0.0) + start - busy_until
+      counts[pair] = counts.get(pair, 0) + 1
+    if end >= busy_until:
+      busy_until, last = end, name
+  ranked = sorted(gaps_ns.items(), key=lambda kv: -kv[1])[:top]
+  return {
+    'idle_ms_per_step': sum(gaps_ns.values()) / num_steps / 1e6,
+    'gaps_per_step': sum(counts.values()) / num_steps,
+    'largest': [
+      {
+        'after': a,
+        'before': b,
+        'ms_per_step': ns / num_steps / 1e6,
+        'gaps_per_step': counts[a, b] / num_steps,
+      }
+      for (a, b), ns in ranked
+    ],
   }
 
 
@@ -723,6 +762,15 @@ def report(results: dict) -> str:
         f'  {k["ms_per_step"]:8.3f}  {100 * k["ms_per_step"] / p["busy_ms_per_step"]:5.1f}%  '
         f'{k["kernel"]:60s} {k["hlo_op"]}'
         for k in p['kernels'][:REPORTED_KERNELS]
+      ]
+      idle = p['idle']
+      lines.append(
+        f'  idle {idle["idle_ms_per_step"]:.2f} ms per step in {idle["gaps_per_step"]:.0f} gaps (the waits '
+        'between the traced steps among them); the longest, by the kernels either side (ms per step, gaps):'
+      )
+      lines += [
+        f'  {g["ms_per_step"]:8.3f}  {g["gaps_per_step"]:5.1f}  {g["after"]} -> {g["before"]}'
+        for g in idle['largest']
       ]
   return '\n'.join(lines)
 

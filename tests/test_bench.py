@@ -78,6 +78,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert profile['busy_ms_per_step'] > 0 and profile['kernels']
   assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
   assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
+  assert profile['idle']['idle_ms_per_step'] >= 0 and profile['idle']['largest']
   assert 'profile' not in results['modes']['return']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
   # benchmarks/profile_traffic.py finds the profiled kernels in that HLO (reads files only).
@@ -100,6 +101,23 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
 # Slow (20 s): the callback delivery and the stability monitor run by default in tests/instrument/
 # (test_instrument.py, test_monitor.py); this is their rows of the benchmark.
 @pytest.mark.slow
+def test_idle_time_is_the_gaps_in_the_union_of_the_kernels_named_by_their_neighbours():
+  # Two streams over 2 steps: a overlaps b (no gap); c starts 5 after b's end; the second step repeats it,
+  # 10 after the first's end. Gaps: b -> c in each step and c -> a between them, 20 ns over 2 steps.
+  check = """
+from dsjax import bench
+one_step = [(0, 10, 'a'), (4, 12, 'b'), (17, 20, 'c')]
+intervals = one_step + [(start + 30, end + 30, name) for start, end, name in one_step]
+idle = bench.idle_gaps(intervals, num_steps=2)
+assert abs(idle['idle_ms_per_step'] - 10 / 1e6) < 1e-12 and idle['gaps_per_step'] == 1.5, idle
+pairs = [(g['after'], g['before'], g['gaps_per_step']) for g in idle['largest']]
+assert pairs == [('b', 'c', 1.0), ('c', 'a', 0.5)], pairs
+assert bench.idle_gaps([], num_steps=3) == {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'largest': []}
+"""
+  result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+
+
 def test_the_callback_and_monitor_modes_time_their_overhead(tmp_path):
   proc, results = _tiny_benchmark(tmp_path, 'off,callback,monitor')
   assert 'instrumentation overhead (callback)' in proc.stdout
