@@ -110,6 +110,9 @@ bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$ou
 row instrument_host_cost_192 python3 benchmarks/instrument_host_cost.py --set=model.depth=$deep_depth \
   --set=model.width=32 --set=model.num_heads=4 --set=data.seq_len=16 --set=batch_size=2 \
   --set=model.scan_unroll=1 --rounds=$rounds --json="$out/${prefix}_instrument_host_cost_192.json"
+# The GELU kernels at other tile sizes and with the erf left out: on the H200 no tiling took them above
+# 53% of the bandwidth; the erf's share of their time is the open question.
+row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
 bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
@@ -130,9 +133,7 @@ peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written pla
 row instrument_deliveries_gpt2_small python3 benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py \
   "${tiny_gpt_peer[@]}" --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
-# The GELU kernels at other tile sizes, and the fused steps again with the fastest (the JSON's
-# config.gelu_tiles names it); on the H200 no tiling took them above 53% of the bandwidth.
-row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
+# The fused steps again with the GELU kernels' fastest tiling (the JSON's config.gelu_tiles names it).
 tuned gpt2_small_b16_fused_ops_tuned "${gpt2[@]}" "${fused[@]}" --instrument=off
 tuned vit_b16_b128_fused_ops_tuned "${vit[@]}" "${fused[@]}" --instrument=off
 
