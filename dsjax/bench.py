@@ -288,17 +288,22 @@ REPORTED_KERNELS = 30  # in the printed report; the JSON lists every kernel
 
 class ModeSteps:
   """The compiled step of one mode, run from `state` on `batch` as the train loop runs it: each step's
-  moments (modes other than 'off') handed to `collector`, earlier steps' written while this one runs."""
+  moments (modes other than 'off') handed to `collector`, earlier steps' written while this one runs;
+  `collector_s` the host's seconds in the collector after each dispatch (where they exceed the device's
+  step, the host sets the pace)."""
 
   def __init__(self, mode: str, compiled, state, batch, collector):
     self.mode, self.compiled, self.state, self.batch, self.collector = mode, compiled, state, batch, collector
+    self.collector_s: list[float] = []
 
   def dispatch(self, step: int) -> dict:
     """Dispatches step `step`; its metrics (device arrays, not waited for)."""
     self.state, metrics = self.compiled(self.state, self.batch)
     if self.mode != 'off':
+      start = time.perf_counter()
       self.collector.add(step, metrics.pop('moments'))
       self.collector.flush(before_step=step)
+      self.collector_s.append(time.perf_counter() - start)
     return metrics
 
   def one_by_one(self, first: int, count: int) -> list[float]:
@@ -349,6 +354,13 @@ def time_mode(
     'pipelined_step_ms_max': 1e3 * max(pipelined),
     'memory': memory_of(compiled),
   }
+  if steps.collector_s:  # over the timed steps, one by one and pipelined
+    timed_s = steps.collector_s[WARMUP_STEPS:]
+    results |= {
+      'collector_ms_median': 1e3 * statistics.median(timed_s),
+      'collector_ms_min': 1e3 * min(timed_s),
+      'collector_ms_max': 1e3 * max(timed_s),
+    }
   if profile_dir:
     with jax.profiler.trace(profile_dir):
       steps.one_by_one(first + PIPELINED_RUNS * num_steps, PROFILED_STEPS)
@@ -733,6 +745,13 @@ def report(results: dict) -> str:
       f'  instrument {mode:8s} {r["pipelined_step_ms_median"]:9.2f} ms/step (min '
       f'{r["pipelined_step_ms_min"]:.2f}, max {r["pipelined_step_ms_max"]:.2f})  {per_s:12,.0f} {unit}/s'
     )
+  for mode, r in results['modes'].items():
+    if 'collector_ms_median' in r:
+      lines.append(
+        f'  instrument {mode:8s} host in the collector after each dispatch (records, files): '
+        f'{r["collector_ms_median"]:.2f} ms median (min {r["collector_ms_min"]:.2f}, '
+        f'max {r["collector_ms_max"]:.2f})'
+      )
   off = results['modes'].get('off')
   for mode in ('return', 'callback', 'monitor', 'sampled'):
     if off and mode in results['modes']:

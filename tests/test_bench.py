@@ -67,6 +67,12 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   positions = BATCH * SEQ_LEN
   assert results['positions_per_step'] == positions
   assert results['model_flops_per_step'] == (6 * num_params + 12 * DEPTH * WIDTH * SEQ_LEN) * positions
+  # The host's time in the collector after each dispatch, for the instrumented modes only.
+  assert 'collector_ms_median' not in results['modes']['off']
+  for mode in ('return', 'sampled'):
+    r = results['modes'][mode]
+    assert 0 < r['collector_ms_min'] <= r['collector_ms_median'] <= r['collector_ms_max']
+  assert 'host in the collector after each dispatch' in proc.stdout
   for r in results['modes'].values():
     assert r['step_ms_min'] <= r['step_ms_median'] <= r['step_ms_max']
     assert r['pipelined_step_ms_min'] <= r['pipelined_step_ms_median'] <= r['pipelined_step_ms_max']
