@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from dsjax.instrument import probe
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'benchmarks' / 'gpu_compiled_traffic.py'
 sys.path.insert(0, str(ROOT / 'benchmarks'))
@@ -161,6 +163,7 @@ ENTRY %main (x: f32[1024]) -> (f32[1024], f32[], (f32[1024], f32[])) {{
 
 
 def test_kernels_are_told_apart_by_the_statistics_scope():
+  assert hlo_traffic.STATISTICS_SCOPE == probe.STATISTICS_SCOPE  # the name the instrumentation gives
   found = hlo_traffic.kernels(PARTS_MODULE)
   assert {k.name: k.part for k in found} == {'own': 'step', 'stat': 'statistics', 'both': 'mixed'}
   summary = hlo_traffic.summarize(found, bandwidth_bytes_per_s=1e9)
