@@ -329,6 +329,15 @@ class ModeSteps:
     return (time.perf_counter() - start) / count
 
 
+def _ms_spread(name: str, seconds: list[float]) -> dict[str, float]:
+  """{name_median, name_min, name_max} of `seconds`, in milliseconds."""
+  return {
+    f'{name}_median': 1e3 * statistics.median(seconds),
+    f'{name}_min': 1e3 * min(seconds),
+    f'{name}_max': 1e3 * max(seconds),
+  }
+
+
 def time_mode(
   mode: str, step_fn, state, batch, num_steps: int, collector, profile_dir: str | None = None
 ) -> tuple[dict, object]:
@@ -345,22 +354,13 @@ def time_mode(
   pipelined = [steps.pipelined(first + run * num_steps, num_steps) for run in range(PIPELINED_RUNS)]
   results = {
     'compile_s': compile_s,
-    'step_ms_median': 1e3 * statistics.median(times),
-    'step_ms_min': 1e3 * min(times),
-    'step_ms_max': 1e3 * max(times),
+    **_ms_spread('step_ms', times),
     # Per run of `num_steps` pipelined steps, its mean step; the median and min–max of the runs.
-    'pipelined_step_ms_median': 1e3 * statistics.median(pipelined),
-    'pipelined_step_ms_min': 1e3 * min(pipelined),
-    'pipelined_step_ms_max': 1e3 * max(pipelined),
+    **_ms_spread('pipelined_step_ms', pipelined),
     'memory': memory_of(compiled),
   }
   if steps.collector_s:  # over the timed steps, one by one and pipelined
-    timed_s = steps.collector_s[WARMUP_STEPS:]
-    results |= {
-      'collector_ms_median': 1e3 * statistics.median(timed_s),
-      'collector_ms_min': 1e3 * min(timed_s),
-      'collector_ms_max': 1e3 * max(timed_s),
-    }
+    results |= _ms_spread('collector_ms', steps.collector_s[WARMUP_STEPS:])
   if profile_dir:
     with jax.profiler.trace(profile_dir):
       steps.one_by_one(first + PIPELINED_RUNS * num_steps, PROFILED_STEPS)
