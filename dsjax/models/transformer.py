@@ -30,9 +30,10 @@ widths and are not scanned.
 Fused forms (`fused_ops='pallas'`, `dsjax.models.fused_ops`): a layer's first norm and its cast, the
 attention's residual add with the FFN's norm and cast after it (where the layout puts no norm on the stream
 between them: Pre-LN, DNT), and the FFN's bias with its GELU each run as one kernel, computing the math
-written here. The norms' fused forms run only in a step without probes: an instrumented step's probes
-must see the stream between a residual add and the norm that follows it, so that step runs the plain
-norms (the FFN's kernel runs in every step: no probe looks inside the FFN).
+written here. An instrumented step's probes must see the stream between a residual add and the norm that
+follows it, which the residual-norm kernel keeps inside: that step runs the attention's residual add as
+written and keeps the norm-and-cast kernels, each fed the stream a probe has seen (the FFN's kernel runs
+in every step: no probe looks inside the FFN).
 
 Layout: the stream after the embedding and every branch output and residual add keep their batch axis
 on the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning.constrain_batch`; the identity
@@ -208,12 +209,13 @@ class Block(nnx.Module):
     p = self.cfg.dropout
     keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
     scale = self.scales()
-    fused = self.cfg.fused_ops == 'pallas' and probe is no_probe  # (module docstring)
+    fused = self.cfg.fused_ops == 'pallas'
+    fuse_residual_norm = fused and probe is no_probe  # (module docstring)
 
     h_BLD = self.attn(self.branch_input(self.pre_attn_norm, x_BLD, fused), keys[0])
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
     h_BLD = probe('attn_branch', constrain_batch(h_BLD), layer)
-    if fused and self.post_attn_norm is None and self.pre_ffn_norm is not None:
+    if fuse_residual_norm and self.post_attn_norm is None and self.pre_ffn_norm is not None:
       # λ·x + β·h and the FFN's input Norm(λ·x + β·h), as below, in one pass.
       x_BLD, ffn_input_BLD = self.fused_residual_norm(x_BLD, h_BLD, scale['skip_attn'], scale['branch_attn'])
     else:

@@ -548,6 +548,27 @@ def test_statistics_match_a_direct_computation():
       np.testing.assert_allclose(row[k], expected[name], rtol=1e-4, atol=1e-7, err_msg=f'{name} {n}')
 
 
+def test_statistics_with_the_fused_kernels_are_those_of_the_plain_math():
+  """With model.fused_ops='pallas' an instrumented step keeps the norm-and-cast and GELU kernels (run in
+  Pallas' interpreter here): every site's statistics, forward and backward, are those of the plain math
+  up to rounding, the stream between the attention's residual add and its norm included."""
+
+  def table(fused_ops):
+    config = tiny_config('gpt', depth=DEPTH, fused_ops=fused_ops)
+    model = schemes.build_model(config, TEXT_INFO, nnx.Rngs(params=0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(8), (4, 16), 0, 256)
+
+    def loss_fn(params, probe):
+      return nnx.merge(graphdef, params, rest)(tokens, probe=probe).mean()
+
+    return jax.jit(lambda p: instrument_lib.value_and_grad(loss_fn, p)[2]['activations'])(params)
+
+  fused, plain = table('pallas'), table('none')
+  chex.assert_equal_shape([fused, plain])
+  np.testing.assert_allclose(fused, plain, rtol=2e-4, atol=1e-7)
+
+
 def test_the_statistics_operations_carry_their_scope_in_the_compiled_program():
   """Every operation the statistics add is named STATISTICS_SCOPE in the compiled step's metadata (what
   benchmarks/hlo_traffic.py reads to tell their kernels from the step's); the plain step has none."""
