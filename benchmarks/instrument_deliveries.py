@@ -17,8 +17,8 @@ step's median and min–max time, and per round the ratio to 'off' (median and q
 records are also timed on their own (`records_ms`): the train loop makes them while the device runs the
 next step, so the call without them (`ratio_to_off_without_records`) is what an instrumented step costs
 the device, and the records what it costs the host. (With a callback delivery the statistics reach the
-host during the step and are made into records there, in the callback: `records_ms` is then only the part
-after the step.) `--set=model.depth=192` (repeatable) overrides a config key, as
+host during the step; the callback keeps a copy and `Collector.flush` makes the records, so `records_ms`
+times them for every delivery alike.) `--set=model.depth=192` (repeatable) overrides a config key, as
 `--config.model.depth=192` does for the dsjax commands.
 """
 

@@ -8,9 +8,11 @@ monitor (`monitor.Monitor`) when one is given. `add` keeps the device arrays; `f
 them, so an instrumented step never waits for the host: the training loop flushes the moments of
 earlier steps while the current one runs.
 `receive` (one probe site's statistics) and `receive_table` (a step's whole table) are the
-`jax.debug.callback` targets of `instrument.delivery='callback'`: they buffer what arrives (from XLA's
-host-callback thread, in any order) until the next `flush`, which drops any record already seen among
-the two newest steps' (`SEEN_STEPS`): what it remembers for that stays the same size however long a run is.
+`jax.debug.callback` targets of `instrument.delivery='callback'`: they keep what arrives (from XLA's
+host-callback thread, in any order) as arrays until the next `flush`, which makes the records: a callback
+runs while its step waits for it, so it does no more than copy. `flush` drops any record already seen
+among the two newest steps' (`SEEN_STEPS`): what it remembers for that stays the same size however long a
+run is.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import math
 import os
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -92,6 +94,13 @@ def first_nonfinite(moments: Moments) -> tuple[str, str, str] | None:
   return ('embedding' if layer == NO_LAYER else str(layer)), site, stat
 
 
+def site_records(step: int, layer: int, site_index: int, values: np.ndarray) -> list[tuple[Key, float]]:
+  """The records of one probe site's statistics (in ACTIVATION_STATS order), as `receive` gets them; the
+  embedding site has layer −1 = NO_LAYER."""
+  key = (step, layer, SITES[site_index])
+  return [(key + (name,), float(value)) for name, value in zip(ACTIVATION_STATS, values)]
+
+
 def moments_to_records(step: int, moments: Moments) -> Iterable[tuple[Key, float]]:
   """The (key, value) records of one step's moments (host numpy arrays, see `probe.Moments`)."""
   if 'activations' in moments:  # Absent with delivery='callback': those arrive through `receive`.
@@ -138,7 +147,8 @@ class Collector:
     self.num_duplicates = 0
     self._seen: dict[int, set[Key]] = collections.defaultdict(set)  # step -> its keys seen
     self._pending: list[tuple[int, Moments]] = []
-    self._received: list[tuple[Key, float]] = []
+    # What the callbacks delivered since the last flush, each with the function that makes its records.
+    self._received: list[Callable[[], Iterable[tuple[Key, float]]]] = []
     self._lock = threading.Lock()
     self._jsonl = self._tensorboard = None
     if workdir is not None and enabled:
@@ -159,20 +169,19 @@ class Collector:
 
   def receive(self, step, layer, site_index, values):
     """`jax.debug.callback` target: one site's statistics, in ACTIVATION_STATS order."""
-    if not self.enabled:
-      return
-    key = (int(step), int(layer), SITES[int(site_index)])  # The embedding site sends layer −1 = NO_LAYER.
-    self._buffer([(key + (name,), float(value)) for name, value in zip(ACTIVATION_STATS, np.asarray(values))])
+    if self.enabled:
+      self._keep(functools.partial(site_records, int(step), int(layer), int(site_index), np.array(values)))
 
   def receive_table(self, step, table):
     """`jax.debug.callback` target: the (depth + 1, sites, statistics) table of loop step `step`."""
     if self.enabled:
-      self._buffer(list(moments_to_records(int(step), {'activations': np.asarray(table)})))
+      self._keep(functools.partial(moments_to_records, int(step), {'activations': np.array(table)}))
 
-  def _buffer(self, records: list[tuple[Key, float]]):
-    """Keeps what a callback delivered (on XLA's host-callback thread) for the next `flush`."""
+  def _keep(self, make_records: Callable[[], Iterable[tuple[Key, float]]]):
+    """Keeps what a callback delivered (on XLA's host-callback thread; a copy, since XLA may reuse the
+    buffer) for the next `flush`, which makes its records: a callback's step waits for it to return."""
     with self._lock:
-      self._received.extend(records)
+      self._received.append(make_records)
 
   def flush(self, before_step: int | None = None) -> list[dict[str, Any]]:
     """Fetches and writes the queued moments of steps < `before_step` (all if None), and everything
@@ -184,7 +193,7 @@ class Collector:
     with self._lock:
       received, self._received = self._received, []
     new = []
-    for key, value in received + [
+    for key, value in [r for make_records in received for r in make_records()] + [
       r for step, moments in ready for r in moments_to_records(step, jax.device_get(moments))
     ]:
       seen = self._seen[key[0]]

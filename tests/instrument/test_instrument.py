@@ -1,5 +1,6 @@
 """Instrumentation tests: statistics against numpy, exactly-once delivery, off-means-off, the collector."""
 
+import collections
 import contextlib
 import functools
 import json
@@ -16,6 +17,7 @@ from flax import nnx
 
 from dsjax import instrument as instrument_lib
 from dsjax import schemes
+from dsjax.instrument import collector as collector_lib
 from dsjax.instrument import probe as probe_lib
 from dsjax.instrument import stats as stats_lib
 from dsjax.instrument.probe import LAYER_SITES, SITES
@@ -323,6 +325,35 @@ def test_collector_remembers_the_keys_of_its_newest_steps_only():
   table = _fake_moments(depth=2)['activations']
   collector.receive(49, 0, SITES.index('attn_branch'), table[1, SITES.index('attn_branch')])
   assert collector.flush() == [] and collector.num_duplicates == len(probe_lib.ACTIVATION_STATS)
+
+
+def test_a_callback_keeps_a_copy_and_the_flush_makes_its_records(monkeypatch):
+  """A callback's step waits for it, so `receive` and `receive_table` only keep a copy of what arrived
+  (XLA may reuse the buffer once the callback returns); `flush` makes the records of it."""
+  table = np.asarray(_fake_moments(depth=2)['activations'], np.float32)
+  expected = {(r['layer'], r['site'], r['stat']): r['value'] for r in _records_of(table)}
+  made = []
+  for name in ('moments_to_records', 'site_records'):
+    make = getattr(collector_lib, name)
+    monkeypatch.setattr(collector_lib, name, lambda *a, make=make: made.append(1) or make(*a))
+  collector = instrument_lib.Collector()
+  collector.receive_table(np.int32(5), table)
+  site = SITES.index('ffn_branch')
+  row = table[2, site].copy()
+  collector.receive(np.int32(6), np.int32(1), np.int32(site), row)
+  assert not made  # nothing made in the callbacks
+  table[...], row[...] = -7.0, -7.0  # the buffers reused
+  by_step = collections.defaultdict(dict)
+  for r in collector.flush():
+    by_step[r['step']][r['layer'], r['site'], r['stat']] = r['value']
+  assert len(made) == 2 and by_step[5] == expected
+  assert by_step[6] == {key: v for key, v in expected.items() if key[:2] == (1, 'ffn_branch')}
+
+
+def _records_of(table):
+  collector = instrument_lib.Collector()
+  collector.add(0, {'activations': table.copy()})
+  return collector.flush()
 
 
 def test_a_jsonl_line_is_json_dumps_of_its_record_byte_for_byte():

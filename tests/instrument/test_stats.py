@@ -263,7 +263,7 @@ def test_default_is_whole_tensors():
 @pytest.mark.slow
 def test_the_training_loop_samples_when_configured(tmp_path):
   """instrument.sample_rows reaches the loop's instrumented step: the same records as on whole tensors,
-  max |x| and the weight-gradient norms equal, the sampled statistics not."""
+  max |x| equal and the weight-gradient norms equal up to rounding, the sampled statistics not."""
   from dsjax.train import loop
 
   records = {}
@@ -276,6 +276,10 @@ def test_the_training_loop_samples_when_configured(tmp_path):
     records[rows] = {(r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in moments}
   whole, sampled = records[0], records[32]
   assert whole.keys() == sampled.keys()
-  exact = [k for k in whole if k[3] in ('max_abs', 'grad_norm')]
-  assert exact and all(sampled[k] == whole[k] for k in exact)
+  # Both from whole tensors: a maximum is exact; a norm is a sum, whose order XLA may choose differently in
+  # the two compiled steps (a last-bit difference under the test suite's XLA flags).
+  max_abs = [k for k in whole if k[3] == 'max_abs']
+  assert max_abs and all(sampled[k] == whole[k] for k in max_abs)
+  norms = [k for k in whole if k[3] == 'grad_norm']
+  assert norms and all(np.isclose(sampled[k], whole[k], rtol=1e-6, atol=0) for k in norms)
   assert any(sampled[k] != whole[k] for k in whole if k[3] == 'var')
