@@ -420,9 +420,11 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
   """The device's idle time among its kernels' (start_ns, end_ns, name) intervals, all its streams
   together: each gap in their union named by the kernel that ended last before it and the one that
   starts it, summed per such pair over the traced steps (per step), the `top` pairs by time. The traced
-  steps run one by one, so the gaps between them (the host's wait for each step) are among the pairs."""
+  steps run one by one, so the gaps between them (the host's wait for each step) are among the pairs.
+  `kernels_per_step`: how many kernels ran, so that idle time spread over many small gaps can be read as
+  a cost per kernel boundary (a launch inside a CUDA graph) rather than a wait."""
   if not intervals:
-    return {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'largest': []}
+    return {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'kernels_per_step': 0.0, 'largest': []}
   gaps_ns: dict[tuple[str, str], float] = {}
   counts: dict[tuple[str, str], int] = {}
   ordered = sorted(intervals)
@@ -438,6 +440,7 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
   return {
     'idle_ms_per_step': sum(gaps_ns.values()) / num_steps / 1e6,
     'gaps_per_step': sum(counts.values()) / num_steps,
+    'kernels_per_step': len(intervals) / num_steps,
     'largest': [
       {
         'after': a,
@@ -784,8 +787,9 @@ def report(results: dict) -> str:
       ]
       idle = p['idle']
       lines.append(
-        f'  idle {idle["idle_ms_per_step"]:.2f} ms per step in {idle["gaps_per_step"]:.0f} gaps (the waits '
-        'between the traced steps among them); the longest, by the kernels either side (ms per step, gaps):'
+        f'  idle {idle["idle_ms_per_step"]:.2f} ms per step in {idle["gaps_per_step"]:.0f} gaps among '
+        f'{idle["kernels_per_step"]:.0f} kernels (the waits between the traced steps among them); the '
+        'longest, by the kernels either side (ms per step, gaps):'
       )
       lines += [
         f'  {g["ms_per_step"]:8.3f}  {g["gaps_per_step"]:5.1f}  {g["after"]} -> {g["before"]}'

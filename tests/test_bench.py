@@ -85,6 +85,7 @@ def test_a_tiny_benchmark_writes_its_numbers(tmp_path):
   assert math.isclose(sum(profile['ms_per_step_by_kind'].values()), profile['busy_ms_per_step'])
   assert profile['ms_per_step_by_kind']['matmul'] > 0  # the CPU's ops that contain a dot
   assert profile['idle']['idle_ms_per_step'] >= 0 and profile['idle']['largest']
+  assert profile['idle']['kernels_per_step'] >= len(profile['kernels']) / 3  # (3 traced steps)
   assert 'profile' not in results['modes']['return']
   assert (tmp_path / 'profile' / 'step.hlo.txt').read_text().startswith('HloModule')
   # benchmarks/profile_traffic.py finds the profiled kernels in that HLO (reads files only).
@@ -116,9 +117,12 @@ one_step = [(0, 10, 'a'), (4, 12, 'b'), (17, 20, 'c')]
 intervals = one_step + [(start + 30, end + 30, name) for start, end, name in one_step]
 idle = bench.idle_gaps(intervals, num_steps=2)
 assert abs(idle['idle_ms_per_step'] - 10 / 1e6) < 1e-12 and idle['gaps_per_step'] == 1.5, idle
+assert idle['kernels_per_step'] == 3, idle
 pairs = [(g['after'], g['before'], g['gaps_per_step']) for g in idle['largest']]
 assert pairs == [('b', 'c', 1.0), ('c', 'a', 0.5)], pairs
-assert bench.idle_gaps([], num_steps=3) == {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'largest': []}
+assert bench.idle_gaps([], num_steps=3) == {
+  'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'kernels_per_step': 0.0, 'largest': []
+}
 """
   result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
