@@ -422,9 +422,17 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
   starts it, summed per such pair over the traced steps (per step), the `top` pairs by time. The traced
   steps run one by one, so the gaps between them (the host's wait for each step) are among the pairs.
   `kernels_per_step`: how many kernels ran, so that idle time spread over many small gaps can be read as
-  a cost per kernel boundary (a launch inside a CUDA graph) rather than a wait."""
+  a cost per kernel boundary (a launch inside a CUDA graph) rather than a wait; `idle_ms_per_step_by_gap`
+  splits the idle time by the length of its gaps (`GAP_BOUNDS_US`) to tell the two apart."""
+  by_gap = {label: 0.0 for label in _gap_labels()}
   if not intervals:
-    return {'idle_ms_per_step': 0.0, 'gaps_per_step': 0.0, 'kernels_per_step': 0.0, 'largest': []}
+    return {
+      'idle_ms_per_step': 0.0,
+      'gaps_per_step': 0.0,
+      'kernels_per_step': 0.0,
+      'idle_ms_per_step_by_gap': by_gap,
+      'largest': [],
+    }
   gaps_ns: dict[tuple[str, str], float] = {}
   counts: dict[tuple[str, str], int] = {}
   ordered = sorted(intervals)
@@ -434,6 +442,7 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
       pair = (last[:60], name[:60])
       gaps_ns[pair] = gaps_ns.get(pair, 0.0) + start - busy_until
       counts[pair] = counts.get(pair, 0) + 1
+      by_gap[_gap_label(start - busy_until)] += (start - busy_until) / num_steps / 1e6
     if end >= busy_until:
       busy_until, last = end, name
   ranked = sorted(gaps_ns.items(), key=lambda kv: -kv[1])[:top]
@@ -441,6 +450,7 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
     'idle_ms_per_step': sum(gaps_ns.values()) / num_steps / 1e6,
     'gaps_per_step': sum(counts.values()) / num_steps,
     'kernels_per_step': len(intervals) / num_steps,
+    'idle_ms_per_step_by_gap': by_gap,
     'largest': [
       {
         'after': a,
@@ -451,6 +461,22 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
       for (a, b), ns in ranked
     ],
   }
+
+
+# Upper bounds (µs) of the gap lengths `idle_gaps` totals the idle time by: a few µs is the gap a CUDA
+# graph leaves between two dependent kernels; tens of µs and more, a wait (for the host, a copy, a sync).
+GAP_BOUNDS_US = (2, 5, 10, 50, 1000)
+
+
+def _gap_labels() -> list[str]:
+  return [f'<{b}us' for b in GAP_BOUNDS_US] + [f'>={GAP_BOUNDS_US[-1]}us']
+
+
+def _gap_label(gap_ns: float) -> str:
+  for bound, label in zip(GAP_BOUNDS_US, _gap_labels()):
+    if gap_ns < bound * 1e3:
+      return label
+  return _gap_labels()[-1]
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's
@@ -788,8 +814,10 @@ def report(results: dict) -> str:
       idle = p['idle']
       lines.append(
         f'  idle {idle["idle_ms_per_step"]:.2f} ms per step in {idle["gaps_per_step"]:.0f} gaps among '
-        f'{idle["kernels_per_step"]:.0f} kernels (the waits between the traced steps among them); the '
-        'longest, by the kernels either side (ms per step, gaps):'
+        f'{idle["kernels_per_step"]:.0f} kernels (the waits between the traced steps among them); by gap '
+        'length: '
+        + ', '.join(f'{label} {ms:.2f} ms' for label, ms in idle['idle_ms_per_step_by_gap'].items())
+        + '; the longest, by the kernels either side (ms per step, gaps):'
       )
       lines += [
         f'  {g["ms_per_step"]:8.3f}  {g["gaps_per_step"]:5.1f}  {g["after"]} -> {g["before"]}'
