@@ -451,14 +451,14 @@ def _expected_keys(steps):
 
 
 @functools.cache
-def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
+def _run_instrumented(remat, num_devices, delivery='return', per_site=True, fused_ops='auto'):
   """Two instrumented train steps (loop steps 1 and 2) under jit + scan + grad, into one collector;
   the per-site statistics returned from the step or sent by jax.debug.callback (per probe site, or
   the whole table once per step)."""
   collector = instrument_lib.Collector()
   receiver = collector if delivery == 'callback' else None
   step_fn, state, batch = _train_setup(
-    remat, instrument=True, moments_receiver=receiver, moments_per_site=per_site
+    remat, instrument=True, moments_receiver=receiver, moments_per_site=per_site, fused_ops=fused_ops
   )
   if num_devices == 1:
     jitted, mesh_context = jax.jit(step_fn), contextlib.nullcontext()
@@ -470,7 +470,7 @@ def _run_instrumented(remat, num_devices, delivery='return', per_site=True):
       in_shardings=(state_sh, sharding_lib.batch_sharding(mesh)),
       out_shardings=(state_sh, sharding_lib.replicated(mesh)),
     )
-    state, mesh_context = jax.device_put(state, state_sh), jax.set_mesh(mesh)
+    state, mesh_context = jax.device_put(state, state_sh), sharding_lib.use_mesh(mesh)  # as the loop does
   with mesh_context:
     for step in (1, 2):
       state, metrics = jitted(state, batch)
@@ -543,6 +543,20 @@ def test_statistics_do_not_depend_on_mesh_or_remat():
     assert one.keys() == other.keys()
     for key in one:
       np.testing.assert_allclose(other[key], one[key], rtol=2e-3, atol=1e-12, err_msg=str(key))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason='needs 8 devices (the CPU simulates them)')
+def test_statistics_on_a_mesh_with_the_kernels_are_those_on_one_device_without():
+  """The norm-and-cast and GELU kernels in an instrumented step run per device on a mesh (Pallas'
+  interpreter here): the same statistics as the plain math on one device."""
+  one = {(r['step'], r['layer'], r['site'], r['stat']): r['value'] for r in _returned('none', 1).records}
+  mesh = {
+    (r['step'], r['layer'], r['site'], r['stat']): r['value']
+    for r in _run_instrumented('none', 8, fused_ops='pallas').records
+  }
+  assert one.keys() == mesh.keys()
+  for key in one:
+    np.testing.assert_allclose(mesh[key], one[key], rtol=2e-3, atol=1e-12, err_msg=str(key))
 
 
 def test_statistics_match_a_direct_computation():
