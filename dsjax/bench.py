@@ -28,7 +28,8 @@ measured matmul peak.
 
 `--profile=DIR` traces 3 more steps with the JAX profiler, prints the device's busy time per step split
 into matmul, attention and other kernels (`KERNEL_KINDS`) with the busiest kernels and its idle time
-between kernels by the kernels either side (`idle_gaps`), and writes the step's HLO to
+between kernels by the kernels either side and by the gaps' length, beside the kernels per step
+(`idle_gaps`), and writes the step's HLO to
 DIR/step.hlo.txt. Memory is the compiled step's `memory_analysis()` (and on GPUs the device's peak
 bytes in use). `--json` writes everything printed, with the device, the peak's source and
 the git commit of the dsjax source that ran (`recorded_commit`: DSJAX_COMMIT where a caller names the
