@@ -424,26 +424,18 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
   steps run one by one, so the gaps between them (the host's wait for each step) are among the pairs.
   `kernels_per_step`: how many kernels ran, so that idle time spread over many small gaps can be read as
   a cost per kernel boundary (a launch inside a CUDA graph) rather than a wait; `idle_ms_per_step_by_gap`
-  splits the idle time by the length of its gaps (`GAP_BOUNDS_US`) to tell the two apart."""
-  by_gap = {label: 0.0 for label in _gap_labels()}
-  if not intervals:
-    return {
-      'idle_ms_per_step': 0.0,
-      'gaps_per_step': 0.0,
-      'kernels_per_step': 0.0,
-      'idle_ms_per_step_by_gap': by_gap,
-      'largest': [],
-    }
+  splits the idle time by the length of its gaps (`GAP_LABELS`) to tell the two apart."""
   gaps_ns: dict[tuple[str, str], float] = {}
   counts: dict[tuple[str, str], int] = {}
+  by_gap_ns = dict.fromkeys(GAP_LABELS, 0.0)
   ordered = sorted(intervals)
-  busy_until, last = ordered[0][1], ordered[0][2]
+  busy_until, last = (ordered[0][1], ordered[0][2]) if ordered else (0.0, '')
   for start, end, name in ordered[1:]:
     if start > busy_until:
-      pair = (last[:60], name[:60])
-      gaps_ns[pair] = gaps_ns.get(pair, 0.0) + start - busy_until
+      pair, gap_ns = (last[:60], name[:60]), start - busy_until
+      gaps_ns[pair] = gaps_ns.get(pair, 0.0) + gap_ns
       counts[pair] = counts.get(pair, 0) + 1
-      by_gap[_gap_label(start - busy_until)] += (start - busy_until) / num_steps / 1e6
+      by_gap_ns[_gap_label(gap_ns)] += gap_ns
     if end >= busy_until:
       busy_until, last = end, name
   ranked = sorted(gaps_ns.items(), key=lambda kv: -kv[1])[:top]
@@ -451,7 +443,7 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
     'idle_ms_per_step': sum(gaps_ns.values()) / num_steps / 1e6,
     'gaps_per_step': sum(counts.values()) / num_steps,
     'kernels_per_step': len(intervals) / num_steps,
-    'idle_ms_per_step_by_gap': by_gap,
+    'idle_ms_per_step_by_gap': {label: ns / num_steps / 1e6 for label, ns in by_gap_ns.items()},
     'largest': [
       {
         'after': a,
@@ -467,17 +459,12 @@ def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: in
 # Upper bounds (µs) of the gap lengths `idle_gaps` totals the idle time by: a few µs is the gap a CUDA
 # graph leaves between two dependent kernels; tens of µs and more, a wait (for the host, a copy, a sync).
 GAP_BOUNDS_US = (2, 5, 10, 50, 1000)
-
-
-def _gap_labels() -> list[str]:
-  return [f'<{b}us' for b in GAP_BOUNDS_US] + [f'>={GAP_BOUNDS_US[-1]}us']
+GAP_LABELS = tuple(f'<{b}us' for b in GAP_BOUNDS_US) + (f'>={GAP_BOUNDS_US[-1]}us',)
 
 
 def _gap_label(gap_ns: float) -> str:
-  for bound, label in zip(GAP_BOUNDS_US, _gap_labels()):
-    if gap_ns < bound * 1e3:
-      return label
-  return _gap_labels()[-1]
+  shorter = (label for bound, label in zip(GAP_BOUNDS_US, GAP_LABELS) if gap_ns < bound * 1e3)
+  return next(shorter, GAP_LABELS[-1])
 
 
 # Kernel kinds by name: cuBLAS (nvjet, cutlass, xmma) and XLA's Triton GEMM fusions are matmuls; cuDNN's

@@ -119,7 +119,7 @@ idle = bench.idle_gaps(intervals, num_steps=2)
 assert abs(idle['idle_ms_per_step'] - 10 / 1e6) < 1e-12 and idle['gaps_per_step'] == 1.5, idle
 assert idle['kernels_per_step'] == 3, idle
 # The gaps are 5, 5 and 10 ns long: all under 2 us.
-assert idle['idle_ms_per_step_by_gap'] == {**dict.fromkeys(bench._gap_labels(), 0.0), '<2us': 10 / 1e6}, idle
+assert idle['idle_ms_per_step_by_gap'] == {**dict.fromkeys(bench.GAP_LABELS, 0.0), '<2us': 10 / 1e6}, idle
 assert bench._gap_label(2_000) == '<5us' and bench._gap_label(5e6) == '>=1000us'
 pairs = [(g['after'], g['before'], g['gaps_per_step']) for g in idle['largest']]
 assert pairs == [('b', 'c', 1.0), ('c', 'a', 0.5)], pairs
