@@ -2,13 +2,14 @@ r"""The fused bias + GELU kernels (`dsjax.models.fused_ops`) at other tile sizes
 XLA's own fusions of the same math: which sizes bring the two kernels nearer the memory bandwidth.
 
   python benchmarks/gpu_gelu_tiles.py [--rows=16384] [--cols=3072] [--dtype=bfloat16] [--repeats=50]
-                                      [--json=FILE] [--tiny]
+                                      [--grid] [--json=FILE] [--tiny]
 
 On an H200 the GELU's kernels ran at 50% (backward) and 58% (forward) of the bandwidth in GPT-2 small's
-step, where the norms' backward kernel reached 88% (benchmarks/README.md). For each tiling in the grid
-(`fused_ops.GeluTiles`: elements per block, columns per block, backward programs at most, warps) this
-compiles GELU(z + b) forward, and forward with backward (`jax.vjp`), at the shape of GPT-2 small's FFN
-(batch 16 × 1024 positions, 3072 hidden units; ViT-B/16's is 25216 × 3072), checks the result against
+step, where the norms' backward kernel reached 88% (benchmarks/README.md). For the current tiling and,
+with `--grid`, each tiling in the grid around it (`fused_ops.GeluTiles`: elements per block, columns
+per block, backward programs at most, warps) this compiles GELU(z + b) forward, and forward with
+backward (`jax.vjp`), at the shape of GPT-2 small's FFN (batch 16 × 1024 positions, 3072 hidden units;
+ViT-B/16's is 25216 × 3072), checks the result against
 the plain math, and times each: the median (and min–max) over `--repeats` timings of 10 calls issued
 back to back and waited for once, per call, after 3 warm-up calls, so that no call waits for the host.
 The bandwidth counts the forward pass as reading z and writing the activation, the backward (the
@@ -20,7 +21,10 @@ On the H200 no tiling took the kernels above 53% of the bandwidth, and XLA's own
 same erf ran at 40%: the per-element arithmetic of the exact erf (a rational function with a float32
 division) may be what holds both. So two more rows time the same kernels with the erf left out (`erf`
 replaced by one multiply: wrong values, timing only; `erf_left_out` in the JSON), the default tiling's
-and XLA's: the difference is the erf's share of each kernel's time.
+and XLA's: the difference is the erf's share of each kernel's time. And one row times the current
+tiling with `fused_ops.GELU_FMA` on (`fma`, checked against the plain math as the tilings are): compiled
+for an H200, the kernels' arithmetic is then some two thirds of the instructions per element
+(benchmarks/gpu_kernel_instructions.py).
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ WARMUP = 3
 CALLS_PER_TIMING = 10
 
 
-def tilings(tiny: bool) -> list[fused_ops.GeluTiles]:
-  """The current tiling first, then the grid around it."""
+def tilings(tiny: bool, grid: bool) -> list[fused_ops.GeluTiles]:
+  """The current tiling first, then (`--grid`) the grid around it."""
   current = fused_ops.gelu_tiles()
   if tiny:
     return [current, fused_ops.GeluTiles(256, 64, 2, 4)]
+  if not grid:
+    return [current]
   grid = itertools.product((4096, 8192, 16384), (512, 1024), (256, 1024), (4, 8))
   return [current] + [tiles for tiles in itertools.starmap(fused_ops.GeluTiles, grid) if tiles != current]
 
@@ -115,6 +121,26 @@ def erf_left_out_rows(args, repeats: int) -> dict:
   return {'pallas_default_tiling': kernels, 'xla': measure(bias_gelu_without_erf, args, repeats)}
 
 
+def fma_row(args, repeats: int) -> dict:
+  """The current tiling's kernels with `fused_ops.GELU_FMA` on (a·b + c as one fused multiply-add
+  where the kernels are compiled for a GPU; in the interpreter the same arithmetic as without)."""
+  fused_ops.GELU_FMA = True
+  try:  # a new function, so that no trace without the fused multiply-adds is reused
+    return measure(lambda z, b: fused_ops.bias_gelu(z, b), args, repeats)
+  finally:
+    fused_ops.GELU_FMA = False
+
+
+def max_relative_difference(outputs, reference_outputs) -> float:
+  """Of each output (activation, z's gradient, the bias gradient), the largest difference over its
+  largest value: the same function up to rounding (the kernel's float32 sum and GELU, stored in the
+  array's dtype)."""
+  return max(
+    float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
+    for a, b in zip(outputs, reference_outputs)
+  )
+
+
 def bandwidth(row: dict, nbytes: int, device_bandwidth: float | None) -> dict:
   forward_s = row['forward']['median_ms'] / 1e3
   # The backward pass by difference; below a microsecond the two timings cannot separate it.
@@ -136,6 +162,7 @@ def main():
   parser.add_argument('--repeats', type=int, default=50)
   parser.add_argument('--json', default=None)
   parser.add_argument('--tiny', action='store_true')
+  parser.add_argument('--grid', action='store_true', help='Also time the grid of tilings around the current.')
   args = parser.parse_args()
   if min(args.rows, args.cols, args.repeats) < 1:
     parser.error('--rows, --cols and --repeats must be positive')
@@ -164,7 +191,7 @@ def main():
     )
 
   report("XLA's fusions (the plain math)", reference)
-  for tiles in tilings(args.tiny):
+  for tiles in tilings(args.tiny, args.grid):
     sizes = list(dataclasses.astuple(tiles))
     fused_ops.GELU_TILES = tiles
     try:  # A new function per tiling, so that no trace of another tiling is reused.
@@ -175,14 +202,12 @@ def main():
       continue
     finally:
       fused_ops.GELU_TILES = None
-    # The same function up to rounding (the kernel's float32 sum and GELU, stored in `dtype`): of each
-    # output (activation, z's gradient, the bias gradient), the largest difference over its largest value.
-    row['max_relative_difference'] = max(
-      float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
-      for a, b in zip(row['outputs'], reference['outputs'])
-    )
+    row['max_relative_difference'] = max_relative_difference(row.pop('outputs'), reference['outputs'])
     report(str(sizes), row)
-    results.append({'tiles': sizes, **{k: v for k, v in row.items() if k != 'outputs'}})
+    results.append({'tiles': sizes, **row})
+  fma = fma_row((z, bias, da), repeats)
+  fma['max_relative_difference'] = max_relative_difference(fma.pop('outputs'), reference['outputs'])
+  report('current tiling, fused multiply-adds', fma)
   reference.pop('outputs')
   erf_left_out = erf_left_out_rows((z, bias, da), repeats)
   for name, row in erf_left_out.items():
@@ -201,6 +226,7 @@ def main():
     'repeats': repeats,
     'xla': reference,
     'tilings': results,
+    'fma': {'tiles': list(dataclasses.astuple(fused_ops.gelu_tiles())), **fma},
     'erf_left_out': erf_left_out,
     'fastest': min(
       (r for r in results if 'error' not in r), key=lambda r: r['forward_backward']['median_ms']

@@ -117,6 +117,12 @@ def _check_gelu_tiles(values) -> bool:
 
 
 flags.register_validator('gelu_tiles', _check_gelu_tiles)
+_GELU_FMA = flags.DEFINE_bool(
+  'gelu_fma',
+  False,
+  "With model.fused_ops=pallas: the fused GELU kernels' multiply-adds as fused multiply-adds "
+  '(fused_ops.GELU_FMA; default: as that constant says).',
+)
 _JSON = flags.DEFINE_string('json', None, 'Also write the results to this JSON file.')
 _PROFILE = flags.DEFINE_string(
   'profile',
@@ -151,6 +157,14 @@ def fused_gelu_tiles(model_config) -> list[int] | None:
   if models.fused_ops_implementation(model_config) != 'pallas':
     return None
   return list(dataclasses.astuple(fused_ops.gelu_tiles()))
+
+
+def fused_gelu_fma(model_config) -> bool | None:
+  """Whether the fused GELU kernels the step runs use fused multiply-adds (`fused_ops.GELU_FMA`), None
+  without them."""
+  if models.fused_ops_implementation(model_config) != 'pallas':
+    return None
+  return fused_ops.GELU_FMA
 
 
 def check_args(config, modes: list[str], inputs: str):
@@ -640,6 +654,7 @@ def run_benchmark(
       'attention': '+'.join(models.attention_implementations(setup.abstract_model)),
       'fused_ops': models.fused_ops_implementation(config.model),
       'gelu_tiles': fused_gelu_tiles(config.model),
+      'gelu_fma': fused_gelu_fma(config.model),
       'remat': config.model.remat,
       'scan_layers': config.model.scan_layers,
       'scan_unroll': config.model.scan_unroll,
@@ -818,10 +833,10 @@ def main(argv):
   del argv
   config = _CONFIG.value
   json_path, profile_dir = _JSON.value, _PROFILE.value
-  if _GELU_TILES.value and models.fused_ops_implementation(config.model) != 'pallas':
-    raise ValueError(
-      '--gelu_tiles needs the fused kernels: --config.model.fused_ops=pallas (or auto, where it takes them)'
-    )
+  for flag in (_GELU_TILES, _GELU_FMA):
+    if flag.value and models.fused_ops_implementation(config.model) != 'pallas':
+      needs = '--config.model.fused_ops=pallas (or auto, where it takes them)'
+      raise ValueError(f'--{flag.name} needs the fused kernels: {needs}')
   # The outputs are created before the measurement (and removed again if the program fails).
   if json_path:
     if os.path.basename(json_path) in history_lib.FILES:  # e.g. a run's config.json
@@ -831,6 +846,8 @@ def main(argv):
     cli.create_output_dir('--profile', os.path.abspath(profile_dir))
   if _GELU_TILES.value:
     fused_ops.GELU_TILES = _gelu_tiles_or_error(_GELU_TILES.value)
+  if _GELU_FMA.value:
+    fused_ops.GELU_FMA = True
   if tuple(config.mesh.shape) != tuple(sharding_lib.mesh_config().shape):
     print(f'note: mesh.shape {tuple(config.mesh.shape)} is not used: the benchmark times one device')
   with tempfile.TemporaryDirectory() as workdir:

@@ -172,6 +172,17 @@ def test_a_bad_gelu_tiling_is_one_line_and_writes_nothing(tmp_path, tiles, expec
   assert not out.exists()
 
 
+def test_fused_multiply_adds_without_the_fused_kernels_are_one_line_and_write_nothing(tmp_path):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  command = [*TINY_BENCH, '--gelu_fma', f'--json={out}']
+  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+  assert refused.returncode == 2 and 'Traceback' not in refused.stderr
+  needs = '--config.model.fused_ops=pallas (or auto, where it takes them)'
+  assert refused.stderr.strip().splitlines()[-1].endswith(f'--gelu_fma needs the fused kernels: {needs}')
+  assert not out.exists()
+
+
 def test_peak_lookup_takes_the_longest_matching_device_kind():
   check = """
 import types

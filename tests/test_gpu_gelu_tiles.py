@@ -1,6 +1,6 @@
 """`benchmarks/gpu_gelu_tiles.py` at its tiny size on the CPU (the kernels in Pallas' interpreter): every
-tiling is checked against the plain math and timed, the JSON names the fastest, and the rows with the
-erf left out are timed."""
+tiling is checked against the plain math and timed, the JSON names the fastest, and the rows with
+fused multiply-adds and with the erf left out are timed."""
 
 import json
 
@@ -18,6 +18,8 @@ def test_the_tiny_grid_runs_and_matches_the_plain_math(tmp_path):
     assert row['max_relative_difference'] < 0.02  # bfloat16 outputs of the same float32 math
     assert row['forward']['median_ms'] > 0 and row['forward_backward']['median_ms'] > 0
   assert results['xla']['forward']['median_ms'] > 0
+  # The current tiling with fused multiply-adds (in the interpreter the same arithmetic), checked too.
+  assert results['fma']['tiles'] == tilings[0] and results['fma']['max_relative_difference'] < 0.02
   # The erf left out, timing only: the default tiling's kernels and XLA's fusions.
   for row in results['erf_left_out'].values():
     assert row['forward_backward']['median_ms'] > 0 and 'backward_tb_per_s' in row

@@ -82,6 +82,9 @@ class GeluTiles:
 
 # None: the constants above. Read when a kernel is traced.
 GELU_TILES: GeluTiles | None = None
+# True: the GELU kernels compiled for a GPU evaluate each a·b + c of their arithmetic as one fused
+# multiply-add (`_fma`). Read when a kernel is traced; off until a GPU has timed it beside the default.
+GELU_FMA = False
 
 
 def gelu_tiles() -> GeluTiles:
@@ -377,19 +380,49 @@ def _call(kernel, grid, out_shape, name: str, *inputs, num_warps: int | None = N
 # --- Bias + GELU ---------------------------------------------------------------------------------------
 
 
+def _fma(a, b, c) -> jax.Array:
+  """a·b + c in float32, broadcast together. With `GELU_FMA` on, in a kernel compiled for a GPU: one fused
+  multiply-add (`fma.rn.f32`, one rounding) by inline assembly, where Triton's lowering rounds the
+  product and the sum apart (`mul.rn.f32`, then `add.rn.f32`: two instructions; XLA's own fusions
+  contract them, as its float32 erf does). Otherwise, and in the interpreter, a·b + c as written."""
+  if not GELU_FMA or _interpret():
+    return a * b + c
+  shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in (a, b, c)))
+  args = [jnp.broadcast_to(jnp.asarray(v, jnp.float32), shape) for v in (a, b, c)]
+  [result] = plgpu.elementwise_inline_asm(
+    'fma.rn.f32 $0, $1, $2, $3;',
+    args=args,
+    constraints='=f,f,f,f',
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+  )
+  return result
+
+
 def _erf(x: jax.Array) -> jax.Array:
   """erf of float32 x by XLA's own rational approximation for float32 (`RewriteErf32Pattern` in
   xla/codegen/emitters/transforms/expand_float_ops.cc): x·P(x²)/Q(x²), x clamped to ±erfinv(1 − 2⁻²³),
-  where erf is ±1 to within float32 rounding."""
+  where erf is ±1 to within float32 rounding; P and Q by Horner's rule (`_fma`)."""
   x = jnp.minimum(jnp.maximum(x, -3.7439211627767994), 3.7439211627767994)
   x2 = x * x
-  p = x2 * 0.00022905065861350646 + 0.0034082910107109506
+  p = _fma(x2, 0.00022905065861350646, 0.0034082910107109506)
   for c in (0.050955695062380861, 0.18520832239976145, 1.128379143519084):
-    p = p * x2 + c
-  q = x2 * -1.1791602954361697e-7 + 0.000023547966471313185
+    p = _fma(p, x2, c)
+  q = _fma(x2, -1.1791602954361697e-7, 0.000023547966471313185)
   for c in (0.0010179625278914885, 0.014070470171167667, 0.11098505178285362, 0.49746925110067538, 1.0):
-    q = q * x2 + c
+    q = _fma(q, x2, c)
   return x * p / q
+
+
+def _gelu(u: jax.Array) -> jax.Array:
+  """u·Φ(u) = ½u + ½u·erf(u/√2), float32."""
+  half_u = 0.5 * u
+  return _fma(half_u, _erf(u * _SQRT_HALF), half_u)
+
+
+def _gelu_slope(u: jax.Array) -> jax.Array:
+  """GELU'(u) = Φ(u) + u·φ(u), float32."""
+  return _fma(u, _INV_SQRT_2PI * jnp.exp(-0.5 * u * u), _fma(0.5, _erf(u * _SQRT_HALF), 0.5))
 
 
 def _gelu_blocks(n: int, f: int, tiles: GeluTiles) -> tuple[int, int]:
@@ -407,7 +440,7 @@ def _bias_gelu(z_NF: jax.Array, bias_F: jax.Array) -> jax.Array:
     first_col = pl.program_id(1) * block_cols
     rows, cols, mask = _block_indices(pl.program_id(0) * block_rows, block_rows, block_cols, n, f, first_col)
     u = _load(z_ref, rows, cols, mask) + _load_vector(bias_ref, cols, f)
-    _store(a_ref, rows, cols, mask, 0.5 * u * (1.0 + _erf(u * _SQRT_HALF)))
+    _store(a_ref, rows, cols, mask, _gelu(u))
 
   grid = (pl.cdiv(n, block_rows), pl.cdiv(f, block_cols))
   out_shape = jax.ShapeDtypeStruct((n, f), z_NF.dtype)
@@ -435,9 +468,7 @@ def _bias_gelu_bwd(residuals, da_NF):
       first = (program * per_program + i) * block_rows
       rows, cols, mask = _block_indices(first, block_rows, block_cols, n, f, first_col)
       u = _load(z_ref, rows, cols, mask) + bias
-      # GELU'(u) = Φ(u) + u·φ(u)
-      slope = 0.5 * (1.0 + _erf(u * _SQRT_HALF)) + u * (_INV_SQRT_2PI * jnp.exp(-0.5 * u * u))
-      dz = _load(da_ref, rows, cols, mask) * slope
+      dz = _load(da_ref, rows, cols, mask) * _gelu_slope(u)
       _store(dz_ref, rows, cols, mask, dz)
       return dbias + jnp.where(mask, dz, 0.0).sum(axis=0)[None, :]
 

@@ -181,17 +181,43 @@ def test_the_kernels_erf_is_xlas_float32_erf():
   np.testing.assert_allclose(fused_ops._erf(u), jax.lax.erf(u), rtol=0, atol=5e-7)
 
 
+def _fma_rounded_once(a, b, c):
+  """a·b + c rounded to float32 once, as the GPU's `fma.rn.f32` rounds it: the float64 product of two
+  float32 numbers is exact, and its float64 sum with a third is rounded twice only in rare ties."""
+  wide = lambda v: np.asarray(v, np.float64)  # noqa: E731
+  return jnp.asarray(wide(a) * wide(b) + wide(c), jnp.float32)
+
+
+def test_with_fused_multiply_adds_the_kernels_math_is_the_same_to_float32_rounding(monkeypatch):
+  """`GELU_FMA`'s arithmetic (each a·b + c rounded once, emulated here) gives the same erf, GELU and
+  GELU' as the plain math (`bias_gelu_reference`: ½u·(1 + erf(u/√2)) with `lax.erf`) and JAX's
+  derivative of it, to within float32 rounding (of u's size: 1 + erf cancels in the left tail, in both)."""
+  monkeypatch.setattr(fused_ops, '_fma', _fma_rounded_once)
+  u = jnp.concatenate([jnp.linspace(-6.0, 6.0, 100_001, dtype=jnp.float32), jnp.asarray([-40.0, 40.0])])
+  np.testing.assert_allclose(fused_ops._erf(u), jax.lax.erf(u), rtol=0, atol=5e-7)
+  plain_gelu = lambda v: fused_ops.bias_gelu_reference(v, None)  # noqa: E731
+  for got, want in [
+    (fused_ops._gelu(u), plain_gelu(u)),
+    (fused_ops._gelu_slope(u), jax.vmap(jax.grad(plain_gelu))(u)),
+  ]:
+    assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= 1e-6 + 2**-23 * np.abs(np.asarray(u)))
+
+
 # The GPU the kernels are lowered for without one: jax >= 0.11 asks Pallas' Triton lowering for the
 # target's compute capability, which an abstract device of an H100's kind names.
 H100 = AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=132, platform='gpu')
 
 
-def _triton_calls(fn, *shapes) -> int:
-  """How many Triton kernel calls `fn` lowers to for a CUDA GPU (lowered here; no GPU needed)."""
+def _lowered_for_a_gpu(fn, *shapes) -> str:
+  """The module `fn` lowers to for a CUDA GPU, as text (lowered here; no GPU needed)."""
   check = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
   with use_abstract_mesh(AbstractMesh((1,), ('gpu',), abstract_device=H100)):
-    exported = export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[check])(*shapes)
-  return exported.mlir_module().count('stablehlo.custom_call @__gpu$xla.gpu.triton')
+    return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[check])(*shapes).mlir_module()
+
+
+def _triton_calls(fn, *shapes) -> int:
+  """How many Triton kernel calls `fn` lowers to for a CUDA GPU."""
+  return _lowered_for_a_gpu(fn, *shapes).count('stablehlo.custom_call @__gpu$xla.gpu.triton')
 
 
 def test_the_kernels_lower_to_triton_for_a_gpu(monkeypatch):
@@ -216,6 +242,17 @@ def test_the_kernels_lower_to_triton_for_a_gpu(monkeypatch):
     )
     == 2
   )
+
+
+@pytest.mark.parametrize('fma', [False, True])
+def test_the_gpu_kernels_hold_fused_multiply_adds_only_when_asked(monkeypatch, fma):
+  """With `GELU_FMA` on, the GELU kernels lowered for a GPU carry the inline `fma.rn.f32` (in the Triton
+  module's strings); off, they do not. In the interpreter `_fma` is a·b + c either way."""
+  monkeypatch.setattr(fused_ops, 'INTERPRET', False)
+  monkeypatch.setattr(fused_ops, 'GELU_FMA', fma)
+  gelu = jax.grad(lambda z, b: jnp.sum(fused_ops.bias_gelu(z, b).astype(jnp.float32) ** 2), argnums=(0, 1))
+  shapes = jax.ShapeDtypeStruct((26, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((3072,), jnp.float32)
+  assert ('fma.rn.f32 $0, $1, $2, $3;' in _lowered_for_a_gpu(gelu, *shapes)) == fma
 
 
 @EIGHT_DEVICES
