@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the speed work in one call of at most ~8 minutes, each new form side by side with
-# the previous code on the same machine: the plain ops against `model.fused_ops=pallas`, the whole-tensor
+# the previous code on the same machine: the plain ops against `model.fused_ops=pallas` (and its GELU
+# kernels with fused multiply-adds, `--gelu_fma`, against them as they are), the whole-tensor
 # instrumentation against `instrument.sample_rows`, and the per-step callback delivery; and beside dsjax's
 # plain rows their `torch.compile` peers (benchmarks/torch_compiled.py, timm's ViT too). Rows run in order
 # of importance; a row that would start after BUDGET seconds (default 420) is skipped and named, so the
@@ -78,15 +79,6 @@ peer() {  # peer NAME ARGS...: benchmarks/torch_compiled.py ARGS, its JSON as $o
   row "$name" python3 benchmarks/torch_compiled.py "$@" --device=$peer_device --steps=$steps \
     --json="$out/${prefix}_$name.json"
 }
-tuned() {  # tuned NAME ARGS...: bench NAME ARGS with the fastest tiling of the GELU kernels the gelu_tiles row found
-  local name=$1 tiles; shift
-  tiles=$(python3 -c 'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["fastest"])))' \
-    "$out/${prefix}_gelu_tiles.json" 2>/dev/null) || tiles=
-  if [[ -z $tiles ]] && ! whole "$out/${prefix}_$name.json"; then
-    skipped+=("$name"); echo "=== ${prefix}_$name: not run, no GELU tiling was timed"; return
-  fi
-  bench "$name" "$@" ${tiles:+--gelu_tiles=$tiles}
-}
 # The plain math named, since model.fused_ops=auto takes the kernels at these widths on a GPU.
 gpt2=(--config=configs/gpt2_small.py "${tiny_gpt[@]}")
 vit=(--config=configs/vit_b16.py "${tiny_vit[@]}")
@@ -103,6 +95,11 @@ sampled=(--config.instrument.sample_rows=$sample_rows)  # with --instrument=...,
 # layers on this machine's own processor.
 bench gpt2_small_b16_fused_ops_profile "${gpt2[@]}" "${fused[@]}" --instrument=off \
   --profile="$out/profile_gpt2_small_fused_ops"
+# The same step with the GELU kernels' multiply-adds fused (fused_ops.GELU_FMA): compiled for an H200 they
+# issue about two thirds of the instructions per element (benchmarks/gpu_kernel_instructions.py), and
+# without it more than their bytes take to move. Its profile times each kernel beside the row above's.
+bench gpt2_small_b16_fused_ops_fma_profile "${gpt2[@]}" "${fused[@]}" --gelu_fma --instrument=off \
+  --profile="$out/profile_gpt2_small_fused_ops_fma"
 bench gpt2_small_b16_return_profile "${gpt2[@]}" "${fused[@]}" --instrument=return \
   --profile="$out/profile_gpt2_small_return"
 bench gpt_192x256_off_profile "${deep[@]}" --instrument=off --profile="$out/profile_gpt_192x256_off"
@@ -110,13 +107,14 @@ bench gpt_192x256_return_profile "${deep[@]}" --instrument=return --profile="$ou
 row instrument_host_cost_192 python3 benchmarks/instrument_host_cost.py --set=model.depth=$deep_depth \
   --set=model.width=32 --set=model.num_heads=4 --set=data.seq_len=16 --set=batch_size=2 \
   --set=model.scan_unroll=1 --rounds=$rounds --json="$out/${prefix}_instrument_host_cost_192.json"
-# The GELU kernels at other tile sizes and with the erf left out: on the H200 no tiling took them above
-# 53% of the bandwidth; the erf's share of their time is the open question.
+# The GELU kernels alone: as they are, with fused multiply-adds, and with the erf left out (the erf's share
+# of their time); `--grid` would time other tilings, none of which took them above 53% on the H200.
 row gelu_tiles python3 benchmarks/gpu_gelu_tiles.py "${tiny_tiles[@]}" --json="$out/${prefix}_gelu_tiles.json"
 bench gpt2_small_b16 "${gpt2[@]}" "${plain[@]}" "${sampled[@]}" --instrument=off,return,sampled --profile="$out/profile_gpt2_small"
 peer torch_gpt2_small_b16 "${gpt2_peer[@]}"
 bench vit_b16_b128 "${vit[@]}" "${plain[@]}" --instrument=off
 bench vit_b16_b128_fused_ops "${vit[@]}" "${fused[@]}" --instrument=off
+bench vit_b16_b128_fused_ops_fma "${vit[@]}" "${fused[@]}" --gelu_fma --instrument=off
 peer torch_vit_b16_b128_timm "${vit_peer[@]}" --vit=timm
 bench gpt_192x256 "${deep[@]}" "${sampled[@]}" --instrument=off,return,sampled
 row instrument_deliveries_gpt_192x256 python3 benchmarks/instrument_deliveries.py --config=configs/gpt_preln.py \
@@ -133,9 +131,6 @@ peer torch_vit_b16_b128 "${vit_peer[@]}"  # the same ViT as dsjax's, written pla
 row instrument_deliveries_gpt2_small python3 benchmarks/instrument_deliveries.py --config=configs/gpt2_small.py \
   "${tiny_gpt_peer[@]}" --rounds=$rounds \
   --json="$out/${prefix}_instrument_deliveries_gpt2_small.json"
-# The fused steps again with the GELU kernels' fastest tiling (the JSON's config.gelu_tiles names it).
-tuned gpt2_small_b16_fused_ops_tuned "${gpt2[@]}" "${fused[@]}" --instrument=off
-tuned vit_b16_b128_fused_ops_tuned "${vit[@]}" "${fused[@]}" --instrument=off
 
 # The profiled steps' kernels beside their memory traffic, read from each step's HLO: the bandwidth each
 # kernel ran at (benchmarks/profile_traffic.py; reads files, a second each).
@@ -146,6 +141,7 @@ traffic() {  # traffic NAME PROFILE_DIR [MODE]: the profile of mode MODE (defaul
     --hlo="$out/$2/step.hlo.txt" --device=$traffic_device --out="$out/${prefix}_${1}_traffic.json"
 }
 traffic gpt2_small_b16_fused_ops_profile profile_gpt2_small_fused_ops
+traffic gpt2_small_b16_fused_ops_fma_profile profile_gpt2_small_fused_ops_fma
 traffic gpt2_small_b16_return_profile profile_gpt2_small_return return
 traffic gpt_192x256_off_profile profile_gpt_192x256_off
 traffic gpt_192x256_return_profile profile_gpt_192x256_return return

@@ -35,10 +35,9 @@ def test_usage_and_an_outdir_that_is_a_file_are_one_line_and_exit_2(tmp_path):
 
 
 def _row_names():
-  """Every row the script names: its bench, row, peer and tuned rows, and its traffic rows
-  ('<name>_traffic')."""
+  """Every row the script names: its bench, row and peer rows, and its traffic rows ('<name>_traffic')."""
   script = SCRIPT.read_text()
-  named = set(re.findall(r'^(?:bench|row|peer|tuned) (\w+) ', script, re.M))
+  named = set(re.findall(r'^(?:bench|row|peer) (\w+) ', script, re.M))
   return named | {f'{name}_traffic' for name in re.findall(r'^traffic (\w+) ', script, re.M)}
 
 
@@ -91,20 +90,3 @@ def test_a_second_call_into_the_same_outdir_reruns_no_row_whose_json_is_there(tm
   assert '=== cpu_gpt2_small_b16_traffic: skipped' in proc.stdout
   assert '=== cpu_vit_b16_b128: skipped' in proc.stdout
   assert 'skipped: vit_b16_b128 gpt2_small_b16_traffic' in proc.stdout
-
-
-def test_a_tuned_row_without_a_timed_gelu_tiling_is_not_run(tmp_path):
-  # The tuned rows take their tiling from the gelu_tiles row's JSON: where it names none, a tuned row
-  # whose own JSON is missing or cut off is named as not run, never run with the default tiling.
-  out = tmp_path / 'out'
-  out.mkdir()
-  for name in _row_names():
-    (out / f'cpu_{name}.json').write_text('{}')  # the gelu_tiles JSON among them, without a 'fastest'
-  (out / 'cpu_gpt2_small_b16_fused_ops_tuned.json').unlink()
-  (out / 'cpu_vit_b16_b128_fused_ops_tuned.json').write_text('{"cut off')
-  env = {'GPU_SPEED_TINY': '1', 'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')}
-  proc = _run([str(out), 'cpu', '100000'], env=env)
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  for name in ('gpt2_small_b16_fused_ops_tuned', 'vit_b16_b128_fused_ops_tuned'):
-    assert f'=== cpu_{name}: not run, no GELU tiling was timed' in proc.stdout
-  assert 'dsjax.bench' not in proc.stdout  # nothing ran

@@ -27,7 +27,12 @@ each looping over its share of the rows and summing the parameter gradients of i
 so the partial sums stay small. These sizes were first guesses; with them the kernels shortened GPT-2
 small's and ViT-B/16's steps by 5% on an H200, the GELU's two kernels reaching only 50–58% of the
 memory bandwidth (benchmarks/README.md). `GELU_TILES` sets the GELU kernels' sizes apart from the
-norms', for `benchmarks/gpu_gelu_tiles.py` to time the alternatives.
+norms', for `benchmarks/gpu_gelu_tiles.py` to time the alternatives. No tiling helped: compiled for an
+H200, the GELU kernels issue more instructions than their bytes take to move (the exact erf's rational
+function, each product and sum rounded apart: Triton's lowering writes `mul.rn` and `add.rn`, which
+are never contracted; benchmarks/gpu_kernel_instructions.py). `GELU_FMA` evaluates each a·b + c of their
+arithmetic as one fused multiply-add instead (`_fma`, inline PTX; the same function to within float32
+rounding), off until a GPU has timed it beside the kernels as they are.
 
 Off a GPU the kernels run in Pallas' interpreter (`INTERPRET`): slow, but the same blocks and masks,
 which is how tests/models/test_fused_ops.py checks them on a CPU against the plain functions here
