@@ -31,8 +31,9 @@ norms', for `benchmarks/gpu_gelu_tiles.py` to time the alternatives. No tiling h
 H200, the GELU kernels issue more instructions than their bytes take to move (the exact erf's rational
 function, each product and sum rounded apart: Triton's lowering writes `mul.rn` and `add.rn`, which
 are never contracted; benchmarks/gpu_kernel_instructions.py). `GELU_FMA` evaluates each a·b + c of their
-arithmetic as one fused multiply-add instead (`_fma`, inline PTX; the same function to within float32
-rounding), off until a GPU has timed it beside the kernels as they are.
+arithmetic as one fused multiply-add instead (`_fma`, inline PTX) and the backward pass's Gaussian density
+as one power of two (`_gaussian`): the same function to within float32 rounding, off until a GPU has
+timed it beside the kernels as they are.
 
 Off a GPU the kernels run in Pallas' interpreter (`INTERPRET`): slow, but the same blocks and masks,
 which is how tests/models/test_fused_ops.py checks them on a CPU against the plain functions here
@@ -88,7 +89,8 @@ class GeluTiles:
 # None: the constants above. Read when a kernel is traced.
 GELU_TILES: GeluTiles | None = None
 # True: the GELU kernels compiled for a GPU evaluate each a·b + c of their arithmetic as one fused
-# multiply-add (`_fma`). Read when a kernel is traced; off until a GPU has timed it beside the default.
+# multiply-add (`_fma`) and φ(u) as one power of two (`_gaussian`). Read when a kernel is traced; off
+# until a GPU has timed it beside the default.
 GELU_FMA = False
 
 
@@ -98,6 +100,8 @@ def gelu_tiles() -> GeluTiles:
 
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
+_LOG2_E = 1.4426950408889634
+_LOG2_INV_SQRT_2PI = -1.3257480647361592  # log₂(1/√(2π))
 
 
 # --- The plain math (what the kernels compute) ---------------------------------------------------------
@@ -385,12 +389,12 @@ def _call(kernel, grid, out_shape, name: str, *inputs, num_warps: int | None = N
 # --- Bias + GELU ---------------------------------------------------------------------------------------
 
 
-def _fma(a, b, c) -> jax.Array:
-  """a·b + c in float32, broadcast together. With `GELU_FMA` on, in a kernel compiled for a GPU: one fused
-  multiply-add (`fma.rn.f32`, one rounding) by inline assembly, where Triton's lowering rounds the
+def _fma(a, b, c, fused: bool) -> jax.Array:
+  """a·b + c in float32, broadcast together. `fused` (a kernel compiled for a GPU with `GELU_FMA` on): one
+  fused multiply-add (`fma.rn.f32`, one rounding) by inline assembly, where Triton's lowering rounds the
   product and the sum apart (`mul.rn.f32`, then `add.rn.f32`: two instructions; XLA's own fusions
-  contract them, as its float32 erf does). Otherwise, and in the interpreter, a·b + c as written."""
-  if not GELU_FMA or _interpret():
+  contract them, as its float32 erf does). Otherwise a·b + c as written."""
+  if not fused:
     return a * b + c
   shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in (a, b, c)))
   args = [jnp.broadcast_to(jnp.asarray(v, jnp.float32), shape) for v in (a, b, c)]
@@ -404,30 +408,45 @@ def _fma(a, b, c) -> jax.Array:
   return result
 
 
-def _erf(x: jax.Array) -> jax.Array:
+def _fused_arithmetic() -> bool:
+  """Whether the GELU kernels traced now take `GELU_FMA`'s arithmetic (never in the interpreter)."""
+  return GELU_FMA and not _interpret()
+
+
+def _erf(x: jax.Array, fused: bool = False) -> jax.Array:
   """erf of float32 x by XLA's own rational approximation for float32 (`RewriteErf32Pattern` in
   xla/codegen/emitters/transforms/expand_float_ops.cc): x·P(x²)/Q(x²), x clamped to ±erfinv(1 − 2⁻²³),
   where erf is ±1 to within float32 rounding; P and Q by Horner's rule (`_fma`)."""
   x = jnp.minimum(jnp.maximum(x, -3.7439211627767994), 3.7439211627767994)
   x2 = x * x
-  p = _fma(x2, 0.00022905065861350646, 0.0034082910107109506)
+  p = _fma(x2, 0.00022905065861350646, 0.0034082910107109506, fused)
   for c in (0.050955695062380861, 0.18520832239976145, 1.128379143519084):
-    p = _fma(p, x2, c)
-  q = _fma(x2, -1.1791602954361697e-7, 0.000023547966471313185)
+    p = _fma(p, x2, c, fused)
+  q = _fma(x2, -1.1791602954361697e-7, 0.000023547966471313185, fused)
   for c in (0.0010179625278914885, 0.014070470171167667, 0.11098505178285362, 0.49746925110067538, 1.0):
-    q = _fma(q, x2, c)
+    q = _fma(q, x2, c, fused)
   return x * p / q
 
 
-def _gelu(u: jax.Array) -> jax.Array:
+def _gaussian(u: jax.Array, fused: bool = False) -> jax.Array:
+  """φ(u) = exp(−u²/2)/√(2π), float32. `fused`: as 2^(−u²·log₂e/2 + log₂(1/√(2π))), one fused
+  multiply-add and one `ex2` (`lax.exp2`) where `exp` and the product take some nine instructions; the
+  same to within float32 rounding of the slope it enters (`ex2`'s relative error is a few units in the
+  last place, and u·φ(u) ≤ 0.25)."""
+  if not fused:
+    return _INV_SQRT_2PI * jnp.exp(-0.5 * u * u)
+  return jnp.exp2(_fma(u * u, -0.5 * _LOG2_E, _LOG2_INV_SQRT_2PI, fused))
+
+
+def _gelu(u: jax.Array, fused: bool = False) -> jax.Array:
   """u·Φ(u) = ½u + ½u·erf(u/√2), float32."""
   half_u = 0.5 * u
-  return _fma(half_u, _erf(u * _SQRT_HALF), half_u)
+  return _fma(half_u, _erf(u * _SQRT_HALF, fused), half_u, fused)
 
 
-def _gelu_slope(u: jax.Array) -> jax.Array:
+def _gelu_slope(u: jax.Array, fused: bool = False) -> jax.Array:
   """GELU'(u) = Φ(u) + u·φ(u), float32."""
-  return _fma(u, _INV_SQRT_2PI * jnp.exp(-0.5 * u * u), _fma(0.5, _erf(u * _SQRT_HALF), 0.5))
+  return _fma(u, _gaussian(u, fused), _fma(0.5, _erf(u * _SQRT_HALF, fused), 0.5, fused), fused)
 
 
 def _gelu_blocks(n: int, f: int, tiles: GeluTiles) -> tuple[int, int]:
@@ -438,14 +457,14 @@ def _gelu_blocks(n: int, f: int, tiles: GeluTiles) -> tuple[int, int]:
 @jax.custom_vjp
 def _bias_gelu(z_NF: jax.Array, bias_F: jax.Array) -> jax.Array:
   n, f = z_NF.shape
-  tiles = gelu_tiles()
+  tiles, fused = gelu_tiles(), _fused_arithmetic()
   block_rows, block_cols = _gelu_blocks(n, f, tiles)
 
   def kernel(z_ref, bias_ref, a_ref):
     first_col = pl.program_id(1) * block_cols
     rows, cols, mask = _block_indices(pl.program_id(0) * block_rows, block_rows, block_cols, n, f, first_col)
     u = _load(z_ref, rows, cols, mask) + _load_vector(bias_ref, cols, f)
-    _store(a_ref, rows, cols, mask, _gelu(u))
+    _store(a_ref, rows, cols, mask, _gelu(u, fused))
 
   grid = (pl.cdiv(n, block_rows), pl.cdiv(f, block_cols))
   out_shape = jax.ShapeDtypeStruct((n, f), z_NF.dtype)
@@ -459,7 +478,7 @@ def _bias_gelu_fwd(z_NF, bias_F):
 def _bias_gelu_bwd(residuals, da_NF):
   z_NF, bias_F = residuals
   n, f = z_NF.shape
-  tiles = gelu_tiles()
+  tiles, fused = gelu_tiles(), _fused_arithmetic()
   block_rows, block_cols = _gelu_blocks(n, f, tiles)
   programs, per_program = _backward_programs(n, block_rows, tiles.backward_programs)
 
@@ -473,7 +492,7 @@ def _bias_gelu_bwd(residuals, da_NF):
       first = (program * per_program + i) * block_rows
       rows, cols, mask = _block_indices(first, block_rows, block_cols, n, f, first_col)
       u = _load(z_ref, rows, cols, mask) + bias
-      dz = _load(da_ref, rows, cols, mask) * _gelu_slope(u)
+      dz = _load(da_ref, rows, cols, mask) * _gelu_slope(u, fused)
       _store(dz_ref, rows, cols, mask, dz)
       return dbias + jnp.where(mask, dz, 0.0).sum(axis=0)[None, :]
 

@@ -181,24 +181,28 @@ def test_the_kernels_erf_is_xlas_float32_erf():
   np.testing.assert_allclose(fused_ops._erf(u), jax.lax.erf(u), rtol=0, atol=5e-7)
 
 
-def _fma_rounded_once(a, b, c):
+def _fma_rounded_once(a, b, c, fused):
   """a·b + c rounded to float32 once, as the GPU's `fma.rn.f32` rounds it: the float64 product of two
   float32 numbers is exact, and its float64 sum with a third is rounded twice only in rare ties."""
+  assert fused
   wide = lambda v: np.asarray(v, np.float64)  # noqa: E731
   return jnp.asarray(wide(a) * wide(b) + wide(c), jnp.float32)
 
 
 def test_with_fused_multiply_adds_the_kernels_math_is_the_same_to_float32_rounding(monkeypatch):
-  """`GELU_FMA`'s arithmetic (each a·b + c rounded once, emulated here) gives the same erf, GELU and
-  GELU' as the plain math (`bias_gelu_reference`: ½u·(1 + erf(u/√2)) with `lax.erf`) and JAX's
-  derivative of it, to within float32 rounding (of u's size: 1 + erf cancels in the left tail, in both)."""
+  """`GELU_FMA`'s arithmetic (each a·b + c rounded once, emulated here; φ(u) as a power of two) gives the
+  same erf, GELU and GELU' as the plain math (`bias_gelu_reference`: ½u·(1 + erf(u/√2)) with `lax.erf`)
+  and JAX's derivative of it, to within float32 rounding (of u's size: 1 + erf cancels in the left
+  tail, in both)."""
   monkeypatch.setattr(fused_ops, '_fma', _fma_rounded_once)
   u = jnp.concatenate([jnp.linspace(-6.0, 6.0, 100_001, dtype=jnp.float32), jnp.asarray([-40.0, 40.0])])
-  np.testing.assert_allclose(fused_ops._erf(u), jax.lax.erf(u), rtol=0, atol=5e-7)
+  np.testing.assert_allclose(fused_ops._erf(u, fused=True), jax.lax.erf(u), rtol=0, atol=5e-7)
   plain_gelu = lambda v: fused_ops.bias_gelu_reference(v, None)  # noqa: E731
+  gaussian = jnp.exp(-0.5 * u * u) / np.sqrt(2 * np.pi)
+  np.testing.assert_allclose(fused_ops._gaussian(u, fused=True), gaussian, rtol=2e-6, atol=1e-30)
   for got, want in [
-    (fused_ops._gelu(u), plain_gelu(u)),
-    (fused_ops._gelu_slope(u), jax.vmap(jax.grad(plain_gelu))(u)),
+    (fused_ops._gelu(u, fused=True), plain_gelu(u)),
+    (fused_ops._gelu_slope(u, fused=True), jax.vmap(jax.grad(plain_gelu))(u)),
   ]:
     assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= 1e-6 + 2**-23 * np.abs(np.asarray(u)))
 
