@@ -9,7 +9,8 @@ here as one kernel forward and one backward, each the same function as the plain
     compute dtype. Forward: reads x (float32) and h, writes the new float32 stream and the normalised,
     cast branch input. Backward: reads x, h, and the two output gradients, recomputes λ·x + β·h and the
     row statistics (float32), writes the gradients of x and h, and per-program partial sums for the
-    gradients of λ, β and the norm's gain and bias (summed over programs outside, a (programs, d) array).
+    gradients of λ, β and the norm's gain and bias (side by side in one (programs, parameters·d) array,
+    summed over programs outside in one reduction).
     `norm_cast` is the same without the residual add (a layer's first norm).
   * `bias_gelu`: GELU(z + b), the exact x·Φ(x) (erf form, as `layers._gelu`), of the FFN's first
     matmul output z. Backward: recomputes z + b and writes dz = da·GELU'(z + b) and the bias gradient's
@@ -146,23 +147,21 @@ def norm_cast(x, gain, bias, *, kind: str, eps: float, out_dtype) -> jax.Array:
   rows = _rows(x)
   spec = _row_spec(rows.shape[0])
   if spec is not None:
-    fn = jax.shard_map(fn, in_specs=(spec, P(), P()), out_specs=spec, check_vma=False)
-  return fn(rows, gain.astype(jnp.float32), bias.astype(jnp.float32)).reshape(x.shape)
+    fn = jax.shard_map(fn, in_specs=(spec, P()), out_specs=spec, check_vma=False)
+  return fn(rows, _packed(gain, bias, d=x.shape[-1])).reshape(x.shape)
 
 
 def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype):
   """`residual_norm_reference` in one kernel forward and one backward: (the float32 stream λ·x + β·h,
   its Norm cast to `out_dtype`); x, h (..., d), λ and β scalars or (d,), gain and bias (d,) (bias None
   for RMSNorm)."""
-  d = x.shape[-1]
   fn = functools.partial(_residual_norm, kind=kind, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
-  vector = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (d,))  # noqa: E731
   bias = jnp.zeros_like(gain) if bias is None else bias
   x_rows, h_rows = _rows(x), _rows(h)
   spec = _row_spec(x_rows.shape[0])
   if spec is not None:
-    fn = jax.shard_map(fn, in_specs=(spec, spec) + (P(),) * 4, out_specs=(spec, spec), check_vma=False)
-  x_new, y = fn(x_rows, h_rows, vector(skip), vector(branch), vector(gain), vector(bias))
+    fn = jax.shard_map(fn, in_specs=(spec, spec, P()), out_specs=(spec, spec), check_vma=False)
+  x_new, y = fn(x_rows, h_rows, _packed(skip, branch, gain, bias, d=x.shape[-1]))
   return x_new.reshape(x.shape), y.reshape(x.shape)
 
 
@@ -176,6 +175,18 @@ def bias_gelu(z: jax.Array, bias: jax.Array | None) -> jax.Array:
   if spec is not None:
     fn = jax.shard_map(fn, in_specs=(spec, P(spec[1])), out_specs=spec, check_vma=False)
   return fn(rows, bias).reshape(z.shape)
+
+
+def _packed(*vectors, d: int) -> jax.Array:
+  """The vectors (scalars broadcast to width d) as the rows of one float32 (k, d) array: a kernel's
+  parameters in one operand. A layer's parameters are slices of the stacked parameters, and a kernel
+  (a custom call) takes each operand as a buffer of its own: one copy for all of them, not one each."""
+  return jnp.stack([jnp.broadcast_to(jnp.asarray(v, jnp.float32), (d,)) for v in vectors])
+
+
+# The rows of the norm kernels' packed parameters (`_packed`), and of their gradients' partial sums.
+NORM_PARAMS = ('gain', 'bias')
+RESIDUAL_NORM_PARAMS = ('skip', 'branch', 'gain', 'bias')
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -196,39 +207,37 @@ def _row_spec(num_rows: int, columns: tuple[str, int] | None = None) -> P | None
 # --- Norms: custom VJPs --------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm_cast(x_ND, gain_D, bias_D, kind, eps, out_dtype):
-  return _norm_forward(x_ND, None, None, None, gain_D, bias_D, kind, eps, out_dtype)[1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _norm_cast(x_ND, params_KD, kind, eps, out_dtype):
+  return _norm_forward(x_ND, None, params_KD, kind, eps, out_dtype)[1]
 
 
-def _norm_cast_fwd(x_ND, gain_D, bias_D, kind, eps, out_dtype):
-  return _norm_cast(x_ND, gain_D, bias_D, kind, eps, out_dtype), (x_ND, gain_D)
+def _norm_cast_fwd(x_ND, params_KD, kind, eps, out_dtype):
+  return _norm_cast(x_ND, params_KD, kind, eps, out_dtype), (x_ND, params_KD)
 
 
 def _norm_cast_bwd(kind, eps, out_dtype, residuals, dy_ND):
-  x_ND, gain_D = residuals
-  dx_ND, _, sums = _norm_backward(x_ND, None, None, None, gain_D, None, dy_ND, kind, eps)
-  return dx_ND, sums['gain'], sums['bias']
+  x_ND, params_KD = residuals
+  dx_ND, _, dparams_KD = _norm_backward(x_ND, None, params_KD, None, dy_ND, kind, eps)
+  return dx_ND, dparams_KD
 
 
 _norm_cast.defvjp(_norm_cast_fwd, _norm_cast_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _residual_norm(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
-  return _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _residual_norm(x_ND, h_ND, params_KD, kind, eps, out_dtype):
+  return _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype)
 
 
-def _residual_norm_fwd(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
-  out = _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype)
-  return out, (x_ND, h_ND, skip_D, branch_D, gain_D)
+def _residual_norm_fwd(x_ND, h_ND, params_KD, kind, eps, out_dtype):
+  return _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype), (x_ND, h_ND, params_KD)
 
 
 def _residual_norm_bwd(kind, eps, out_dtype, residuals, cotangents):
-  x_ND, h_ND, skip_D, branch_D, gain_D = residuals
+  x_ND, h_ND, params_KD = residuals
   dstream_ND, dy_ND = cotangents
-  dx_ND, dh_ND, sums = _norm_backward(x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND, kind, eps)
-  return dx_ND, dh_ND, sums['skip'], sums['branch'], sums['gain'], sums['bias']
+  return _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps)
 
 
 _residual_norm.defvjp(_residual_norm_fwd, _residual_norm_bwd)
@@ -260,6 +269,13 @@ def _load_vector(ref, cols, d: int) -> jax.Array:
   return plgpu.load(ref.at[cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
 
 
+def _load_param(ref, names: tuple[str, ...], name: str, cols, d: int) -> jax.Array:
+  """Row `name` of a packed (len(names), d) parameter array (`_packed`), as `_load_vector` loads a
+  vector (loaded where it is used: a row loaded early holds its registers longer)."""
+  k = names.index(name)
+  return plgpu.load(ref.at[k, cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
+
+
 def _store(ref, rows, cols, mask, value) -> None:
   plgpu.store(ref.at[rows, cols], value.astype(ref.dtype), mask=mask)
 
@@ -273,31 +289,31 @@ def _normalized(u, col_mask, kind: str, eps: float, d: int):
   return u * rstd, rstd
 
 
-def _norm_forward(x_ND, h_ND, skip_D, branch_D, gain_D, bias_D, kind, eps, out_dtype):
-  """The forward kernel: (stream, y) with a residual add (h given), y alone without."""
+def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype):
+  """The forward kernel: (stream, y) with a residual add (h given; `params_KD` the packed
+  RESIDUAL_NORM_PARAMS), y alone without (NORM_PARAMS)."""
   n, d = x_ND.shape
   block_rows, block_cols = _norm_blocks(n, d)
   residual = h_ND is not None
+  names = RESIDUAL_NORM_PARAMS if residual else NORM_PARAMS
 
   def kernel(*refs):
     if residual:
-      x_ref, h_ref, skip_ref, branch_ref, gain_ref, bias_ref, stream_ref, y_ref = refs
+      x_ref, h_ref, params_ref, stream_ref, y_ref = refs
     else:
-      (x_ref, gain_ref, bias_ref, y_ref), stream_ref = refs, None
+      (x_ref, params_ref, y_ref), stream_ref = refs, None
     rows, cols, mask = _block_indices(pl.program_id(0) * block_rows, block_rows, block_cols, n, d)
+    param = lambda name: _load_param(params_ref, names, name, cols, d)  # noqa: E731
     u = _load(x_ref, rows, cols, mask)
     if residual:
-      u = _load_vector(skip_ref, cols, d) * u + _load_vector(branch_ref, cols, d) * _load(
-        h_ref, rows, cols, mask
-      )
+      u = param('skip') * u + param('branch') * _load(h_ref, rows, cols, mask)
       _store(stream_ref, rows, cols, mask, u)
     xhat, _ = _normalized(u, cols < d, kind, eps, d)
-    y = xhat * _load_vector(gain_ref, cols, d) + _load_vector(bias_ref, cols, d)
-    _store(y_ref, rows, cols, mask, y)
+    _store(y_ref, rows, cols, mask, xhat * param('gain') + param('bias'))
 
   y_shape = jax.ShapeDtypeStruct((n, d), out_dtype)
   out_shape = (jax.ShapeDtypeStruct((n, d), jnp.float32), y_shape) if residual else (y_shape,)
-  inputs = (x_ND, h_ND, skip_D, branch_D, gain_D, bias_D) if residual else (x_ND, gain_D, bias_D)
+  inputs = (x_ND, h_ND, params_KD) if residual else (x_ND, params_KD)
   out = _call(kernel, (pl.cdiv(n, block_rows),), out_shape, 'fused_residual_norm', *inputs)
   return tuple(out) if residual else (None, out[0])
 
@@ -310,24 +326,24 @@ def _backward_programs(n: int, block_rows: int, max_programs: int | None = None)
   return pl.cdiv(row_blocks, per_program), per_program
 
 
-def _norm_backward(x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND, kind, eps):
-  """The backward kernel: (dx, dh or None, {parameter: gradient}); with h, the stream's gradient
-  `dstream_ND` adds to the norm's input gradient."""
+def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps):
+  """The backward kernel: (dx, dh or None, the packed parameters' gradient, (k, d)); with h, the
+  stream's gradient `dstream_ND` adds to the norm's input gradient."""
   n, d = x_ND.shape
   block_rows, block_cols = _norm_blocks(n, d)
   programs, per_program = _backward_programs(n, block_rows)
   residual = h_ND is not None
-  names = ('gain', 'bias', 'skip', 'branch') if residual else ('gain', 'bias')
+  names = RESIDUAL_NORM_PARAMS if residual else NORM_PARAMS
 
   def kernel(*refs):
     if residual:
-      x_ref, h_ref, skip_ref, branch_ref, gain_ref, dstream_ref, dy_ref, dx_ref, dh_ref, *sum_refs = refs
+      x_ref, h_ref, params_ref, dstream_ref, dy_ref, dx_ref, dh_ref, sums_ref = refs
     else:
-      x_ref, gain_ref, dy_ref, dx_ref, *sum_refs = refs
+      x_ref, params_ref, dy_ref, dx_ref, sums_ref = refs
     _, cols, _ = _block_indices(0, 1, block_cols, 1, d)
-    gain = _load_vector(gain_ref, cols, d)
+    gain = _load_param(params_ref, names, 'gain', cols, d)
     if residual:
-      skip, branch = _load_vector(skip_ref, cols, d), _load_vector(branch_ref, cols, d)
+      skip, branch = (_load_param(params_ref, names, name, cols, d) for name in ('skip', 'branch'))
     program = pl.program_id(0)  # (read outside the loop: the interpreter replaces it only here)
 
     def row_block(i, sums):
@@ -346,33 +362,32 @@ def _norm_backward(x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND, kind
       if kind == 'layernorm':
         proj = proj + g.sum(axis=1, keepdims=True) / d
       du = rstd * (g - proj)  # the gradient of the norm's input (0 in the padded columns)
-      new = [(dy * xhat).sum(axis=0), dy.sum(axis=0)]
+      new = {'gain': (dy * xhat).sum(axis=0), 'bias': dy.sum(axis=0)}
       if residual:
         du = du + _load(dstream_ref, rows, cols, mask)
         _store(dh_ref, rows, cols, mask, branch * du)
         _store(dx_ref, rows, cols, mask, skip * du)
-        new += [(du * x).sum(axis=0), (du * h).sum(axis=0)]
+        new |= {'skip': (du * x).sum(axis=0), 'branch': (du * h).sum(axis=0)}
       else:
         _store(dx_ref, rows, cols, mask, du)
-      return tuple(s + v[None, :] for s, v in zip(sums, new))
+      return tuple(s + new[name][None, :] for s, name in zip(sums, names))
 
     zeros = jnp.zeros((1, block_cols), jnp.float32)
     sums = lax.fori_loop(0, per_program, row_block, (zeros,) * len(names))
-    for ref, total in zip(sum_refs, sums):
-      _store(ref, jnp.full((1, 1), program), cols, cols < d, total)
+    for j, total in enumerate(sums):  # side by side in one row per program: one sum over programs
+      _store(sums_ref, jnp.full((1, 1), program), j * d + cols, cols < d, total)
 
-  sums_shape = jax.ShapeDtypeStruct((programs, d), jnp.float32)
+  sums_shape = jax.ShapeDtypeStruct((programs, len(names) * d), jnp.float32)
   grads_shape = [jax.ShapeDtypeStruct((n, d), x_ND.dtype)]
   if residual:
     grads_shape.append(jax.ShapeDtypeStruct((n, d), h_ND.dtype))
-    inputs = (x_ND, h_ND, skip_D, branch_D, gain_D, dstream_ND, dy_ND)
+    inputs = (x_ND, h_ND, params_KD, dstream_ND, dy_ND)
   else:
-    inputs = (x_ND, gain_D, dy_ND)
-  out_shape = (*grads_shape, *(sums_shape,) * len(names))
-  out = _call(kernel, (programs,), out_shape, 'fused_residual_norm_backward', *inputs)
-  grads, partial_sums = out[: len(grads_shape)], out[len(grads_shape) :]
-  sums = {name: s.sum(axis=0) for name, s in zip(names, partial_sums)}
-  return grads[0], (grads[1] if residual else None), sums
+    inputs = (x_ND, params_KD, dy_ND)
+  out = _call(kernel, (programs,), (*grads_shape, sums_shape), 'fused_residual_norm_backward', *inputs)
+  *grads, partial_sums = out
+  dparams_KD = partial_sums.sum(axis=0).reshape(len(names), d)
+  return grads[0], (grads[1] if residual else None), dparams_KD
 
 
 def _call(kernel, grid, out_shape, name: str, *inputs, num_warps: int | None = None):

@@ -248,6 +248,43 @@ def test_the_kernels_lower_to_triton_for_a_gpu(monkeypatch):
   )
 
 
+def _pallas_operands(jaxpr) -> list[list[tuple[int, ...]]]:
+  """The operand shapes of every Pallas kernel call in `jaxpr`, nested jaxprs (custom VJPs) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'pallas_call':
+      found.append([tuple(v.aval.shape) for v in eqn.invars])
+    for param in eqn.params.values():
+      inner = getattr(param, 'jaxpr', param)
+      if hasattr(inner, 'eqns'):
+        found += _pallas_operands(inner)
+  return found
+
+
+def test_each_norm_kernel_takes_its_parameters_as_one_operand(monkeypatch):
+  """A layer's parameters are slices of the stacked ones, and a kernel takes each operand as a buffer of
+  its own (one copy each): the norm kernels take theirs packed in one (k, d) array, forward and
+  backward, and their gradients come back as one (k, d) sum."""
+  monkeypatch.setattr(fused_ops, 'INTERPRET', False)
+  d, norm = 768, dict(kind='layernorm', eps=1e-6, out_dtype=jnp.bfloat16)
+
+  def layer_norms(x, h, gain, bias):
+    x_new, y = fused_ops.residual_norm(x, h, 1.0, 1.0, gain, bias, **norm)
+    return jnp.sum(x_new) + jnp.sum(y.astype(jnp.float32) * fused_ops.norm_cast(x, gain, bias, **norm))
+
+  args = (jnp.zeros((26, d)), jnp.zeros((26, d), jnp.bfloat16), jnp.zeros(d), jnp.zeros(d))
+  jaxpr = jax.make_jaxpr(jax.grad(layer_norms, argnums=(0, 1, 2, 3)))(*args).jaxpr
+  rows = (26, d)
+  assert sorted(_pallas_operands(jaxpr)) == sorted(
+    [
+      [rows, rows, (4, d)],  # residual_norm forward: x, h, (λ, β, gain, bias)
+      [rows, (2, d)],  # norm_cast forward: x, (gain, bias)
+      [rows, rows, (4, d), rows, rows],  # residual_norm backward: x, h, parameters, dstream, dy
+      [rows, (2, d), rows],  # norm_cast backward: x, parameters, dy
+    ]
+  )
+
+
 @pytest.mark.parametrize('fma', [False, True])
 def test_the_gpu_kernels_hold_fused_multiply_adds_only_when_asked(monkeypatch, fma):
   """With `GELU_FMA` on, the GELU kernels lowered for a GPU carry the inline `fma.rn.f32` (in the Triton
