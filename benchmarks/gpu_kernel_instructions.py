@@ -10,7 +10,7 @@ bandwidth in GPT-2 small's step whatever their tiling, where the residual norm's
 cannot reach the bandwidth, whatever its tiling. This script compiles, for the target, the GELU's
 forward and backward kernels at GPT-2 small's FFN shape (`--rows` = batch 16 × 1024 positions,
 `--hidden` units), once as they are and once with `fused_ops.GELU_FMA` on, and the residual norm's
-(`--width`) for comparison, has XLA write the PTX of every kernel, and counts each kernel's
+(`--width`) for comparison, has XLA write the PTX of every kernel, and counts (`ptx_count.py`) each kernel's
 instructions: per thread, per element (the loop body of a backward kernel, per element of one
 iteration), by class. Then, for the whole kernel at that shape:
   * `issue_bound_us`: its warp instructions at one per clock on each of an SM's four schedulers, all
@@ -28,13 +28,9 @@ Needs jax's CUDA plugin (`pip install '.[cuda]'`), not a GPU.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import importlib.util
 import os
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,70 +48,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_compiled_traffic  # noqa: E402 (benchmarks/, beside this script)
 import hlo_traffic  # noqa: E402
 import paired  # noqa: E402
-
-# PTX opcodes (their first dot-separated part) by the unit or purpose they take an issue slot for.
-CLASSES = {
-  'fma': 'fused multiply-add',
-  'mul': 'multiply',
-  'add': 'add',
-  'sub': 'add',
-  'neg': 'add',
-  'min': 'min/max',
-  'max': 'min/max',
-  'div': 'special function',
-  'rcp': 'special function',
-  'ex2': 'special function',
-  'rsqrt': 'special function',
-  'sqrt': 'special function',
-  'cvt': 'convert',
-  'ld': 'memory',
-  'st': 'memory',
-  'shfl': 'memory',
-}
-
-
-def instructions(statements: list[str]) -> collections.Counter:
-  """PTX statements by class (`CLASSES`, 'other' for the rest)."""
-  return collections.Counter(CLASSES.get(s.split('.')[0], 'other') for s in statements)
-
-
-def entry_statements(ptx: str, kernel: str) -> tuple[list[str], list[str]]:
-  """The statements of `.entry kernel` (directives, labels and comments left out) and those of its
-  loop's body (between a label and the branch back to it; empty without a loop)."""
-  body = ptx[ptx.index(f'.entry {kernel}(') :]
-  body = body[body.index('{') + 1 :]
-  lines = body[: re.search(r'^}', body, re.MULTILINE).start()].splitlines()
-  statements, labels, loop = [], {}, []
-  for line in lines:
-    line = line.split('//')[0].strip()
-    if not line or line.startswith(('.', '{', '}')):
-      continue
-    if line.endswith(':'):
-      labels[line[:-1]] = len(statements)
-      continue
-    for statement in filter(None, (s.strip() for s in line.split(';'))):
-      statement = re.sub(r'^@!?%p\d+\s+', '', statement)  # a predicate guards it; it is still issued
-      branch = re.match(r'bra(?:\.uni)?\s+(\$\w+)', statement)
-      if branch and branch.group(1) in labels:  # a branch back: what lies between is the loop's body
-        loop = statements[labels[branch.group(1)] :] + [statement]
-      statements.append(statement)
-  return [s.split()[0] for s in statements], [s.split()[0] for s in loop]
-
-
-def registers(ptx_file: pathlib.Path, kernel: str) -> int | None:
-  """Registers per thread `ptxas -v` reports for `kernel`, None without `ptxas`."""
-  nvcc = importlib.util.find_spec('nvidia.cuda_nvcc') if importlib.util.find_spec('nvidia') else None
-  ptxas = pathlib.Path(nvcc.submodule_search_locations[0], 'bin', 'ptxas') if nvcc else None
-  if ptxas is None or not ptxas.exists():  # `ptxas` comes with jax's CUDA plugin's dependencies
-    return None
-  arch = re.search(r'^\.target\s+(\w+)', ptx_file.read_text(), re.MULTILINE).group(1)
-  report = subprocess.run(
-    [str(ptxas), f'-arch={arch}', '-v', str(ptx_file), '-o', os.devnull], capture_output=True, text=True
-  ).stderr
-  for block in report.split('Compiling entry function')[1:]:
-    if block.split("'")[1] == kernel:
-      return int(re.search(r'Used (\d+) registers', block).group(1))
-  return None
+import ptx_count  # noqa: E402
 
 
 def dump_ptx() -> pathlib.Path:
@@ -165,7 +98,7 @@ def kernel_row(
   ptx_file: pathlib.Path, kernel: str, shape: tuple[int, int], traffic_bytes: float, target: dict
 ):
   """What `kernel` of `ptx_file` costs at `shape` on `target` (the module docstring's fields)."""
-  statements, loop = entry_statements(ptx_file.read_text(), kernel)
+  statements, loop = ptx_count.entry_statements(ptx_file.read_text(), kernel)
   shape_geometry = geometry(kernel, *shape)
   per_iteration = loop if loop else statements
   outside_loop = len(statements) - len(loop)
@@ -182,9 +115,9 @@ def kernel_row(
     'instructions_per_element': per_element,
     'per_element_by_class': {
       name: count / shape_geometry['real_elements_per_thread']
-      for name, count in sorted(instructions(per_iteration).items())
+      for name, count in sorted(ptx_count.instructions(per_iteration).items())
     },
-    'registers': registers(ptx_file, kernel),
+    'registers': ptx_count.registers(ptx_file, kernel),
     **shape_geometry,
     'warp_instructions': warp_instructions,
     'issue_bound_us': 1e6 * warp_instructions / issue_rate,

@@ -151,35 +151,28 @@ def test_sampled_mode_without_sample_rows_is_one_line_before_anything_is_compile
   assert not out.exists()
 
 
+NEEDS_THE_KERNELS = 'needs the fused kernels: --config.model.fused_ops=pallas (or auto, where it takes them)'
+
+
 @pytest.mark.parametrize(
-  'tiles, expected',
+  'flag, expected',
   [
-    ('1,2,3', 'expected 4 positive integers (block elements, columns per block, backward programs, warps)'),
-    ('4096,1000,256,4', 'GeluTiles.column_block must be a positive power of two, got 1000'),
     (
-      '4096,1024,256,4',
-      '--gelu_tiles needs the fused kernels: --config.model.fused_ops=pallas (or auto, where it takes them)',
+      '--gelu_tiles=1,2,3',
+      'expected 4 positive integers (block elements, columns per block, backward programs, warps)',
     ),
+    ('--gelu_tiles=4096,1000,256,4', 'GeluTiles.column_block must be a positive power of two, got 1000'),
+    ('--gelu_tiles=4096,1024,256,4', f'--gelu_tiles {NEEDS_THE_KERNELS}'),
+    ('--gelu_fma', f'--gelu_fma {NEEDS_THE_KERNELS}'),
   ],
 )
-def test_a_bad_gelu_tiling_is_one_line_and_writes_nothing(tmp_path, tiles, expected):
+def test_a_bad_gelu_kernel_flag_is_one_line_and_writes_nothing(tmp_path, flag, expected):
   out = tmp_path / 'bench.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  command = [*TINY_BENCH, f'--gelu_tiles={tiles}', f'--json={out}']
+  command = [*TINY_BENCH, flag, f'--json={out}']
   refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
   assert refused.returncode == 2 and 'Traceback' not in refused.stderr
   assert refused.stderr.strip().splitlines()[-1].endswith(expected)
-  assert not out.exists()
-
-
-def test_fused_multiply_adds_without_the_fused_kernels_are_one_line_and_write_nothing(tmp_path):
-  out = tmp_path / 'bench.json'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  command = [*TINY_BENCH, '--gelu_fma', f'--json={out}']
-  refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-  assert refused.returncode == 2 and 'Traceback' not in refused.stderr
-  needs = '--config.model.fused_ops=pallas (or auto, where it takes them)'
-  assert refused.stderr.strip().splitlines()[-1].endswith(f'--gelu_fma needs the fused kernels: {needs}')
   assert not out.exists()
 
 

@@ -1,6 +1,7 @@
 """`benchmarks/gpu_kernel_instructions.py` (the fused kernels' PTX instructions, compiled for a GPU on a
-machine without one): how it reads a kernel's PTX, its one-line usage errors, and, where jax's CUDA
-plugin is installed, the GELU kernels compiled for an H200 with and without fused multiply-adds."""
+machine without one): how it reads a kernel's PTX (`benchmarks/ptx_count.py`), its one-line usage
+errors, and, where jax's CUDA plugin is installed, the GELU kernels compiled for an H200 with and
+without fused multiply-adds."""
 
 import importlib.util
 import json
@@ -14,7 +15,7 @@ from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'benchmarks'))
-import gpu_kernel_instructions  # noqa: E402
+import ptx_count  # noqa: E402
 
 HAVE_CUDA_PLUGIN = any(importlib.util.find_spec(f'jax_cuda{v}_plugin') for v in (12, 13))
 
@@ -52,13 +53,13 @@ $L__BB1_1:
 
 
 def test_a_kernels_statements_and_its_loop_are_read_from_its_ptx():
-  statements, loop = gpu_kernel_instructions.entry_statements(PTX, 'straight')
+  statements, loop = ptx_count.entry_statements(PTX, 'straight')
   assert statements == ['ld.param.b64', 'mov.u32', 'ld.global.v4.b32', 'fma.rn.f32', 'mul.rn.f32', 'ret']
   assert loop == []
-  statements, loop = gpu_kernel_instructions.entry_statements(PTX, 'looped')
+  statements, loop = ptx_count.entry_statements(PTX, 'looped')
   assert loop == ['add.rn.f32', 'ex2.approx.ftz.f32', 'setp.lt.s32', 'bra']
   assert statements == ['mov.b32', *loop, 'st.global.b32', 'ret']
-  classes = gpu_kernel_instructions.instructions(statements)
+  classes = ptx_count.instructions(statements)
   assert classes == {'other': 4, 'add': 1, 'special function': 1, 'memory': 1}
 
 
