@@ -19,22 +19,24 @@ here as one kernel forward and one backward, each the same function as the plain
     the saturation bound from XLA's `xla/codegen/emitters/transforms/expand_float_ops.cc`): the same
     function as `lax.erf` on a GPU to within float32 rounding, never the tanh approximation.
 
-Block layout. Triton's tensors have power-of-two sizes, and widths such as 768 or 3072 are not, so
-every kernel takes whole arrays (no `BlockSpec`) and loads a block of `rows × next_power_of_2(width)`
-(the norms: the whole row, whose statistics need all of it) or `rows × COLUMN_BLOCK` (the GELU) with
-index vectors and a mask: columns and rows past the array's end are loaded as 0 and never stored, and
-the statistics divide by the true width. The backward kernels run `BACKWARD_PROGRAMS` programs at most,
-each looping over its share of the rows and summing the parameter gradients of its rows in registers,
-so the partial sums stay small. These sizes were first guesses; with them the kernels shortened GPT-2
-small's and ViT-B/16's steps by 5% on an H200, the GELU's two kernels reaching only 50–58% of the
-memory bandwidth (benchmarks/README.md). `GELU_TILES` sets the GELU kernels' sizes apart from the
-norms', for `benchmarks/gpu_gelu_tiles.py` to time the alternatives. No tiling helped: compiled for an
-H200, the GELU kernels issue more instructions than their bytes take to move (the exact erf's rational
-function, each product and sum rounded apart: Triton's lowering writes `mul.rn` and `add.rn`, which
-are never contracted; benchmarks/gpu_kernel_instructions.py). `GELU_FMA` evaluates each a·b + c of their
-arithmetic as one fused multiply-add instead (`_fma`, inline PTX) and the backward pass's Gaussian density
-as one power of two (`_gaussian`): the same function to within float32 rounding, off until a GPU has
-timed it beside the kernels as they are.
+Block layout. Triton's tensors have power-of-two sizes, and widths such as 768 or 3072 are not, so every
+kernel takes whole arrays (no `BlockSpec`) and loads a block of `rows × next_power_of_2(width)` (the norms:
+the whole row, whose statistics need all of it) or `rows × COLUMN_BLOCK` (the GELU) with index vectors and a
+mask: columns and rows past the array's end are loaded as 0 and never stored, and the statistics divide by the
+true width. The backward kernels run `BACKWARD_PROGRAMS` programs at most, each looping over its share of the
+rows and summing the parameter gradients of its rows in registers, so the partial sums stay small. A norm
+kernel takes its parameters (gain and bias; λ and β) packed in one (k, d) operand (`_packed`): in a scanned
+model each is a slice of the stacked parameters, and a kernel, a custom call, takes every operand as a buffer
+of its own, one copy each. The sizes were first guesses; with them the kernels shortened GPT-2 small's and
+ViT-B/16's steps by 5% on an H200, the GELU's two kernels reaching only 50–58% of the memory bandwidth
+(benchmarks/README.md). `GELU_TILES` sets the GELU kernels' sizes apart from the norms', for
+`benchmarks/gpu_gelu_tiles.py` to time the alternatives. No tiling helped: compiled for an H200, the GELU
+kernels issue more instructions than their bytes take to move (the exact erf's rational function, each product
+and sum rounded apart: Triton's lowering writes `mul.rn` and `add.rn`, which are never contracted;
+benchmarks/gpu_kernel_instructions.py). `GELU_FMA` evaluates each a·b + c of their arithmetic as one fused
+multiply-add instead (`_fma`, inline PTX) and the backward pass's Gaussian density as one power of two
+(`_gaussian`): the same function to within float32 rounding, off until a GPU has timed it beside the kernels
+as they are.
 
 Off a GPU the kernels run in Pallas' interpreter (`INTERPRET`): slow, but the same blocks and masks,
 which is how tests/models/test_fused_ops.py checks them on a CPU against the plain functions here
