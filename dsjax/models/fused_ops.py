@@ -125,9 +125,14 @@ def norm_cast_reference(x, gain, bias, *, kind: str, eps: float, out_dtype) -> j
   return normalize_reference(x, gain, bias, kind, eps).astype(out_dtype)
 
 
-def residual_norm_reference(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype):
+def residual_norm_reference(
+  x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype, branch_bias=None
+):
   """(λ·x + β·h, Norm(λ·x + β·h) cast to `out_dtype`), as a Pre-LN block computes them; λ = `skip`, β =
-  `branch` (float32 scalars or width-d vectors), so the stream is float32."""
+  `branch` (float32 scalars or width-d vectors), so the stream is float32. `branch_bias` (d,): the bias
+  of the matmul that wrote h, added to h first in h's dtype, as `layers.Dense` adds it."""
+  if branch_bias is not None:
+    h = h + branch_bias.astype(h.dtype)
   x_new = skip * x + branch * h
   return x_new, norm_cast_reference(x_new, gain, bias, kind=kind, eps=eps, out_dtype=out_dtype)
 
@@ -153,17 +158,25 @@ def norm_cast(x, gain, bias, *, kind: str, eps: float, out_dtype) -> jax.Array:
   return fn(rows, _packed(gain, bias, d=x.shape[-1])).reshape(x.shape)
 
 
-def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype):
+def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype, branch_bias=None):
   """`residual_norm_reference` in one kernel forward and one backward: (the float32 stream λ·x + β·h,
   its Norm cast to `out_dtype`); x, h (..., d), λ and β scalars or (d,), gain and bias (d,) (bias None
-  for RMSNorm)."""
-  fn = functools.partial(_residual_norm, kind=kind, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
+  for RMSNorm). `branch_bias` (d,) or None: added to h in the kernel (in float32), which saves the bias
+  add's own pass over h and sums its gradient with the others'."""
+  fn = functools.partial(
+    _residual_norm,
+    kind=kind,
+    eps=float(eps),
+    out_dtype=jnp.dtype(out_dtype),
+    with_branch_bias=branch_bias is not None,
+  )
   bias = jnp.zeros_like(gain) if bias is None else bias
   x_rows, h_rows = _rows(x), _rows(h)
   spec = _row_spec(x_rows.shape[0])
   if spec is not None:
     fn = jax.shard_map(fn, in_specs=(spec, spec, P()), out_specs=(spec, spec), check_vma=False)
-  x_new, y = fn(x_rows, h_rows, _packed(skip, branch, gain, bias, d=x.shape[-1]))
+  branch_bias = 0.0 if branch_bias is None else branch_bias
+  x_new, y = fn(x_rows, h_rows, _packed(skip, branch, gain, bias, branch_bias, d=x.shape[-1]))
   return x_new.reshape(x.shape), y.reshape(x.shape)
 
 
@@ -188,7 +201,7 @@ def _packed(*vectors, d: int) -> jax.Array:
 
 # The rows of the norm kernels' packed parameters (`_packed`), and of their gradients' partial sums.
 NORM_PARAMS = ('gain', 'bias')
-RESIDUAL_NORM_PARAMS = ('skip', 'branch', 'gain', 'bias')
+RESIDUAL_NORM_PARAMS = ('skip', 'branch', 'gain', 'bias', 'branch_bias')
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -227,19 +240,20 @@ def _norm_cast_bwd(kind, eps, out_dtype, residuals, dy_ND):
 _norm_cast.defvjp(_norm_cast_fwd, _norm_cast_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _residual_norm(x_ND, h_ND, params_KD, kind, eps, out_dtype):
-  return _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _residual_norm(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias):
+  return _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias)
 
 
-def _residual_norm_fwd(x_ND, h_ND, params_KD, kind, eps, out_dtype):
-  return _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype), (x_ND, h_ND, params_KD)
+def _residual_norm_fwd(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias):
+  out = _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias)
+  return out, (x_ND, h_ND, params_KD)
 
 
-def _residual_norm_bwd(kind, eps, out_dtype, residuals, cotangents):
+def _residual_norm_bwd(kind, eps, out_dtype, with_branch_bias, residuals, cotangents):
   x_ND, h_ND, params_KD = residuals
   dstream_ND, dy_ND = cotangents
-  return _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps)
+  return _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps, with_branch_bias)
 
 
 _residual_norm.defvjp(_residual_norm_fwd, _residual_norm_bwd)
@@ -291,7 +305,17 @@ def _normalized(u, col_mask, kind: str, eps: float, d: int):
   return u * rstd, rstd
 
 
-def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype):
+def _branch(h_ref, rows, cols, mask, branch_bias):
+  """h as the block computes it, float32: with the branch's bias (a (1, columns) row, or None), h + b in
+  h's dtype (b rounded to it, then the sum), as `layers.Dense` adds a bias to its output."""
+  h = _load(h_ref, rows, cols, mask)
+  if branch_bias is None:
+    return h
+  in_h_dtype = lambda v: v.astype(h_ref.dtype).astype(jnp.float32)  # noqa: E731
+  return in_h_dtype(h + in_h_dtype(branch_bias))
+
+
+def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias=False):
   """The forward kernel: (stream, y) with a residual add (h given; `params_KD` the packed
   RESIDUAL_NORM_PARAMS), y alone without (NORM_PARAMS)."""
   n, d = x_ND.shape
@@ -308,7 +332,8 @@ def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype):
     param = lambda name: _load_param(params_ref, names, name, cols, d)  # noqa: E731
     u = _load(x_ref, rows, cols, mask)
     if residual:
-      u = param('skip') * u + param('branch') * _load(h_ref, rows, cols, mask)
+      h = _branch(h_ref, rows, cols, mask, param('branch_bias') if with_branch_bias else None)
+      u = param('skip') * u + param('branch') * h
       _store(stream_ref, rows, cols, mask, u)
     xhat, _ = _normalized(u, cols < d, kind, eps, d)
     _store(y_ref, rows, cols, mask, xhat * param('gain') + param('bias'))
@@ -328,7 +353,7 @@ def _backward_programs(n: int, block_rows: int, max_programs: int | None = None)
   return pl.cdiv(row_blocks, per_program), per_program
 
 
-def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps):
+def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps, with_branch_bias=False):
   """The backward kernel: (dx, dh or None, the packed parameters' gradient, (k, d)); with h, the
   stream's gradient `dstream_ND` adds to the norm's input gradient."""
   n, d = x_ND.shape
@@ -346,6 +371,7 @@ def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps):
     gain = _load_param(params_ref, names, 'gain', cols, d)
     if residual:
       skip, branch = (_load_param(params_ref, names, name, cols, d) for name in ('skip', 'branch'))
+      branch_bias = _load_param(params_ref, names, 'branch_bias', cols, d) if with_branch_bias else None
     program = pl.program_id(0)  # (read outside the loop: the interpreter replaces it only here)
 
     def row_block(i, sums):
@@ -353,7 +379,7 @@ def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps):
       rows, cols, mask = _block_indices(first, block_rows, block_cols, n, d)
       x = _load(x_ref, rows, cols, mask)
       if residual:
-        h = _load(h_ref, rows, cols, mask)
+        h = _branch(h_ref, rows, cols, mask, branch_bias)
         x_new = skip * x + branch * h
       else:
         x_new = x
@@ -367,9 +393,10 @@ def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps):
       new = {'gain': (dy * xhat).sum(axis=0), 'bias': dy.sum(axis=0)}
       if residual:
         du = du + _load(dstream_ref, rows, cols, mask)
-        _store(dh_ref, rows, cols, mask, branch * du)
+        dh = branch * du
+        _store(dh_ref, rows, cols, mask, dh)
         _store(dx_ref, rows, cols, mask, skip * du)
-        new |= {'skip': (du * x).sum(axis=0), 'branch': (du * h).sum(axis=0)}
+        new |= {'skip': (du * x).sum(axis=0), 'branch': (du * h).sum(axis=0), 'branch_bias': dh.sum(axis=0)}
       else:
         _store(dx_ref, rows, cols, mask, du)
       return tuple(s + new[name][None, :] for s, name in zip(sums, names))

@@ -333,7 +333,9 @@ class Attention(nnx.Module):
     qkv_BL3I = qkv_N3I.reshape(*x_BLD.shape[:2], *qkv_N3I.shape[1:])
     return qkv_BL3I[:, :, 0], qkv_BL3I[:, :, 1], qkv_BL3I[:, :, 2]
 
-  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, dropout_key: jax.Array | None, out_bias: bool = True) -> jax.Array:
+    """The attention's output; `out_bias=False`: without the output projection's bias (a fused kernel
+    adds it, `dsjax.models.transformer.Block`)."""
     b, l, _ = x_BLD.shape
     split_heads = lambda t: t.reshape(b, l, self.num_heads, self.head_dim)  # noqa: E731
     q_BLD, k_BLD, v_BLD = self.project_qkv(x_BLD)
@@ -347,7 +349,8 @@ class Attention(nnx.Module):
     if self.mix_identity is not None:  # (α·I + β·A)·V = α·V + β·A·V
       mix = lambda a: a[...].astype(v_BLHK.dtype)  # noqa: E731
       out_BLHK = mix(self.mix_identity) * v_BLHK + mix(self.mix_attention) * out_BLHK
-    return self.o(out_BLHK.reshape(b, l, self.num_heads * self.head_dim))
+    out_BLD = out_BLHK.reshape(b, l, self.num_heads * self.head_dim)
+    return self.o(out_BLD) if out_bias else self.o.matmul(out_BLD)
 
 
 def _gelu(x: jax.Array) -> jax.Array:

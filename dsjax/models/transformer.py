@@ -28,12 +28,13 @@ float32 stream by type promotion — the mixed precision of PyTorch autocast. A 
 widths and are not scanned.
 
 Fused forms (`fused_ops='pallas'`, `dsjax.models.fused_ops`): a layer's first norm and its cast, the
-attention's residual add with the FFN's norm and cast after it (where the layout puts no norm on the stream
-between them: Pre-LN, DNT), and the FFN's bias with its GELU each run as one kernel, computing the math
-written here. An instrumented step's probes must see the stream between a residual add and the norm that
-follows it, which the residual-norm kernel keeps inside: that step runs the attention's residual add as
-written and keeps the norm-and-cast kernels, each fed the stream a probe has seen (the FFN's kernel runs
-in every step: no probe looks inside the FFN).
+attention's residual add with the FFN's norm and cast after it (where the layout puts no norm on the
+stream between them: Pre-LN, DNT; with the attention's output bias too where no MidNorm or dropout lies
+between), and the FFN's bias with its GELU each run as one kernel, computing the math written here. An
+instrumented step's probes must see the stream between a residual add and the norm that follows it, which
+the residual-norm kernel keeps inside: that step runs the attention's residual add as written and keeps
+the norm-and-cast kernels, each fed the stream a probe has seen (the FFN's kernel runs in every step: no
+probe looks inside the FFN).
 
 Layout: the stream after the embedding and every branch output and residual add keep their batch axis
 on the mesh axes of the logical axis 'batch' (`dsjax.models.partitioning.constrain_batch`; the identity
@@ -211,13 +212,20 @@ class Block(nnx.Module):
     scale = self.scales()
     fused = self.cfg.fused_ops == 'pallas'
     fuse_residual_norm = fused and probe is no_probe  # (module docstring)
+    fuse_residual_norm &= self.post_attn_norm is None and self.pre_ffn_norm is not None
+    # Where nothing lies between the output projection and the add, the kernel adds its bias too.
+    bias_in_kernel = fuse_residual_norm and self.mid_attn_norm is None and (p == 0 or keys[1] is None)
 
-    h_BLD = self.attn(self.branch_input(self.pre_attn_norm, x_BLD, fused), keys[0])
+    attn_input_BLD = self.branch_input(self.pre_attn_norm, x_BLD, fused)
+    h_BLD = self.attn(attn_input_BLD, keys[0], out_bias=not bias_in_kernel)
     h_BLD = layers.dropout(layers.apply_norm(self.mid_attn_norm, h_BLD), p, keys[1])
     h_BLD = probe('attn_branch', constrain_batch(h_BLD), layer)
-    if fuse_residual_norm and self.post_attn_norm is None and self.pre_ffn_norm is not None:
+    if fuse_residual_norm:
       # λ·x + β·h and the FFN's input Norm(λ·x + β·h), as below, in one pass.
-      x_BLD, ffn_input_BLD = self.fused_residual_norm(x_BLD, h_BLD, scale['skip_attn'], scale['branch_attn'])
+      out_bias = self.attn.o.bias if bias_in_kernel else None
+      x_BLD, ffn_input_BLD = self.fused_residual_norm(
+        x_BLD, h_BLD, scale['skip_attn'], scale['branch_attn'], None if out_bias is None else out_bias[...]
+      )
     else:
       x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
       x_BLD = probe('attn_residual', constrain_batch(layers.apply_norm(self.post_attn_norm, x_BLD)), layer)
@@ -229,12 +237,12 @@ class Block(nnx.Module):
     x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
     return probe('ffn_residual', constrain_batch(layers.apply_norm(self.post_ffn_norm, x_BLD)), layer)
 
-  def fused_residual_norm(self, x_BLD, h_BLD, skip, branch) -> tuple[jax.Array, jax.Array]:
+  def fused_residual_norm(self, x_BLD, h_BLD, skip, branch, h_bias) -> tuple[jax.Array, jax.Array]:
     """(λ·x + β·h, Norm(λ·x + β·h) in the compute dtype) by `fused_ops.residual_norm`, Norm the
-    layer's pre-FFN norm."""
+    layer's pre-FFN norm; `h_bias` (or None): the bias of h's projection, not yet added to h."""
     norm = self.pre_ffn_norm
     params, kind = _norm_params(norm), _norm_kind(norm, self.cfg)
-    x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind)
+    x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind, branch_bias=h_bias)
     return constrain_batch(x_BLD), y_BLD
 
   def branch_input(self, norm: layers.Norm | None, x_BLD: jax.Array, fused: bool) -> jax.Array:

@@ -96,13 +96,14 @@ def test_norm_cast_matches_the_plain_norm(width, dtype, kind):
     _assert_close(g, g_ref, dtype, terms=_terms(g, x.size // width, width))
 
 
-@pytest.mark.parametrize('scales', ['scalar', 'vector'])
+@pytest.mark.parametrize('scales', ['scalar', 'vector', 'vector and branch bias'])
 @pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('width', [48, 96, 768])
 def test_residual_norm_matches_the_plain_add_and_norm(width, dtype, kind, scales):
   """(λ·x + β·h, Norm(λ·x + β·h) in the compute dtype): the float32 stream x, the branch output h in the
-  compute dtype; gradients of x, h, λ, β, the gain and the bias, through both outputs."""
+  compute dtype (with the bias of the matmul that wrote it added in the kernel, or not); gradients of x,
+  h, λ, β, the gain, the bias and the branch's bias, through both outputs."""
   x = _normal(0, (*ROWS, width), scale=2.0, shift=0.5)
   h = _normal(1, x.shape, dtype)
   if scales == 'scalar':
@@ -112,10 +113,13 @@ def test_residual_norm_matches_the_plain_add_and_norm(width, dtype, kind, scales
   gain, bias = _norm_params(width, kind)
   norm = dict(kind=kind, eps=1e-6, out_dtype=dtype)
   cotangents = (_normal(7, x.shape), _normal(8, x.shape, dtype))
+  args = (x, h, skip, branch, gain, bias)
+  if scales == 'vector and branch bias':
+    args += (_normal(9, (width,), scale=0.3),)
   (out, grads), (out_ref, grads_ref) = _vjp_both(
-    lambda *a: fused_ops.residual_norm(*a, **norm),
-    lambda *a: fused_ops.residual_norm_reference(*a, **norm),
-    (x, h, skip, branch, gain, bias),
+    lambda *a: fused_ops.residual_norm(*a[:6], **norm, branch_bias=a[6] if len(a) > 6 else None),
+    lambda *a: fused_ops.residual_norm_reference(*a[:6], **norm, branch_bias=a[6] if len(a) > 6 else None),
+    args,
     cotangents,
   )
   assert out[0].dtype == jnp.float32 and out[1].dtype == dtype
@@ -277,9 +281,9 @@ def test_each_norm_kernel_takes_its_parameters_as_one_operand(monkeypatch):
   rows = (26, d)
   assert sorted(_pallas_operands(jaxpr)) == sorted(
     [
-      [rows, rows, (4, d)],  # residual_norm forward: x, h, (λ, β, gain, bias)
+      [rows, rows, (5, d)],  # residual_norm forward: x, h, (λ, β, gain, bias, the branch's bias)
       [rows, (2, d)],  # norm_cast forward: x, (gain, bias)
-      [rows, rows, (4, d), rows, rows],  # residual_norm backward: x, h, parameters, dstream, dy
+      [rows, rows, (5, d), rows, rows],  # residual_norm backward: x, h, parameters, dstream, dy
       [rows, (2, d), rows],  # norm_cast backward: x, parameters, dy
     ]
   )
