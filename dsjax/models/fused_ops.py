@@ -161,8 +161,9 @@ def norm_cast(x, gain, bias, *, kind: str, eps: float, out_dtype) -> jax.Array:
 def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_dtype, branch_bias=None):
   """`residual_norm_reference` in one kernel forward and one backward: (the float32 stream λ·x + β·h,
   its Norm cast to `out_dtype`); x, h (..., d), λ and β scalars or (d,), gain and bias (d,) (bias None
-  for RMSNorm). `branch_bias` (d,) or None: added to h in the kernel (in float32), which saves the bias
-  add's own pass over h and sums its gradient with the others'."""
+  for RMSNorm). `branch_bias` (d,) or None: the bias of the matmul that wrote h, added to h in the
+  kernel (in h's dtype, as `residual_norm_reference`), which saves the bias add's own pass over h and
+  sums its gradient with the others'."""
   fn = functools.partial(
     _residual_norm,
     kind=kind,
@@ -175,8 +176,8 @@ def residual_norm(x, h, skip, branch, gain, bias, *, kind: str, eps: float, out_
   spec = _row_spec(x_rows.shape[0])
   if spec is not None:
     fn = jax.shard_map(fn, in_specs=(spec, spec, P()), out_specs=(spec, spec), check_vma=False)
-  branch_bias = 0.0 if branch_bias is None else branch_bias
-  x_new, y = fn(x_rows, h_rows, _packed(skip, branch, gain, bias, branch_bias, d=x.shape[-1]))
+  vectors = (skip, branch, gain, bias) + (() if branch_bias is None else (branch_bias,))
+  x_new, y = fn(x_rows, h_rows, _packed(*vectors, d=x.shape[-1]))
   return x_new.reshape(x.shape), y.reshape(x.shape)
 
 
@@ -201,7 +202,13 @@ def _packed(*vectors, d: int) -> jax.Array:
 
 # The rows of the norm kernels' packed parameters (`_packed`), and of their gradients' partial sums.
 NORM_PARAMS = ('gain', 'bias')
-RESIDUAL_NORM_PARAMS = ('skip', 'branch', 'gain', 'bias', 'branch_bias')
+RESIDUAL_NORM_PARAMS = ('skip', 'branch', 'gain', 'bias')  # then 'branch_bias', where the kernel adds it
+
+
+def _param_names(residual: bool, with_branch_bias: bool) -> tuple[str, ...]:
+  if not residual:
+    return NORM_PARAMS
+  return RESIDUAL_NORM_PARAMS + (('branch_bias',) if with_branch_bias else ())
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -287,7 +294,8 @@ def _load_vector(ref, cols, d: int) -> jax.Array:
 
 def _load_param(ref, names: tuple[str, ...], name: str, cols, d: int) -> jax.Array:
   """Row `name` of a packed (len(names), d) parameter array (`_packed`), as `_load_vector` loads a
-  vector (loaded where it is used: a row loaded early holds its registers longer)."""
+  vector (loaded where it is used: a row loaded early holds its registers longer). One indexer: Triton's
+  lowering takes no `ref.at[k].at[...]`."""
   k = names.index(name)
   return plgpu.load(ref.at[k, cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
 
@@ -316,12 +324,12 @@ def _branch(h_ref, rows, cols, mask, branch_bias):
 
 
 def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias=False):
-  """The forward kernel: (stream, y) with a residual add (h given; `params_KD` the packed
-  RESIDUAL_NORM_PARAMS), y alone without (NORM_PARAMS)."""
+  """The forward kernel: (stream, y) with a residual add (h given), y alone without; `params_KD` packed
+  as `_param_names` names them."""
   n, d = x_ND.shape
   block_rows, block_cols = _norm_blocks(n, d)
   residual = h_ND is not None
-  names = RESIDUAL_NORM_PARAMS if residual else NORM_PARAMS
+  names = _param_names(residual, with_branch_bias)
 
   def kernel(*refs):
     if residual:
@@ -360,7 +368,7 @@ def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps, with_bra
   block_rows, block_cols = _norm_blocks(n, d)
   programs, per_program = _backward_programs(n, block_rows)
   residual = h_ND is not None
-  names = RESIDUAL_NORM_PARAMS if residual else NORM_PARAMS
+  names = _param_names(residual, with_branch_bias)
 
   def kernel(*refs):
     if residual:
@@ -396,7 +404,9 @@ def _norm_backward(x_ND, h_ND, params_KD, dstream_ND, dy_ND, kind, eps, with_bra
         dh = branch * du
         _store(dh_ref, rows, cols, mask, dh)
         _store(dx_ref, rows, cols, mask, skip * du)
-        new |= {'skip': (du * x).sum(axis=0), 'branch': (du * h).sum(axis=0), 'branch_bias': dh.sum(axis=0)}
+        new |= {'skip': (du * x).sum(axis=0), 'branch': (du * h).sum(axis=0)}
+        if with_branch_bias:
+          new['branch_bias'] = dh.sum(axis=0)
       else:
         _store(dx_ref, rows, cols, mask, du)
       return tuple(s + new[name][None, :] for s, name in zip(sums, names))

@@ -281,9 +281,9 @@ def test_each_norm_kernel_takes_its_parameters_as_one_operand(monkeypatch):
   rows = (26, d)
   assert sorted(_pallas_operands(jaxpr)) == sorted(
     [
-      [rows, rows, (5, d)],  # residual_norm forward: x, h, (λ, β, gain, bias, the branch's bias)
+      [rows, rows, (4, d)],  # residual_norm forward: x, h, (λ, β, gain, bias)
       [rows, (2, d)],  # norm_cast forward: x, (gain, bias)
-      [rows, rows, (5, d), rows, rows],  # residual_norm backward: x, h, parameters, dstream, dy
+      [rows, rows, (4, d), rows, rows],  # residual_norm backward: x, h, parameters, dstream, dy
       [rows, (2, d), rows],  # norm_cast backward: x, parameters, dy
     ]
   )
