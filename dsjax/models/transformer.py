@@ -222,10 +222,8 @@ class Block(nnx.Module):
     h_BLD = probe('attn_branch', constrain_batch(h_BLD), layer)
     if fuse_residual_norm:
       # λ·x + β·h and the FFN's input Norm(λ·x + β·h), as below, in one pass.
-      out_bias = self.attn.o.bias if bias_in_kernel else None
-      x_BLD, ffn_input_BLD = self.fused_residual_norm(
-        x_BLD, h_BLD, scale['skip_attn'], scale['branch_attn'], None if out_bias is None else out_bias[...]
-      )
+      skip, branch = scale['skip_attn'], scale['branch_attn']
+      x_BLD, ffn_input_BLD = self.fused_residual_norm(x_BLD, h_BLD, skip, branch, add_out_bias=bias_in_kernel)
     else:
       x_BLD = scale['skip_attn'] * x_BLD + scale['branch_attn'] * h_BLD
       x_BLD = probe('attn_residual', constrain_batch(layers.apply_norm(self.post_attn_norm, x_BLD)), layer)
@@ -237,12 +235,15 @@ class Block(nnx.Module):
     x_BLD = scale['skip_ffn'] * x_BLD + scale['branch_ffn'] * h_BLD
     return probe('ffn_residual', constrain_batch(layers.apply_norm(self.post_ffn_norm, x_BLD)), layer)
 
-  def fused_residual_norm(self, x_BLD, h_BLD, skip, branch, h_bias) -> tuple[jax.Array, jax.Array]:
+  def fused_residual_norm(self, x_BLD, h_BLD, skip, branch, add_out_bias: bool) -> tuple[jax.Array, ...]:
     """(λ·x + β·h, Norm(λ·x + β·h) in the compute dtype) by `fused_ops.residual_norm`, Norm the
-    layer's pre-FFN norm; `h_bias` (or None): the bias of h's projection, not yet added to h."""
+    layer's pre-FFN norm; `add_out_bias`: h is the attention's output without its output projection's
+    bias, which the kernel adds."""
     norm = self.pre_ffn_norm
     params, kind = _norm_params(norm), _norm_kind(norm, self.cfg)
-    x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind, branch_bias=h_bias)
+    out_bias = self.attn.o.bias if add_out_bias else None
+    out_bias = None if out_bias is None else out_bias[...]
+    x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind, branch_bias=out_bias)
     return constrain_batch(x_BLD), y_BLD
 
   def branch_input(self, norm: layers.Norm | None, x_BLD: jax.Array, fused: bool) -> jax.Array:
