@@ -24,6 +24,8 @@ import dataclasses
 import math
 import re
 
+from dsjax.instrument.probe import STATISTICS_SCOPE
+
 ELEMENT_BYTES = {
   'pred': 1,
   's4': 0.5,
@@ -49,10 +51,9 @@ FREE_OPS = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'a
 # only the slice).
 ELEMENTWISE_OPS = {'convert', 'bitcast', 'copy', 'negate', 'abs', 'multiply', 'add', 'subtract', 'reshape'}
 SLICE_OPS = {'slice', 'dynamic-slice'}
-# The name dsjax's instrumentation gives its operations (`dsjax.instrument.probe.STATISTICS_SCOPE`): a
-# kernel all of whose operations carry it is the statistics', one with some of them 'mixed' (XLA fused
-# statistics into one of the step's own kernels), the rest the step's own (PARTS).
-STATISTICS_SCOPE = 'instrument_statistics'
+# A kernel all of whose operations carry the name dsjax's instrumentation gives its operations
+# (STATISTICS_SCOPE) is the statistics', one with some of them 'mixed' (XLA fused statistics into one of
+# the step's own kernels), the rest the step's own (PARTS).
 PARTS = ('step', 'statistics', 'mixed')
 # GPUs (NVIDIA data sheets; SXM parts, boost clock): what XLA's GPU compiler reads of a device
 # (benchmarks/gpu_compiled_traffic.py) and the memory bandwidth that converts traffic to time.
