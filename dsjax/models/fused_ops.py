@@ -287,17 +287,17 @@ def _load(ref, rows, cols, mask) -> jax.Array:
   return plgpu.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
 
 
-def _load_vector(ref, cols, d: int) -> jax.Array:
-  """A (d,) parameter as a (1, columns) row, 0 past d."""
-  return plgpu.load(ref.at[cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
+def _load_vector(ref, cols, d: int, row: int | None = None) -> jax.Array:
+  """A (d,) parameter as a (1, columns) row, 0 past d; `row`: row `row` of a (k, d) array (one indexer:
+  Triton's lowering takes no `ref.at[row].at[...]`)."""
+  index = cols[0] if row is None else (row, cols[0])
+  return plgpu.load(ref.at[index], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
 
 
 def _load_param(ref, names: tuple[str, ...], name: str, cols, d: int) -> jax.Array:
   """Row `name` of a packed (len(names), d) parameter array (`_packed`), as `_load_vector` loads a
-  vector (loaded where it is used: a row loaded early holds its registers longer). One indexer: Triton's
-  lowering takes no `ref.at[k].at[...]`."""
-  k = names.index(name)
-  return plgpu.load(ref.at[k, cols[0]], mask=cols[0] < d, other=0.0).astype(jnp.float32)[None, :]
+  vector (loaded where it is used: a row loaded early holds its registers longer)."""
+  return _load_vector(ref, cols, d, row=names.index(name))
 
 
 def _store(ref, rows, cols, mask, value) -> None:
@@ -340,8 +340,8 @@ def _norm_forward(x_ND, h_ND, params_KD, kind, eps, out_dtype, with_branch_bias=
     param = lambda name: _load_param(params_ref, names, name, cols, d)  # noqa: E731
     u = _load(x_ref, rows, cols, mask)
     if residual:
-      h = _branch(h_ref, rows, cols, mask, param('branch_bias') if with_branch_bias else None)
-      u = param('skip') * u + param('branch') * h
+      branch_bias = param('branch_bias') if with_branch_bias else None
+      u = param('skip') * u + param('branch') * _branch(h_ref, rows, cols, mask, branch_bias)
       _store(stream_ref, rows, cols, mask, u)
     xhat, _ = _normalized(u, cols < d, kind, eps, d)
     _store(y_ref, rows, cols, mask, xhat * param('gain') + param('bias'))
