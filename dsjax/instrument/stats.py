@@ -22,7 +22,7 @@ OverflowError past 2^31 − 1.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -325,18 +325,12 @@ def _bin_counts(index: jax.Array, copies: int) -> jax.Array:
   return jnp.bincount(copy * length + index, length=copies * length).reshape(copies, length).sum(0)
 
 
-def abs_quantiles(
-  g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...], top: jax.Array | None = None
-) -> jax.Array:
-  """Approximate quantiles of |g| at `probs`, over all entries of `g` (an array, or a list of arrays
-  taken together without concatenating them), from a log-binned histogram below `top`, max |g| (taken
-  here if not given)."""
-  leaves = [jnp.abs(leaf.astype(jnp.float32)) for leaf in _leaves(g)]
+def _histogram(leaves: list[jax.Array], top: jax.Array) -> jax.Array:
+  """float32 counts of |g| over all entries of `leaves` (absolute values, float32) in the log bins below
+  `top`, ascending: index 0 the underflow bin, the last index the largest values."""
   num_bins = _BINS_PER_OCTAVE * _OCTAVES
-  if top is None:
-    top = functools.reduce(jnp.maximum, [leaf.max() for leaf in leaves])
   safe_top = jnp.where(top > 0, top, 1.0)
-  counts_ascending = jnp.zeros(num_bins + 1, jnp.float32)  # index 0 = underflow
+  counts_ascending = jnp.zeros(num_bins + 1, jnp.float32)
   for abs_g in _flat_chunks(leaves):
     # Bin 0 holds the largest values; bin num_bins is the underflow bin.
     depth = -jnp.log2(jnp.maximum(abs_g / safe_top, 2.0 ** -(_OCTAVES + 1)))
@@ -347,17 +341,80 @@ def abs_quantiles(
       cpu=functools.partial(_bin_counts, copies=1),
       default=functools.partial(_bin_counts, copies=copies),
     ).astype(jnp.float32)
-  cumulative = jnp.cumsum(counts_ascending)
-  rank = jnp.asarray(probs, jnp.float32) * float(sum(leaf.size for leaf in leaves))
+  return counts_ascending
+
+
+def _histogram_quantiles(
+  counts_ascending: jax.Array, top: jax.Array, total: jax.Array, probs: tuple[float, ...]
+) -> jax.Array:
+  """The quantiles at `probs` of `_histogram`s (..., bins) of `total` (...) entries below `top` (...),
+  (..., len(probs)); any leading axes batched (the weight types, finished together: on a GPU each of
+  these few small operations is a kernel launch, per histogram)."""
+  num_bins = _BINS_PER_OCTAVE * _OCTAVES
+  safe_top = jnp.where(top > 0, top, 1.0)[..., None]
+  cumulative = jnp.cumsum(counts_ascending, axis=-1)
+  rank = jnp.asarray(probs, jnp.float32) * total[..., None]
   # First bin reaching the rank. 'compare_all' (a few thousand comparisons) rather than the default
   # binary-search loop, whose every iteration is a device-to-host round trip on a GPU (XLA while loop):
   # the 7 weight types' searches left the H100 idle ~2.6 ms per step at GPT-2-small size.
-  k = jnp.clip(jnp.searchsorted(cumulative, rank, method='compare_all'), 0, num_bins)
-  below = cumulative[k] - counts_ascending[k]
-  within = jnp.clip((rank - below) / jnp.maximum(counts_ascending[k], 1.0), 0.0, 1.0)
+  search = functools.partial(jnp.searchsorted, method='compare_all')
+  for _ in range(cumulative.ndim - 1):
+    search = jax.vmap(search)
+  k = jnp.clip(search(cumulative, rank), 0, num_bins)
+  count_k = jnp.take_along_axis(counts_ascending, k, axis=-1)
+  below = jnp.take_along_axis(cumulative, k, axis=-1) - count_k
+  within = jnp.clip((rank - below) / jnp.maximum(count_k, 1.0), 0.0, 1.0)
   # Ascending index k covers |g| in top·2^(−(num_bins − k + 1)/B) .. top·2^(−(num_bins − k)/B).
   log2_value = (k - num_bins - 1 + within) / _BINS_PER_OCTAVE
-  return jnp.where(k > 0, safe_top * jnp.exp2(log2_value), 0.0) * (top > 0)
+  return jnp.where(k > 0, safe_top * jnp.exp2(log2_value), 0.0) * (top > 0)[..., None]
+
+
+def abs_quantiles(
+  g: jax.Array | Sequence[jax.Array], probs: tuple[float, ...], top: jax.Array | None = None
+) -> jax.Array:
+  """Approximate quantiles of |g| at `probs`, over all entries of `g` (an array, or a list of arrays
+  taken together without concatenating them), from a log-binned histogram below `top`, max |g| (taken
+  here if not given)."""
+  leaves = [jnp.abs(leaf.astype(jnp.float32)) for leaf in _leaves(g)]
+  if top is None:
+    top = functools.reduce(jnp.maximum, [leaf.max() for leaf in leaves])
+  total = jnp.float32(sum(leaf.size for leaf in leaves))
+  return _histogram_quantiles(_histogram(leaves, top), top, total, probs)
+
+
+class _Distribution(NamedTuple):
+  """What one weight type's heavy-tail summary is finished from: the raw moments E g^k (k = 1..4), max
+  |g|, the |g| histogram and the number of entries; float32, with leading axes when stacked."""
+
+  raw_moments: jax.Array  # (..., 4)
+  top: jax.Array
+  counts_ascending: jax.Array  # (..., bins)
+  total: jax.Array
+
+
+def _distribution_of(
+  g: jax.Array | Sequence[jax.Array], power_sums: Sequence[dict[str, jax.Array]] | None = None
+) -> _Distribution:
+  """The one pass over all entries of `g` (`_layer_power_sums`, unless given) and the histogram pass."""
+  leaves = _leaves(g)
+  sums = power_sums if power_sums is not None else [_layer_power_sums(leaf) for leaf in leaves]
+  n = float(sum(leaf.size for leaf in leaves))  # a float: it passes 2^31 for large models
+  raw_moments = jnp.stack([sum(s[k].sum() for s in sums) / n for k in ('s1', 's2', 's3', 's4')])
+  top = functools.reduce(jnp.maximum, [s['max_abs'].max() for s in sums])
+  counts = _histogram([jnp.abs(leaf.astype(jnp.float32)) for leaf in leaves], top)
+  return _Distribution(raw_moments, top, counts, jnp.float32(n))
+
+
+def _finish_distribution(d: _Distribution) -> dict[str, jax.Array]:
+  """`distribution_stats` from a `_Distribution`, any leading axes batched."""
+  e1, e2, e3, e4 = (d.raw_moments[..., k] for k in range(4))
+  var = jnp.maximum(e2 - e1 * e1, 0.0)
+  fourth = jnp.maximum(e4 - 4.0 * e1 * e3 + 6.0 * e1 * e1 * e2 - 3.0 * e1**4, 0.0)
+  qs = _histogram_quantiles(d.counts_ascending, d.top, d.total, tuple(GRAD_QUANTILES.values()))
+  out = {f'grad_abs_{name}': qs[..., i] for i, name in enumerate(GRAD_QUANTILES)}
+  out['grad_kurtosis'] = _safe_ratio(fourth, var * var)
+  out['grad_tail_ratio'] = _safe_ratio(out['grad_abs_p99.9'], out['grad_abs_p50'])
+  return out
 
 
 def distribution_stats(
@@ -372,18 +429,7 @@ def distribution_stats(
   whose cancellation in float32 costs a relative error of order 1e-7·(1 + μ²/σ²)² in the kurtosis:
   nothing for gradients, whose |μ| ≲ σ.
   """
-  leaves = _leaves(g)
-  sums = power_sums if power_sums is not None else [_layer_power_sums(leaf) for leaf in leaves]
-  n = float(sum(leaf.size for leaf in leaves))  # a float: it passes 2^31 for large models
-  e1, e2, e3, e4 = (sum(s[k].sum() for s in sums) / n for k in ('s1', 's2', 's3', 's4'))
-  var = jnp.maximum(e2 - e1 * e1, 0.0)
-  fourth = jnp.maximum(e4 - 4.0 * e1 * e3 + 6.0 * e1 * e1 * e2 - 3.0 * e1**4, 0.0)
-  top = functools.reduce(jnp.maximum, [s['max_abs'].max() for s in sums])
-  qs = abs_quantiles(leaves, tuple(GRAD_QUANTILES.values()), top)
-  out = {f'grad_abs_{name}': q for name, q in zip(GRAD_QUANTILES, qs)}
-  out['grad_kurtosis'] = _safe_ratio(fourth, var * var)
-  out['grad_tail_ratio'] = _safe_ratio(out['grad_abs_p99.9'], out['grad_abs_p50'])
-  return out
+  return _finish_distribution(_distribution_of(g, power_sums))
 
 
 def take_layer_rows(leaf: jax.Array, rows_per_layer: int) -> jax.Array:
@@ -414,15 +460,20 @@ def weight_grad_stats(
   groups = [group_layer_grads(tree) for tree in per_layer]
   num_layers = sum(jax.tree.leaves(tree)[0].shape[0] for tree in per_layer)
   rows_per_layer = max(1, sample_rows // num_layers) if sample_rows else 0
-  out = {}
+  sq_norms, distributions = {}, {}
   for kind in groups[0]:
     # One pass over each leaf for its per-layer norms and, unsampled, its distribution statistics.
     sums = [[_layer_power_sums(leaf.reshape(leaf.shape[0], -1)) for leaf in g[kind]] for g in groups]
-    sq_norm_N = jnp.concatenate([sum(s['s2'] for s in group_sums) for group_sums in sums])
+    sq_norms[kind] = jnp.concatenate([sum(s['s2'] for s in group_sums) for group_sums in sums])
     leaves = [leaf for g in groups for leaf in g[kind]]
     if rows_per_layer:
-      distribution = distribution_stats([take_layer_rows(leaf, rows_per_layer) for leaf in leaves])
+      distributions[kind] = _distribution_of([take_layer_rows(leaf, rows_per_layer) for leaf in leaves])
     else:
-      distribution = distribution_stats(leaves, [s for group_sums in sums for s in group_sums])
-    out[kind] = {'grad_norm': jnp.sqrt(sq_norm_N), **distribution}
-  return out
+      distributions[kind] = _distribution_of(leaves, [s for group_sums in sums for s in group_sums])
+  if not distributions:
+    return {}
+  # All weight types finished together, stacked on a leading axis: on a GPU each small operation of the
+  # finishing is a kernel, once rather than once per type.
+  finished = _finish_distribution(jax.tree.map(lambda *xs: jnp.stack(xs), *distributions.values()))
+  finished['grad_norm'] = jnp.sqrt(jnp.stack(list(sq_norms.values())))
+  return {kind: {name: v[i] for name, v in finished.items()} for i, kind in enumerate(distributions)}

@@ -98,6 +98,28 @@ def test_weight_grad_stats():
   assert got['ffn1']['grad_tail_ratio'] > got['q']['grad_tail_ratio']
 
 
+@pytest.mark.parametrize('sample_rows', [0, 16])
+def test_weight_types_finished_together_equal_each_on_its_own(sample_rows):
+  """`weight_grad_stats` finishes all weight types' summaries stacked; each equals `distribution_stats` of
+  that type alone (to float32 rounding), whatever the types' sizes and scales, an all-zero type too."""
+  depth, keys = 3, jax.random.split(jax.random.key(9), 3)
+  grads = {
+    'attn': {'q': {'kernel': jax.random.normal(keys[0], (depth, 16, 16)) * 1e-3}},
+    'ffn': {'ffn1': {'kernel': jax.random.cauchy(keys[1], (depth, 16, 64))}},
+    'pre_attn_norm': {'scale': jax.random.laplace(keys[2], (depth, 16)), 'bias': jnp.ones((depth, 16))},
+    'pre_ffn_norm': {'scale': jnp.zeros((depth, 16))},
+  }
+  grads['attn']['k'] = {'kernel': jnp.zeros((depth, 16, 16))}
+  got = jax.jit(lambda g: stats_lib.weight_grad_stats(g, sample_rows=sample_rows))(grads)
+  rows = max(1, sample_rows // depth) if sample_rows else 0
+  for kind, leaves in stats_lib.group_layer_grads(grads).items():
+    alone = stats_lib.distribution_stats([stats_lib.take_layer_rows(leaf, rows) for leaf in leaves])
+    assert set(got[kind]) == {'grad_norm', *alone}
+    for name, value in alone.items():
+      np.testing.assert_allclose(got[kind][name], value, rtol=1e-5, err_msg=f'{kind} {name}')
+  assert float(got['k']['grad_abs_p50']) == float(got['k']['grad_kurtosis']) == 0.0
+
+
 @pytest.mark.parametrize('distribution', ['normal', 'laplace', 'cauchy'])
 def test_abs_quantiles_match_numpy(distribution):
   """The log-histogram quantiles are within 1% of the exact ones, also for very heavy tails."""
