@@ -18,13 +18,16 @@ records are also timed on their own (`records_ms`): the train loop makes them wh
 next step, so the call without them (`ratio_to_off_without_records`) is what an instrumented step costs
 the device, and the records what it costs the host. (With a callback delivery the statistics reach the
 host during the step; the callback keeps a copy and `Collector.flush` makes the records, so `records_ms`
-times them for every delivery alike.) `--set=model.depth=192` (repeatable) overrides a config key, as
+times them for every delivery alike.) Of the records' time, fetching the step's returned statistics to the
+host (`jax.device_get`, one transfer per array of the statistics' tree) is also reported on its own
+(`fetch_ms`). `--set=model.depth=192` (repeatable) overrides a config key, as
 `--config.model.depth=192` does for the dsjax commands.
 """
 
 from __future__ import annotations
 
 import pathlib
+import statistics
 import sys
 import time
 
@@ -50,11 +53,12 @@ DELIVERIES = {
 }
 
 
-def timed_steps(config) -> tuple[dict, dict[str, list[float]]]:
-  """One function per delivery that runs one step of it and waits for everything it delivers, and the
-  seconds each instrumented call spends making its records, appended call by call."""
+def timed_steps(config) -> tuple[dict, dict[str, list[float]], dict[str, list[float]]]:
+  """One function per delivery that runs one step of it and waits for everything it delivers; the
+  seconds each instrumented call spends making its records, and of them fetching its statistics,
+  appended call by call."""
   prepared = bench.prepare(config, ['off', 'return', 'callback'], 'random')
-  calls, records_s = {}, {}
+  calls, records_s, fetch_s = {}, {}, {}
   deliveries = dict(DELIVERIES)
   if config.instrument.sample_rows:
     deliveries['return_sampled'] = (True, False, False)
@@ -63,14 +67,14 @@ def timed_steps(config) -> tuple[dict, dict[str, list[float]]]:
     sample_rows = config.instrument.sample_rows if name == 'return_sampled' else 0
     step_fn = prepared.make_step(instrument, collector if by_callback else None, per_site, sample_rows)
     if instrument:
-      records_s[name] = []
+      records_s[name], fetch_s[name] = [], []
     calls[name] = bench.step_runner(
       prepared,
       step_fn,
       jax.jit(prepared.setup.create_state)(),
-      _deliver_to(collector, records_s[name]) if instrument else _wait_for_callbacks,
+      _deliver_to(collector, records_s[name], fetch_s[name]) if instrument else _wait_for_callbacks,
     )
-  return calls, records_s
+  return calls, records_s, fetch_s
 
 
 def _wait_for_callbacks(step, metrics):
@@ -78,32 +82,39 @@ def _wait_for_callbacks(step, metrics):
   jax.effects_barrier()  # the callbacks of this step have run
 
 
-def _deliver_to(collector, records_s: list[float]):
+def _deliver_to(collector, records_s: list[float], fetch_s: list[float]):
   """After a step: its statistics turned into records, the callbacks' and the returned ones; the time
-  that takes appended to `records_s`."""
+  that takes appended to `records_s`, and of it the returned statistics' fetch to the host (what
+  `Collector.flush` does first) to `fetch_s`."""
 
   def deliver(step, metrics):
     _wait_for_callbacks(step, metrics)
     start = time.perf_counter()
-    collector.add(step, metrics['moments'])  # new keys each step, as the callbacks' records are
+    moments = jax.device_get(metrics['moments'])
+    fetched = time.perf_counter()
+    collector.add(step, moments)  # new keys each step, as the callbacks' records are
     collector.flush()
     records_s.append(time.perf_counter() - start)
+    fetch_s.append(fetched - start)
 
   return deliver
 
 
 def main():
   args, config = paired.parse_config_timing_args(__doc__)
-  calls, records_s = timed_steps(config)
+  calls, records_s, fetch_s = timed_steps(config)
   seconds = paired.alternate(calls, args.rounds, WARMUP_ROUNDS, args.pause)
   device = jax.devices()[0].device_kind
   commit, head = bench.recorded_commit(), bench.source_commit()
   results = paired.report(args, seconds, 'off', device, commit, jax.__version__, head)
   records_ms = {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in records_s.items()}
   results.update(paired.without_part(results['step_ms'], records_ms, 'off', 'records'))
+  results['fetch_ms'] = {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in fetch_s.items()}
+  results['fetch_ms_median'] = {name: statistics.median(ts) for name, ts in results['fetch_ms'].items()}
   print('  without making the records (what the loop overlaps with the next step):')
   for name, ratio in results['ratio_to_off_without_records_median'].items():
-    print(f'    {name:18s} {ratio:.3f} x off; the records {results["records_ms_median"][name]:.1f} ms')
+    records, fetch = results['records_ms_median'][name], results['fetch_ms_median'][name]
+    print(f'    {name:18s} {ratio:.3f} x off; the records {records:.1f} ms, the fetch of them {fetch:.1f} ms')
   paired.write_json(args.json, results)
 
 
