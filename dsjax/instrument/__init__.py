@@ -16,8 +16,10 @@ from dsjax.instrument.monitor import (
 )
 from dsjax.instrument.probe import (
   SITES,
+  PackedMoments,
   instrument_config,
   is_instrumented_step,
+  pack_moments,
   validate_instrument_config,
   value_and_grad,
 )

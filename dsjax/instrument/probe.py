@@ -37,22 +37,26 @@ The identity keeps the probed dtype (a bfloat16 activation returns its bfloat16 
 the statistics are float32 whatever that dtype (`stats.py`, "Numerics"), and so are the sinks.
 
 By default the table is returned from the jitted step and handed to the host `Collector` by the
-caller. `instrument.delivery='callback'` (a `receiver` for `value_and_grad`) sends the statistics with
-`jax.debug.callback` instead. On one device the whole table goes in one callback per step, once the
-backward pass has filled it. On a mesh of several devices each probe sends its own from its backward
-rule (its forward statistics kept as residuals until then), tagged with (step, layer, site): one
-callback after the scan can deadlock a multi-device step.
+caller; the train step returns the step's moments packed into one vector (`PackedMoments`), fetched to
+the host in one transfer rather than one per array. `instrument.delivery='callback'` (a `receiver` for
+`value_and_grad`) sends the statistics with `jax.debug.callback` instead. On one device the whole table
+goes in one callback per step, once the backward pass has filled it. On a mesh of several devices each
+probe sends its own from its backward rule (its forward statistics kept as residuals until then),
+tagged with (step, layer, site): one callback after the scan can deadlock a multi-device step.
 Why returning is the default, with the evidence for each choice, is in README.md.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dsjax.instrument import stats as stats_lib
@@ -114,6 +118,50 @@ def validate_instrument_config(c) -> None:
 # Moments of one step: {'activations': (depth + 1, len(SITES), len(ACTIVATION_STATS)) table, row 0 the
 # embedding and row n + 1 layer n; 'weights': {weight type: {'grad_norm': (depth,), statistic: ()}}}.
 Moments = dict[str, Any]
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedMoments(collections.abc.Mapping):
+  """One step's `Moments` as one float32 vector, for their trip from the device to the host: fetched
+  array by array, the ~50 arrays of a step's moments cost the host one transfer each (on a 2-core CPU
+  half of making the step's records at 12 layers: benchmarks/README.md, "Instrumentation overhead").
+  Reads as the `Moments` mapping it holds, on the device or, after `jax.device_get`, on the host."""
+
+  def __init__(self, flat: Any, layout: tuple[Any, tuple[tuple[int, ...], ...]]):
+    self.flat, self.layout = flat, layout  # layout: the moments' treedef and each leaf's shape
+    self._moments: Moments | None = None
+
+  def tree_flatten(self):
+    return (self.flat,), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], layout)
+
+  def unpack(self) -> Moments:
+    """The `Moments` tree: each leaf a slice of the vector in its own shape (a view, on the host)."""
+    if self._moments is None:
+      treedef, shapes = self.layout
+      ends = np.cumsum([math.prod(shape) for shape in shapes])
+      leaves = [self.flat[end - math.prod(shape) : end].reshape(shape) for end, shape in zip(ends, shapes)]
+      self._moments = jax.tree.unflatten(treedef, leaves)
+    return self._moments
+
+  def __getitem__(self, key: str) -> Any:
+    return self.unpack()[key]
+
+  def __iter__(self):
+    return iter(self.unpack())
+
+  def __len__(self) -> int:
+    return len(self.unpack())
+
+
+def pack_moments(moments: Moments) -> PackedMoments:
+  """`moments` (float32 statistics) concatenated into one float32 vector, in the order of their leaves."""
+  leaves, treedef = jax.tree.flatten(moments)
+  flat = jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves] or [jnp.zeros(0)])
+  return PackedMoments(flat, (treedef, tuple(tuple(leaf.shape) for leaf in leaves)))
 
 
 def _stats_vector(stats: dict[str, jax.Array], names: tuple[str, ...]) -> jax.Array:

@@ -197,12 +197,14 @@ def make_train_step(
   moments_sample_rows: int = 0,
 ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
   """`instrument=True`: the step also measures per-layer moments (`dsjax.instrument`) and returns them
-  as metrics['moments']; the default step computes none of it. With a `moments_receiver`
-  (instrument.delivery='callback', e.g. a `Collector`) the per-site statistics go to it by
-  `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight statistics:
-  one callback per probe site, or with `moments_per_site=False` (a step on one device) one per step
-  (`dsjax.instrument.value_and_grad`). `moments_sample_rows` > 0 (instrument.sample_rows): the statistics
-  from a fixed sample of rows of each probed tensor and weight-gradient leaf (`value_and_grad` again).
+  as metrics['moments'], packed into one float32 vector that reads as the moments
+  (`instrument.PackedMoments`: one transfer to the host); the default step computes none of it. With a
+  `moments_receiver` (instrument.delivery='callback', e.g. a `Collector`) the per-site statistics go to
+  it by `jax.debug.callback`, tagged with the loop step, and metrics['moments'] keeps the weight
+  statistics: one callback per probe site, or with `moments_per_site=False` (a step on one device) one
+  per step (`dsjax.instrument.value_and_grad`). `moments_sample_rows` > 0 (instrument.sample_rows): the
+  statistics from a fixed sample of rows of each probed tensor and weight-gradient leaf
+  (`value_and_grad` again).
   `on_nonfinite`: what a NaN/Inf loss or gradient does to the state (see `guard_nonfinite`).
 
   `microbatches` > 1 (gradient accumulation): the batch is split on axis 0 (`split_microbatches`), the
@@ -263,8 +265,8 @@ def make_train_step(
       'train/nonfinite': jnp.logical_not(finite).astype(jnp.float32),
       'train/nonfinite_steps': new_state['nonfinite_steps'].astype(jnp.float32),
     }
-    if instrument:
-      metrics['moments'] = moments
+    if instrument:  # one array to fetch, not one per statistic (instrument.PackedMoments)
+      metrics['moments'] = instrument_lib.pack_moments(moments)
     return new_state, metrics
 
   return train_step

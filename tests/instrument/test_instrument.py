@@ -336,6 +336,23 @@ def test_collector_records_deduplicates_and_writes_jsonl(tmp_path):
   assert {'step': 4, 'layer': -1, 'site': 'weight/q', 'stat': 'grad_kurtosis', 'value': 3.0} in rows
 
 
+def test_packed_moments_cross_to_the_host_as_one_array_and_read_as_the_moments():
+  """What the train step returns (`pack_moments`) is one float32 vector, fetched in one transfer, that
+  reads as the moments it packs, and the collector makes the same records of it as of the moments."""
+  moments = _fake_moments(depth=3)
+  packed = jax.jit(instrument_lib.pack_moments)(moments)
+  assert len(jax.tree.leaves(packed)) == 1 and packed.flat.dtype == jnp.float32
+  host = jax.device_get(packed)
+  assert isinstance(host, instrument_lib.PackedMoments) and isinstance(host.flat, np.ndarray)
+  assert set(host) == {'activations', 'weights'} and 'activations' in host and host.get('nope') is None
+  for want, got in zip(jax.tree.leaves(moments), jax.tree.leaves(host.unpack()), strict=True):
+    np.testing.assert_array_equal(got, want)
+  # Records in the order `jax.device_get` of the moments themselves gives (a tree's dicts by sorted key).
+  records = list(collector_lib.moments_to_records(7, jax.device_get(moments)))
+  assert list(collector_lib.moments_to_records(7, host)) == records
+  assert jax.device_get(instrument_lib.pack_moments({})).flat.shape == (0,)
+
+
 def test_collector_remembers_the_keys_of_its_newest_steps_only():
   """A long run's de-duplication keeps SEEN_STEPS steps of keys, not every step's; a second copy of a
   record of one of those steps (a callback that remat re-ran) is still dropped."""
