@@ -314,9 +314,11 @@ class ModeSteps:
   def dispatch(self, step: int) -> dict:
     """Dispatches step `step`; its metrics (device arrays, not waited for)."""
     self.state, metrics = self.compiled(self.state, self.batch)
+    moments = metrics.pop('moments', None)
+    instrument_lib.start_host_copy(metrics)  # as the train loop does
     if self.mode != 'off':
       start = time.perf_counter()
-      self.collector.add(step, metrics.pop('moments'))
+      self.collector.add(step, moments)
       self.collector.flush(before_step=step)
       self.collector_s.append(time.perf_counter() - start)
     return metrics

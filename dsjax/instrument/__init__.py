@@ -7,6 +7,7 @@ from dsjax.instrument.collector import (
   first_nonfinite,
   json_value,
   read_jsonl,
+  start_host_copy,
 )
 from dsjax.instrument.monitor import (
   MONITOR_FILE,

@@ -72,6 +72,19 @@ def _tensorboard_tag(site: str, stat: str, layer: int) -> str:
   return f'moments/{site}/{stat}/{"all" if layer == NO_LAYER else f"layer_{layer:03d}"}'
 
 
+def start_host_copy(tree: Any) -> None:
+  """Starts copying every device array of `tree` to the host, without waiting for it.
+
+  Called right after a step is dispatched, the copy is queued behind that step and ahead of the next one.
+  A `jax.device_get` of the tree made after the next step is dispatched (as the train loop makes it, to
+  overlap the host's work with the device's) then waits for this step only. A copy first asked for at
+  that `device_get` may wait for the next step too, where the runtime orders it behind the kernels
+  already queued; then the device idles while the host works."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      leaf.copy_to_host_async()
+
+
 def first_nonfinite(moments: Moments) -> tuple[str, str, str] | None:
   """Where a non-finite value first appears, as (layer, site, statistic): the first NaN/Inf forward
   statistic in forward order (the embedding, then each layer's sites), else the first NaN/Inf gradient
@@ -163,8 +176,10 @@ class Collector:
         self._tensorboard = FileWriter(os.path.join(workdir, 'tensorboard'))
 
   def add(self, step: int, moments: Moments):
-    """Queues the moments of loop step `step` (device arrays are fine; nothing is fetched yet)."""
+    """Queues the moments of loop step `step` (device arrays are fine: their copy to the host starts
+    here, `start_host_copy`, and `flush` fetches them)."""
     if self.enabled:
+      start_host_copy(moments)
       self._pending.append((int(step), moments))
 
   def receive(self, step, layer, site_index, values):

@@ -493,6 +493,7 @@ class Training:
         self.moments.add(step, train_metrics.pop('moments'))
       else:
         state, train_metrics = self.steps.train(state, batch)
+      instrument_lib.start_host_copy(train_metrics)  # read after the next step is dispatched
     except jax.errors.JaxRuntimeError as e:
       raise (_out_of_memory(e, self.steps.memory) if cli.out_of_memory(e) else e) from None
     if self.moments is not None:

@@ -353,6 +353,21 @@ def test_packed_moments_cross_to_the_host_as_one_array_and_read_as_the_moments()
   assert jax.device_get(instrument_lib.pack_moments({})).flat.shape == (0,)
 
 
+def test_the_host_copy_of_a_step_starts_when_its_moments_are_added(monkeypatch):
+  """`start_host_copy` asks every device array of a tree for its host copy (nothing else), and
+  `Collector.add` does so for the moments it queues: the train loop adds a step's moments right after
+  dispatching it, so the copy is queued before the next step."""
+  copied = []
+  monkeypatch.setattr(type(jnp.ones(1)), 'copy_to_host_async', lambda self: copied.append(self.shape))
+  instrument_lib.start_host_copy({'a': jnp.ones(3), 'b': [jnp.zeros((2, 2)), np.ones(4), 1.5], 'c': None})
+  assert sorted(copied) == [(2, 2), (3,)]
+  copied.clear()
+  collector = instrument_lib.Collector(keep_records=False)
+  collector.add(1, jax.jit(instrument_lib.pack_moments)(_fake_moments(depth=2)))
+  assert copied == [(len(collector._pending[0][1].flat),)]
+  assert len(collector.flush()) == 7 * (1 + 4 * 2) + 2 + 1
+
+
 def test_collector_remembers_the_keys_of_its_newest_steps_only():
   """A long run's de-duplication keeps SEEN_STEPS steps of keys, not every step's; a second copy of a
   record of one of those steps (a callback that remat re-ran) is still dropped."""
