@@ -19,9 +19,9 @@ next step, so the call without them (`ratio_to_off_without_records`) is what an 
 the device, and the records what it costs the host. (With a callback delivery the statistics reach the
 host during the step; the callback keeps a copy and `Collector.flush` makes the records, so `records_ms`
 times them for every delivery alike.) Of the records' time, fetching the step's returned statistics to the
-host (`jax.device_get`, one transfer per array of the statistics' tree) is also reported on its own
-(`fetch_ms`). `--set=model.depth=192` (repeatable) overrides a config key, as
-`--config.model.depth=192` does for the dsjax commands.
+host (`jax.device_get` of `instrument.PackedMoments`, one array) is also reported on its own
+(`fetch_ms`). `--set=model.depth=192` (repeatable) overrides a config key, as `--config.model.depth=192`
+does for the dsjax commands.
 """
 
 from __future__ import annotations
