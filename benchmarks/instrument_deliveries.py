@@ -100,6 +100,11 @@ def _deliver_to(collector, records_s: list[float], fetch_s: list[float]):
   return deliver
 
 
+def _after_warmup_ms(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+  """Each call's seconds in milliseconds, the warm-up rounds left out."""
+  return {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in seconds.items()}
+
+
 def main():
   args, config = paired.parse_config_timing_args(__doc__)
   calls, records_s, fetch_s = timed_steps(config)
@@ -107,9 +112,8 @@ def main():
   device = jax.devices()[0].device_kind
   commit, head = bench.recorded_commit(), bench.source_commit()
   results = paired.report(args, seconds, 'off', device, commit, jax.__version__, head)
-  records_ms = {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in records_s.items()}
-  results.update(paired.without_part(results['step_ms'], records_ms, 'off', 'records'))
-  results['fetch_ms'] = {name: [1e3 * t for t in ts[WARMUP_ROUNDS:]] for name, ts in fetch_s.items()}
+  results.update(paired.without_part(results['step_ms'], _after_warmup_ms(records_s), 'off', 'records'))
+  results['fetch_ms'] = _after_warmup_ms(fetch_s)
   results['fetch_ms_median'] = {name: statistics.median(ts) for name, ts in results['fetch_ms'].items()}
   print('  without making the records (what the loop overlaps with the next step):')
   for name, ratio in results['ratio_to_off_without_records_median'].items():

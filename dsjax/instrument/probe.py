@@ -142,8 +142,9 @@ class PackedMoments(collections.abc.Mapping):
     """The `Moments` tree: each leaf a slice of the vector in its own shape (a view, on the host)."""
     if self._moments is None:
       treedef, shapes = self.layout
-      ends = np.cumsum([math.prod(shape) for shape in shapes])
-      leaves = [self.flat[end - math.prod(shape) : end].reshape(shape) for end, shape in zip(ends, shapes)]
+      sizes = [math.prod(shape) for shape in shapes]
+      starts = np.cumsum([0, *sizes[:-1]], dtype=int)
+      leaves = [self.flat[a : a + size].reshape(shape) for a, size, shape in zip(starts, sizes, shapes)]
       self._moments = jax.tree.unflatten(treedef, leaves)
     return self._moments
 
