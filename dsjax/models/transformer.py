@@ -241,8 +241,8 @@ class Block(nnx.Module):
     bias, which the kernel adds."""
     norm = self.pre_ffn_norm
     params, kind = _norm_params(norm), _norm_kind(norm, self.cfg)
-    out_bias = self.attn.o.bias if add_out_bias else None
-    out_bias = None if out_bias is None else out_bias[...]
+    bias = self.attn.o.bias
+    out_bias = bias[...] if add_out_bias and bias is not None else None
     x_BLD, y_BLD = fused_ops.residual_norm(x_BLD, h_BLD, skip, branch, *params, **kind, branch_bias=out_bias)
     return constrain_batch(x_BLD), y_BLD
 
